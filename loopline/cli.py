@@ -1,0 +1,92 @@
+"""The `loopline` command: train, sft, eval, generate, plot, config, sandbox, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from loopline.config import ConfigError
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", default=None, help="YAML config file (optional)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.steps=10")
+
+
+def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    # `loopline train a.b=1` has no file: argparse puts the first override in `config`.
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config:
+        overrides.insert(0, config)
+        config = None
+    return config, overrides
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loopline", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="SFT warm start then GRPO (the built-in default job with no config)")
+    _add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+
+    p = sub.add_parser("sft", help="supervised fine-tuning only")
+    _add_config_args(p)
+
+    p = sub.add_parser("eval", help="held-out accuracy of a model directory or checkpoint")
+    _add_config_args(p)
+
+    p = sub.add_parser("generate", help="sample completions for prompts")
+    _add_config_args(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+
+    p = sub.add_parser("plot", help="write PNG curves for a run directory")
+    p.add_argument("run_dir")
+
+    p = sub.add_parser("config", help="print every config field with its default and description")
+    _add_config_args(p)
+
+    p = sub.add_parser("sandbox", help="run or check code in the sandbox (see `loopline sandbox -h`)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
+    p.add_argument("name", help="benchmark name (sandbox, sync, restart)")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command in ("train", "sft", "eval", "generate", "config"):
+            from loopline import commands
+
+            config, overrides = _split_config(args)
+            return getattr(commands, args.command)(config, overrides, args)
+        if args.command == "plot":
+            from loopline.metrics.plot import plot_run
+
+            for path in plot_run(args.run_dir):
+                print(path)
+            return 0
+        if args.command == "sandbox":
+            from loopline.envs.cli import main as sandbox_main
+
+            return sandbox_main(args.args)
+        if args.command == "bench":
+            try:
+                module = importlib.import_module(f"loopline.bench.{args.name}")
+            except ModuleNotFoundError:
+                print(f"loopline: unknown benchmark '{args.name}'", file=sys.stderr)
+                return 2
+            return module.main(args.args)
+    except ConfigError as e:
+        print(f"loopline: bad config:\n{e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Typed configuration for a whole run: YAML file plus dotted `a.b.c=value` overrides.
+
+Every field has a default that works on the built-in tiny model and a one-line description;
+`loopline config` prints them. Unknown keys and bad values fail at load with the dotted key named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(Section):
+    """Shape of the built-in Qwen2-architecture model (used when model.path is empty)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(4, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Attention heads per block.")
+    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(384, gt=0, description="Width of the MLP.")
+    max_position_embeddings: int = Field(512, gt=0, description="Longest sequence the model accepts.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class ModelConfig(Section):
+    """Which policy model and tokenizer to train."""
+
+    path: str = Field("", description="Local Hugging Face model directory; empty = the built-in tiny model.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Built-in model shape.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    use_chat_template: bool = Field(
+        False, description="Wrap prompts with the tokenizer's chat template when it has one."
+    )
+
+
+class TaskConfig(Section):
+    """The built-in verifiable task: integer addition, generated from a seed."""
+
+    min_digits: int = Field(1, ge=1, le=9, description="Fewest digits of an operand.")
+    max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand.")
+    num_train: int = Field(20000, gt=0, description="Training problems generated.")
+    num_eval: int = Field(300, gt=0, description="Held-out problems, disjoint from training.")
+
+    @model_validator(mode="after")
+    def _digits_order(self) -> TaskConfig:
+        if self.min_digits > self.max_digits:
+            raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        return self
+
+
+class DataConfig(Section):
+    """Where prompts come from and how rows map to fields."""
+
+    source: Literal["builtin", "jsonl", "parquet", "hf_disk"] = Field(
+        "builtin", description="builtin arithmetic task, or a file/dataset on disk."
+    )
+    train_path: str = Field("", description="Training prompts (file or saved HF dataset directory).")
+    eval_path: str = Field("", description="Held-out prompts; empty = no held-out set for file sources.")
+    prompt_field: str = Field("prompt", description="Row field holding the prompt text.")
+    answer_field: str = Field("answer", description="Row field holding the reference answer.")
+    completion_field: str = Field("completion", description="Row field holding an SFT target completion.")
+    messages_field: str = Field("messages", description="Row field holding chat messages (SFT).")
+    skip_bad_rows: bool = Field(False, description="Skip and count malformed rows instead of failing.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Built-in task settings.")
+
+
+class SamplingConfig(Section):
+    """How the engine samples completions."""
+
+    max_new_tokens: int = Field(8, gt=0, description="Longest completion generated.")
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 = off.")
+    stop: list[str] = Field(default_factory=lambda: ["\n"], description="Stop strings (kept in the output).")
+
+
+class OptimConfig(Section):
+    """AdamW with linear warmup and a schedule."""
+
+    lr: float = Field(3e-4, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warmup.")
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr / peak lr for decaying schedules.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Max global grad norm.")
+
+
+class SFTConfig(Section):
+    """Supervised warm start (prompt-masked next-token loss)."""
+
+    steps: int = Field(600, ge=0, description="Optimizer steps; 0 skips SFT.")
+    batch_size: int = Field(64, gt=0, description="Sequences per step.")
+    micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=30))
+    eval_every: int = Field(200, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+
+
+class GRPOConfig(Section):
+    """Group-relative policy optimisation."""
+
+    steps: int = Field(120, ge=0, description="RL steps (one rollout + update each).")
+    prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per step.")
+    group_size: int = Field(8, gt=1, description="Completions per prompt.")
+    micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
+    epochs_per_step: int = Field(1, gt=0, description="Passes over each rollout batch.")
+    adv_scale: Literal["group", "batch", "none"] = Field(
+        "group", description="Divide centred rewards by the group std, the batch std, or nothing."
+    )
+    adv_eps: float = Field(1e-4, ge=0.0, description="Added to the std before dividing.")
+    clip_low: float = Field(0.2, ge=0.0, description="Ratio clip below 1 - clip_low.")
+    clip_high: float = Field(0.2, ge=0.0, description="Ratio clip above 1 + clip_high.")
+    loss_agg: Literal["seq_mean", "token_mean", "fixed_length"] = Field(
+        "token_mean", description="Per-sequence mean, token mean over the batch, or sum / (B * max_new_tokens)."
+    )
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss term; 0 = no ref model.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is logged regardless).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=5))
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    eval_every: int = Field(20, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation."""
+
+    num_prompts: int = Field(300, gt=0, description="Held-out prompts scored (at most the split size).")
+    batch_size: int = Field(300, gt=0, description="Prompts per generate call.")
+    sampling: SamplingConfig = Field(
+        default_factory=lambda: SamplingConfig(temperature=0.0), description="Greedy by default."
+    )
+
+
+class RunConfig(Section):
+    """A whole run: model, data, SFT warm start, GRPO, eval, outputs."""
+
+    out_dir: str = Field("runs/default", description="Run directory (config, metrics, checkpoints, plots).")
+    seed: int = Field(0, description="Seed for data, init, sampling.")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default.")
+    checkpoint_every: int = Field(50, ge=0, description="Save every N RL steps; 0 = only at the end.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key and what is accepted."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        else:
+            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["a.b=1", "c=x"] into a nested dict; values are parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.path=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override '{item}' has an empty key")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a RunConfig from an optional YAML file and dotted overrides; raise ConfigError if bad."""
+    tree: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+        tree = loaded
+    tree = _merge(tree, parse_overrides(overrides or []))
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (reloadable with load_config)."""
+    Path(path).write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+
+
+def describe(cfg: BaseModel | None = None, prefix: str = "") -> list[str]:
+    """One line per leaf field: dotted key, value (the default unless cfg says otherwise), description."""
+    cfg = cfg if cfg is not None else RunConfig()
+    lines: list[str] = []
+    for name, field in type(cfg).model_fields.items():
+        key = f"{prefix}{name}"
+        value = getattr(cfg, name)
+        if isinstance(value, BaseModel):
+            lines.extend(describe(value, key + "."))
+        else:
+            lines.append(f"{key} = {value!r}  # {field.description or ''}")
+    return lines
