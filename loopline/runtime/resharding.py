@@ -598,3 +598,35 @@ def _covers_exactly_once(lo: np.ndarray, hi: np.ndarray, box: np.ndarray) -> boo
         slice(np.searchsorted(edges[d], box[d, 0]), np.searchsorted(edges[d], box[d, 1])) for d in range(nd)
     )
     return bool(np.all(counts[inside] == 1))
+
+
+def llama_specs(
+    layers: int = 80,
+    hidden: int = 8192,
+    intermediate: int = 28672,
+    heads: int = 64,
+    kv_heads: int = 8,
+    vocab: int = 128256,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[ParamSpec]:
+    """Parameter list of a Llama-architecture model without building it (defaults: Llama-3-70B)."""
+    kv = hidden // heads * kv_heads
+    specs = [ParamSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        specs += [
+            ParamSpec(pre + "self_attn.q_proj.weight", (hidden, hidden), dtype),
+            ParamSpec(pre + "self_attn.k_proj.weight", (kv, hidden), dtype),
+            ParamSpec(pre + "self_attn.v_proj.weight", (kv, hidden), dtype),
+            ParamSpec(pre + "self_attn.o_proj.weight", (hidden, hidden), dtype),
+            ParamSpec(pre + "mlp.gate_proj.weight", (intermediate, hidden), dtype),
+            ParamSpec(pre + "mlp.up_proj.weight", (intermediate, hidden), dtype),
+            ParamSpec(pre + "mlp.down_proj.weight", (hidden, intermediate), dtype),
+            ParamSpec(pre + "input_layernorm.weight", (hidden,), dtype),
+            ParamSpec(pre + "post_attention_layernorm.weight", (hidden,), dtype),
+        ]
+    specs += [
+        ParamSpec("model.norm.weight", (hidden,), dtype),
+        ParamSpec("lm_head.weight", (vocab, hidden), dtype),
+    ]
+    return specs

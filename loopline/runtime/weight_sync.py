@@ -1,0 +1,306 @@
+"""Execute a transfer plan: trainer shards in, engine tensors filled, bitwise.
+
+Three ways to run one, all driven by the same `TransferPlan`:
+- `copy_in_process`: every rank's tensors live in this process (the local backend, tests), or
+  only the colocated transfers of one rank; plain tensor copies.
+- `sync_weights`: each rank of a torch.distributed world (gloo on CPU, any backend that has
+  point-to-point) sends its shards straight to the engine ranks that need them, a bucket of
+  parameters at a time, so staging memory is bounded by the bucket, never a second model.
+- `sync_weights_naive`: the baseline: gather the full model on trainer rank 0, broadcast it.
+
+Every rank of the world calls `sync_weights` / `sync_weights_naive` with the same plan; plan
+ranks are global ranks. Nothing is negotiated at run time: each rank derives what to send and
+receive from the plan, in the same order as its peers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from loopline.runtime.resharding import ParamSpec, Transfer, TransferPlan, box_numel
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+_ALIGN = 16  # packed regions start on 16-byte boundaries so a byte buffer can be viewed as any dtype
+
+
+@dataclass
+class SyncStats:
+    """What one rank did during a sync."""
+
+    seconds: float = 0.0
+    bytes_sent: int = 0  # to other ranks
+    bytes_received: int = 0  # from other ranks
+    bytes_local: int = 0  # copied inside this process (colocated source and destination)
+    peak_buffer_bytes: int = 0  # most bytes of staging buffers alive at once on this rank
+    buckets: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Model <-> plan helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def param_specs(model: nn.Module) -> list[ParamSpec]:
+    """The planner's view of a model: names, full shapes (also under FSDP2/TP) and dtypes of its parameters."""
+    return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+
+
+def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's piece of every parameter: the local tensor of a DTensor (FSDP2/TP), else the whole tensor."""
+    with torch.no_grad():
+        return {
+            n: p.to_local() if isinstance(p, DTensor) else p.detach() for n, p in model.named_parameters()
+        }
+
+
+def engine_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of an unsharded engine model, as tensors a sync writes into in place."""
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def empty_engine_shards(plan: TransferPlan, rank: int) -> dict[str, torch.Tensor]:
+    """Uninitialised tensors shaped like engine rank `rank`'s shards (for TP engines without a model)."""
+    pos = plan.dst_position(rank)
+    if pos is None:
+        return {}
+    return {
+        s.name: torch.empty([hi - lo for lo, hi in plan.dst_box(p, pos[1])], dtype=s.dtype)
+        for p, s in enumerate(plan.params)
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process copy
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_in_process(
+    plan: TransferPlan,
+    shards: Mapping[int, Mapping[str, torch.Tensor]],
+    targets: Mapping[int, Mapping[str, torch.Tensor]],
+    only_rank: int | None = None,
+) -> int:
+    """Run the plan's transfers as tensor copies between tensors held in this process; returns bytes copied.
+
+    `shards[rank][name]` are trainer shards, `targets[rank][name]` engine tensors. With `only_rank`,
+    copy just the transfers whose source and destination are both that rank (the colocated part).
+    """
+    if only_rank is None:
+        transfers = plan.transfers()
+    else:
+        transfers = (t for t in plan.transfers_from(only_rank) if t.dst_rank == only_rank)
+    copied = 0
+    with torch.no_grad():
+        for t in transfers:
+            targets[t.dst_rank][t.name][t.dst_slice].copy_(shards[t.src_rank][t.name][t.src_slice])
+            copied += t.nbytes
+    return copied
+
+
+# ---------------------------------------------------------------------------------------------
+# Planned sync across processes
+# ---------------------------------------------------------------------------------------------
+
+
+def sync_weights(
+    plan: TransferPlan,
+    src_shards: Mapping[str, torch.Tensor] | None,
+    dst_tensors: Mapping[str, torch.Tensor] | None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> SyncStats:
+    """Send this rank's trainer shards to the engine ranks that need them and fill its engine tensors.
+
+    Call on every rank of the world. `src_shards` is required on trainer ranks (from `local_shards`),
+    `dst_tensors` on engine ranks; a colocated rank passes both and copies its own part in place.
+    Parameters go in buckets of at most `bucket_bytes` (full size; a bigger parameter is its own
+    bucket): per bucket each trainer rank packs one buffer per engine TP rank (the same bytes go to
+    that TP rank of every engine) and each engine rank one buffer per trainer rank it hears from.
+    """
+    rank = dist.get_rank()
+    _check_roles(plan, rank, src_shards, dst_tensors)
+    stats = SyncStats()
+    start = time.perf_counter()
+    with torch.no_grad():
+        for tag, bucket in enumerate(plan.buckets(bucket_bytes)):
+            stats.buckets += 1
+            requests, live = [], 0
+            # Sends: group by destination; one packed buffer per engine TP rank, reused across engines.
+            by_dst: dict[int, list[Transfer]] = {}
+            for t in plan.transfers_from(rank, bucket) if src_shards is not None else ():
+                if t.dst_rank == rank:
+                    dst_tensors[t.name][t.dst_slice].copy_(src_shards[t.name][t.src_slice])  # type: ignore[index]
+                    stats.bytes_local += t.nbytes
+                else:
+                    by_dst.setdefault(t.dst_rank, []).append(t)
+            packed: dict[int, torch.Tensor] = {}
+            for dst, ts in by_dst.items():
+                j = plan.dst_position(dst)[1]  # type: ignore[index]
+                if j not in packed:
+                    packed[j] = _pack(ts, src_shards)  # type: ignore[arg-type]
+                    live += packed[j].numel()
+                requests.append(dist.isend(packed[j], dst=dst, tag=tag))
+                stats.bytes_sent += sum(t.nbytes for t in ts)
+            # Receives: one buffer per trainer rank, unpacked once everything in the bucket has arrived.
+            by_src: dict[int, list[Transfer]] = {}
+            for t in plan.transfers_to(rank, bucket) if dst_tensors is not None else ():
+                if t.src_rank != rank:
+                    by_src.setdefault(t.src_rank, []).append(t)
+            received = []
+            for src, ts in by_src.items():
+                buf = torch.empty(_packed_size(ts), dtype=torch.uint8)
+                live += buf.numel()
+                requests.append(dist.irecv(buf, src=src, tag=tag))
+                received.append((buf, ts))
+            stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
+            for req in requests:
+                req.wait()
+            for buf, ts in received:
+                _unpack(buf, ts, dst_tensors)  # type: ignore[arg-type]
+                stats.bytes_received += sum(t.nbytes for t in ts)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _check_roles(
+    plan: TransferPlan,
+    rank: int,
+    src_shards: Mapping[str, torch.Tensor] | None,
+    dst_tensors: Mapping[str, torch.Tensor] | None,
+) -> None:
+    if plan.is_src(rank) and src_shards is None:
+        raise ValueError(f"rank {rank} is a trainer rank in the plan but was given no src_shards")
+    if plan.dst_position(rank) is not None and dst_tensors is None:
+        raise ValueError(f"rank {rank} is an engine rank in the plan but was given no dst_tensors")
+
+
+def _packed_size(transfers: list[Transfer]) -> int:
+    return sum(-(-t.nbytes // _ALIGN) * _ALIGN for t in transfers)
+
+
+def _region(buf: torch.Tensor, offset: int, t: Transfer, like: torch.Tensor) -> torch.Tensor:
+    """A view of `buf[offset:]` as the transfer's block, in the dtype of `like`."""
+    shape = [s.stop - s.start for s in t.dst_slice]
+    return buf[offset : offset + t.nbytes].view(like.dtype).view(shape)
+
+
+def _pack(transfers: list[Transfer], shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Copy the source blocks of `transfers`, in order, into one aligned byte buffer."""
+    buf = torch.empty(_packed_size(transfers), dtype=torch.uint8)
+    offset = 0
+    for t in transfers:
+        src = shards[t.name]
+        _region(buf, offset, t, src).copy_(src[t.src_slice])
+        offset += -(-t.nbytes // _ALIGN) * _ALIGN
+    return buf
+
+
+def _unpack(buf: torch.Tensor, transfers: list[Transfer], targets: Mapping[str, torch.Tensor]) -> None:
+    """Copy the blocks of a packed buffer into their destination slices."""
+    offset = 0
+    for t in transfers:
+        dst = targets[t.name]
+        dst[t.dst_slice].copy_(_region(buf, offset, t, dst))
+        offset += -(-t.nbytes // _ALIGN) * _ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# Naive baseline: gather on trainer rank 0, broadcast
+# ---------------------------------------------------------------------------------------------
+
+_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def sync_weights_naive(
+    plan: TransferPlan,
+    src_shards: Mapping[str, torch.Tensor] | None,
+    dst_tensors: Mapping[str, torch.Tensor] | None,
+) -> SyncStats:
+    """Baseline: trainer rank 0 gathers the full model, then broadcasts each parameter to every engine rank.
+
+    What many RL frameworks do first (full state dict, then broadcast). Rank 0 holds a second full
+    copy of the model; engine ranks that keep a TP shard stage each full parameter. Call on every rank.
+    """
+    rank = dist.get_rank()
+    _check_roles(plan, rank, src_shards, dst_tensors)
+    root = int(plan.src_ranks[0])
+    members = tuple([root] + sorted({int(r) for r in plan.dst_ranks.reshape(-1)} - {root}))
+    if members not in _groups:  # new_group is collective over the world: every rank creates it, once
+        _groups[members] = dist.new_group(list(members))
+    group = _groups[members]
+    stats = SyncStats(buckets=1)
+    start = time.perf_counter()
+    with torch.no_grad():
+        full = _gather_to_root(plan, rank, root, src_shards, stats)
+        pos = plan.dst_position(rank)
+        for p, spec in enumerate(plan.params):
+            box = plan.dst_box(p, pos[1]) if pos is not None else None
+            if rank == root:
+                buf = full[spec.name]
+            elif rank in members:
+                dst = dst_tensors[spec.name]  # type: ignore[index]
+                whole = dst.shape == spec.shape and dst.is_contiguous()
+                buf = (
+                    dst if whole else torch.empty(spec.shape, dtype=spec.dtype)
+                )  # receive in place if we can
+                if not whole:
+                    stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, spec.nbytes)
+            else:
+                continue
+            if len(members) > 1:
+                dist.broadcast(buf, src=root, group=group)
+                if rank == root:
+                    stats.bytes_sent += spec.nbytes * (len(members) - 1)
+                else:
+                    stats.bytes_received += spec.nbytes
+            if box is not None and buf is not dst_tensors[spec.name]:  # type: ignore[index]
+                dst_tensors[spec.name].copy_(buf[tuple(slice(lo, hi) for lo, hi in box)])  # type: ignore[index]
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def _gather_to_root(
+    plan: TransferPlan,
+    rank: int,
+    root: int,
+    src_shards: Mapping[str, torch.Tensor] | None,
+    stats: SyncStats,
+) -> dict[str, torch.Tensor]:
+    """Assemble every full parameter on `root` from the trainer shards; other trainer ranks send theirs."""
+    if rank != root:
+        if src_shards is not None:
+            reqs = []
+            for p, spec in enumerate(plan.params):
+                shard = src_shards[spec.name]
+                if shard.numel():
+                    reqs.append(dist.isend(shard.contiguous(), dst=root, tag=p))
+                    stats.bytes_sent += shard.numel() * shard.element_size()
+            for r in reqs:
+                r.wait()
+        return {}
+    full = {s.name: torch.empty(s.shape, dtype=s.dtype) for s in plan.params}
+    full_bytes = sum(s.nbytes for s in plan.params)  # the second full copy
+    stats.peak_buffer_bytes = full_bytes
+    for p, spec in enumerate(plan.params):
+        for other in plan.src_ranks.tolist():
+            box = plan.src_box(p, other)
+            if box_numel(box) == 0:
+                continue
+            region = full[spec.name][tuple(slice(lo, hi) for lo, hi in box)]
+            if other == root:
+                region.copy_(src_shards[spec.name])  # type: ignore[index]
+                continue
+            tmp = torch.empty(region.shape, dtype=spec.dtype)
+            stats.peak_buffer_bytes = max(
+                stats.peak_buffer_bytes, full_bytes + tmp.numel() * tmp.element_size()
+            )
+            dist.recv(tmp, src=other, tag=p)
+            region.copy_(tmp)
+            stats.bytes_received += tmp.numel() * tmp.element_size()
+    return full
