@@ -1,0 +1,304 @@
+"""Worker groups: N ranks of one plain Python class, driven by a single controller.
+
+The controller calls a method by name on every rank and gets one result per rank. Backends:
+- `local`: one rank in this process; the object is called directly (the embedded default, no Ray).
+- `ray`: one Ray actor per bundle of the role's pool (placement.place_pools), pinned to its bundle.
+
+Every rank finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
+environment, so a worker can call torch.distributed.init_process_group("gloo") with the default env://
+rendezvous. Failures name the role, the rank and the method: a method that raised (WorkerError), a call
+that did not finish in time (WorkerTimeoutError), a rank whose process is gone (WorkerDiedError).
+
+Simplified on purpose: no restart policy yet (`max_restarts` is passed to Ray as is; a restarted actor
+runs its constructor again with the same arguments and environment); local calls run in the caller's
+thread, so the local backend cannot time a call out.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from loopline.runtime.placement import Pool
+
+Backend = Literal["local", "ray"]
+
+
+class WorkerError(RuntimeError):
+    """A call on one rank failed; `role`, `rank` and `method` say where (the worker's exception is the cause)."""
+
+    def __init__(self, role: str, rank: int, method: str, detail: str) -> None:
+        super().__init__(f"role '{role}' rank {rank} {method}(): {detail}")
+        self.role, self.rank, self.method = role, rank, method
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """A call did not finish within its timeout; the rank may be stuck and keeps running until shutdown."""
+
+
+class WorkerDiedError(WorkerError):
+    """The rank's process died or cannot be reached (its Ray actor is dead or restarting)."""
+
+
+@dataclass(frozen=True)
+class RankFuture:
+    """A call in flight on one rank; hand a list of these to WorkerGroup.wait."""
+
+    rank: int
+    method: str
+    ref: Any  # ray.ObjectRef on the ray backend; an already finished concurrent.futures.Future on local
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _master_address() -> tuple[str, int]:
+    """Run on rank 0's node: that node's address and a port free there, for the torch.distributed rendezvous."""
+    import ray.util
+
+    return ray.util.get_node_ip_address(), _free_port()
+
+
+def _rank_env(
+    rank: int, world: int, local_rank: int, local_world: int, addr: str, port: int
+) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
+
+
+class WorkerGroup:
+    """N ranks of one worker class for one role; call a method on all ranks and get one result per rank."""
+
+    def __init__(
+        self,
+        cls: type,
+        num_ranks: int = 1,
+        *,
+        backend: Backend = "local",
+        role: str = "worker",
+        pool: Pool | None = None,
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: dict[str, Any] | None = None,
+        env_vars: dict[str, str] | None = None,
+        max_restarts: int = 0,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Start the ranks and wait (at most timeout_s) until each has built its worker.
+
+        pool: where the ray backend puts rank i (bundle i of the pool); the local backend takes none.
+        env_vars: extra environment for every rank (the rank variables above take precedence).
+        max_restarts: passed to Ray's actor options (ray backend only).
+        timeout_s: default limit for construction and for every call; None = no limit.
+        """
+        if backend not in ("local", "ray"):
+            raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
+        if num_ranks < 1:
+            raise ValueError(f"role '{role}': num_ranks must be >= 1, got {num_ranks}")
+        self.cls, self.role, self.backend, self.world_size = cls, role, backend, num_ranks
+        self.timeout_s = timeout_s
+        self._ranks: list[Any] = []  # local: [the worker object]; ray: one actor handle per rank
+        init_kwargs, env_vars = dict(init_kwargs or {}), dict(env_vars or {})
+        if backend == "local":
+            if num_ranks != 1 or pool is not None:
+                raise ValueError(
+                    f"role '{role}': the local backend runs one rank in this process, without a pool"
+                )
+            # One rank in this very process: its environment is this process's environment.
+            os.environ.update({**env_vars, **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
+            try:
+                self._ranks = [cls(*init_args, **init_kwargs)]
+            except Exception as e:
+                raise WorkerError(role, 0, "__init__", f"raised {type(e).__name__}: {e}") from e
+        else:
+            self._start_actors(pool, init_args, init_kwargs, env_vars, max_restarts)
+
+    def _start_actors(
+        self,
+        pool: Pool | None,
+        init_args: tuple[Any, ...],
+        init_kwargs: dict[str, Any],
+        env_vars: dict[str, str],
+        max_restarts: int,
+    ) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        role, n = self.role, self.world_size
+        if not ray.is_initialized():
+            raise ValueError(
+                f"role '{role}': the ray backend needs Ray running (loopline.runtime.cluster.start_ray)"
+            )
+        if pool is None:
+            raise ValueError(f"role '{role}': the ray backend needs a pool (from placement.place_pools)")
+        if role not in pool.roles:
+            raise ValueError(
+                f"role '{role}' is not placed on pool '{pool.name}' (roles there: {list(pool.roles)})"
+            )
+        if n > pool.num_bundles:
+            raise ValueError(
+                f"role '{role}': {n} ranks but pool '{pool.name}' has {pool.num_bundles} bundles"
+            )
+
+        def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=i)
+
+        # Rendezvous address: rank 0's node and a port free there (asked on that node, which may be remote).
+        probe = ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=in_bundle(0)).remote()
+        addr, port = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
+        nodes = pool.bundle_nodes()[:n]
+
+        share = pool.rank_resources()
+        options: dict[str, Any] = {
+            "num_cpus": share.pop("CPU", 0.0),
+            "num_gpus": share.pop("GPU", 0.0),
+            "max_restarts": max_restarts,
+        }
+        if "memory" in share:
+            options["memory"] = share.pop("memory")
+        options["resources"] = share
+        actor_cls = ray.remote(self.cls)
+        for i in range(n):
+            env = {
+                **env_vars,
+                **_rank_env(i, n, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port),
+            }
+            handle = actor_cls.options(
+                **options, scheduling_strategy=in_bundle(i), runtime_env={"env_vars": env}
+            ).remote(*init_args, **init_kwargs)
+            self._ranks.append(handle)
+        try:
+            self.wait(
+                [RankFuture(i, "__init__", h.__ray_ready__.remote()) for i, h in enumerate(self._ranks)]
+            )
+        except Exception:
+            self.shutdown()
+            raise
+
+    # -----------------------------------------------------------------------------------------------------
+    # Calls
+    # -----------------------------------------------------------------------------------------------------
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every rank; return the results in rank order."""
+        return self.wait(self.call_async(method, *args, **kwargs), timeout_s)
+
+    def call_each(
+        self, method: str, args_per_rank: list[tuple[Any, ...]], *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Call `method(*args_per_rank[r])` on each rank r (e.g. one data shard per rank); results in rank order."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(
+                f"role '{self.role}' {method}(): got {len(args_per_rank)} argument tuples for {self.world_size} ranks"
+            )
+        futures = [self._submit(r, method, tuple(a), {}) for r, a in enumerate(args_per_rank)]
+        return self.wait(futures, timeout_s)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
+        """Start `method(*args, **kwargs)` on every rank without waiting; collect with wait()."""
+        return [self._submit(r, method, args, kwargs) for r in range(self.world_size)]
+
+    def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RankFuture:
+        if not self._ranks:
+            raise ValueError(f"role '{self.role}' {method}(): the worker group is shut down")
+        if not callable(getattr(self.cls, method, None)):
+            raise AttributeError(f"role '{self.role}': {self.cls.__name__} has no method '{method}'")
+        if self.backend == "ray":
+            return RankFuture(rank, method, getattr(self._ranks[rank], method).remote(*args, **kwargs))
+        done: Future[Any] = Future()
+        try:
+            done.set_result(getattr(self._ranks[rank], method)(*args, **kwargs))
+        except Exception as e:
+            done.set_exception(e)
+        return RankFuture(rank, method, done)
+
+    def wait(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
+        """Results of `futures` in their order; raise at the first failed rank, or when timeout_s runs out.
+
+        timeout_s: None = the group's timeout_s (None there = no limit). The first failure seen is raised
+        at once, so a rank that died surfaces even while the others block waiting for it in a collective.
+        """
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        if self.backend == "local":
+            return [self._result(f) for f in futures]
+
+        import ray
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = {f.ref: i for i, f in enumerate(futures)}
+        results: dict[int, Any] = {}
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready:
+                stuck = [futures[i] for i in sorted(pending.values())]
+                also = ", ".join(f"rank {f.rank} {f.method}()" for f in stuck[1:])
+                raise WorkerTimeoutError(
+                    self.role,
+                    stuck[0].rank,
+                    stuck[0].method,
+                    f"did not finish within {timeout_s:g}s"
+                    + (f" (also still running: {also})" if also else ""),
+                )
+            i = pending.pop(ready[0])
+            results[i] = self._result(futures[i])
+        return [results[i] for i in range(len(futures))]
+
+    def _result(self, f: RankFuture) -> Any:
+        """The value of one finished call, or its failure as a WorkerError naming role, rank and method."""
+        if self.backend == "local":
+            try:
+                return f.ref.result()
+            except Exception as e:
+                raise WorkerError(self.role, f.rank, f.method, f"raised {type(e).__name__}: {e}") from e
+
+        import ray
+        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+        try:
+            return ray.get(f.ref)
+        except RayTaskError as e:
+            cause = e.cause
+            raise WorkerError(
+                self.role, f.rank, f.method, f"raised {type(cause).__name__}: {cause}"
+            ) from cause
+        except ActorDiedError as e:
+            if e.actor_init_failed:
+                raise WorkerError(self.role, f.rank, "__init__", e.error_msg) from e
+            raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's actor died: {e.error_msg}") from e
+        except RayActorError as e:  # ActorUnavailableError: restarting, or its node is unreachable
+            raise WorkerDiedError(
+                self.role, f.rank, f.method, f"the rank's actor is unavailable ({type(e).__name__}): {e}"
+            ) from e
+
+    # -----------------------------------------------------------------------------------------------------
+    # Lifetime
+    # -----------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every rank (Ray actors are killed, without restart); safe to call twice."""
+        if self.backend == "ray":
+            import ray
+
+            for handle in self._ranks:
+                ray.kill(handle, no_restart=True)
+        self._ranks = []
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
