@@ -1,0 +1,498 @@
+"""Pooled execution of env tasks (e.g. sandboxed code checks) on CPU workers.
+
+`WorkerPool(fn, config)` runs `fn(item)` for every item of a batch on long-lived workers: local
+processes (backend "local") or Ray actors (backend "ray", for env workers on other nodes).
+
+Guarantees, whatever happens to the workers:
+- every sample id of a batch gets exactly one `Outcome`; nothing is lost or counted twice;
+- a worker that dies or exceeds `task_timeout_s` is killed and replaced, and its task is retried
+  on another worker, at most `max_attempts` times in all, after which the outcome is an error;
+- an exception raised by `fn` is an outcome too (not retried: it would fail again);
+- workers may be added or removed (`add_workers`, `remove_workers`) from any thread while a batch
+  runs; a removed busy worker finishes its task first.
+
+Each task carries a token (sample id, attempt); a reply whose token is not the one its worker is
+working on (e.g. from a batch abandoned half-way) is dropped, which is what makes delivery exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Mapping
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any, Generic, Literal, Protocol, TypeVar
+
+from pydantic import Field
+
+from loopline.config import Section
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class PoolConfig(Section):
+    """Where env tasks run and how failures are handled."""
+
+    backend: Literal["local", "ray"] = Field("local", description="Local worker processes or Ray actors.")
+    num_workers: int = Field(2, ge=0, description="Workers to keep running.")
+    max_concurrency: int = Field(0, ge=0, description="Most tasks in flight at once; 0 = one per worker.")
+    task_timeout_s: float = Field(120.0, gt=0, description="A task running longer kills its worker.")
+    max_attempts: int = Field(3, ge=1, description="Tries per task when workers die or time out.")
+    ray_address: str = Field(
+        "", description="Ray cluster to join when Ray is not yet initialised; empty = start a local one."
+    )
+    ray_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per Ray worker actor.")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per actor, e.g. {env_node: 0.1}."
+    )
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[R]):
+    """The result of one sample's task: a value, or why there is none."""
+
+    sample_id: Hashable
+    value: R | None
+    error: str | None  # None when `fn` returned; else its exception, or the worker failure
+    attempts: int  # 1 unless workers died or timed out on this task
+    worker: str  # name of the worker that produced it ("" if none did)
+
+    @property
+    def ok(self) -> bool:
+        """Whether `fn` returned a value."""
+        return self.error is None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A live worker, as seen by the pool."""
+
+    name: str
+    pid: int | None
+    busy_with: Hashable | None  # sample id of the task it is running
+
+
+@dataclass
+class _Task:
+    sample_id: Hashable
+    item: Any
+    attempt: int = 1
+    started: float = 0.0
+
+    @property
+    def token(self) -> tuple[Hashable, int]:
+        return (self.sample_id, self.attempt)
+
+
+@dataclass
+class _Worker:
+    name: str
+    handle: Any  # backend-specific
+    task: _Task | None = None
+    retiring: bool = False
+
+
+# (token, ok, value or error text) as sent back by a worker
+_Reply = tuple[tuple[Hashable, int], bool, Any]
+
+
+class _Backend(Protocol):
+    """Starts, feeds, watches and kills workers of one kind."""
+
+    def start(self, name: str) -> _Worker: ...
+    def submit(self, worker: _Worker, task: _Task) -> None: ...
+    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]: ...
+    def pid(self, worker: _Worker) -> int | None: ...
+    def kill(self, worker: _Worker) -> None: ...
+    def stop(self, worker: _Worker) -> None: ...
+    def close(self) -> None: ...
+
+
+def _call(fn: Callable[[Any], Any], token: tuple[Hashable, int], item: Any) -> _Reply:
+    """Run one task inside a worker; exceptions become error text."""
+    try:
+        return (token, True, fn(item))
+    except Exception as e:
+        return (token, False, f"{type(e).__name__}: {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pool
+# ---------------------------------------------------------------------------------------------
+
+
+class WorkerPool(Generic[T, R]):
+    """Runs `fn` over batches of {sample id: item} on a resizable set of workers."""
+
+    def __init__(self, fn: Callable[[T], R], config: PoolConfig | None = None) -> None:
+        self.config = config or PoolConfig()
+        self._backend: _Backend = (
+            _LocalBackend(fn) if self.config.backend == "local" else _RayBackend(fn, self.config)
+        )
+        self._lock = threading.RLock()
+        self._workers: list[_Worker] = []
+        self._target = self.config.num_workers
+        self._names = itertools.count()
+        self._running = False
+        self._closed = False
+        with self._lock:
+            self._apply_membership()
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add_workers(self, n: int = 1) -> None:
+        """Run `n` more workers (started at once, or by the running batch within ~50 ms)."""
+        with self._lock:
+            self._target += n
+            if not self._running:
+                self._apply_membership()
+
+    def remove_workers(self, n: int = 1) -> None:
+        """Run `n` fewer workers; idle ones stop first, busy ones after their task."""
+        with self._lock:
+            self._target = max(0, self._target - n)
+            if not self._running:
+                self._apply_membership()
+
+    def workers(self) -> list[WorkerInfo]:
+        """The live workers (including ones finishing a task before retiring)."""
+        with self._lock:
+            return [
+                WorkerInfo(w.name, self._backend.pid(w), w.task.sample_id if w.task else None)
+                for w in self._workers
+            ]
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers the pool is keeping (the target, not counting retiring ones)."""
+        return self._target
+
+    def _apply_membership(self) -> None:
+        """Start or retire workers to reach the target. Caller holds the lock."""
+        active = [w for w in self._workers if not w.retiring]
+        while len(active) < self._target:
+            worker = self._backend.start(f"{self.config.backend}-{next(self._names)}")
+            self._workers.append(worker)
+            active.append(worker)
+        surplus = len(active) - self._target
+        for worker in sorted(active, key=lambda w: w.task is not None)[: max(0, surplus)]:
+            worker.retiring = True
+        for worker in [w for w in self._workers if w.retiring and w.task is None]:
+            self._workers.remove(worker)
+            self._backend.stop(worker)
+
+    def _drop(self, worker: _Worker, kill: bool) -> None:
+        if worker in self._workers:
+            self._workers.remove(worker)
+        if kill:
+            self._backend.kill(worker)
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def map(self, items: Mapping[Hashable, T]) -> dict[Hashable, Outcome[R]]:
+        """Run a whole batch; returns one outcome per sample id."""
+        return {o.sample_id: o for o in self.imap(items)}
+
+    def imap(self, items: Mapping[Hashable, T]) -> Iterator[Outcome[R]]:
+        """Run a batch, yielding each sample's outcome as soon as it is final (any order)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the pool is closed")
+            if self._running:
+                raise RuntimeError("a batch is already running on this pool")
+            self._running = True
+        queue = deque(_Task(sample_id, item) for sample_id, item in items.items())
+        remaining = len(queue)
+        done: set[Hashable] = set()
+        try:
+            while remaining:
+                with self._lock:
+                    self._apply_membership()
+                    self._dispatch(queue)
+                    snapshot = list(self._workers)
+                events = self._backend.poll(snapshot, timeout=0.05)
+                with self._lock:
+                    finished = self._handle(events, queue) + self._expire(queue)
+                for outcome in finished:
+                    assert outcome.sample_id not in done, f"second outcome for {outcome.sample_id!r}"
+                    done.add(outcome.sample_id)
+                    remaining -= 1
+                    yield outcome
+        finally:
+            with self._lock:
+                # A batch abandoned half-way: its in-flight tasks would answer late; replace those
+                # workers so the next batch starts clean.
+                for worker in [w for w in self._workers if w.task is not None]:
+                    self._drop(worker, kill=True)
+                self._running = False
+                if not self._closed:
+                    self._apply_membership()
+
+    def _dispatch(self, queue: deque[_Task]) -> None:
+        limit = self.config.max_concurrency or len(self._workers)
+        in_flight = sum(w.task is not None for w in self._workers)
+        for worker in self._workers:
+            if not queue or in_flight >= limit:
+                return
+            if worker.task is None and not worker.retiring:
+                task = queue.popleft()
+                task.started = time.monotonic()
+                worker.task = task
+                self._backend.submit(worker, task)
+                in_flight += 1
+
+    def _handle(self, events: list[tuple[_Worker, _Reply | None]], queue: deque[_Task]) -> list[Outcome[R]]:
+        finished: list[Outcome[R]] = []
+        for worker, reply in events:
+            task = worker.task
+            if reply is None:  # the worker died
+                logger.warning(
+                    "env worker %s died%s", worker.name, f" running {task.sample_id!r}" if task else ""
+                )
+                self._drop(worker, kill=True)
+                if task is not None:
+                    finished += self._retry(task, queue, f"worker {worker.name} died")
+                continue
+            token, ok, value = reply
+            if task is None or token != task.token:
+                continue  # a stale reply: that task was already given up on
+            worker.task = None
+            finished.append(
+                Outcome(
+                    task.sample_id, value if ok else None, None if ok else value, task.attempt, worker.name
+                )
+            )
+        return finished
+
+    def _expire(self, queue: deque[_Task]) -> list[Outcome[R]]:
+        finished: list[Outcome[R]] = []
+        now = time.monotonic()
+        for worker in list(self._workers):
+            task = worker.task
+            if task is not None and now - task.started > self.config.task_timeout_s:
+                logger.warning("env task %r timed out on %s; killing the worker", task.sample_id, worker.name)
+                self._drop(worker, kill=True)
+                finished += self._retry(task, queue, f"timed out after {self.config.task_timeout_s:g}s")
+        return finished
+
+    def _retry(self, task: _Task, queue: deque[_Task], why: str) -> list[Outcome[R]]:
+        if task.attempt >= self.config.max_attempts:
+            return [
+                Outcome(
+                    task.sample_id, None, f"{why}; gave up after {task.attempt} attempts", task.attempt, ""
+                )
+            ]
+        queue.appendleft(_Task(task.sample_id, task.item, task.attempt + 1))
+        return []
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every worker (and Ray, if this pool started it)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for worker in list(self._workers):
+                self._drop(worker, kill=False)
+                self._backend.stop(worker)
+            self._backend.close()
+
+    def __enter__(self) -> WorkerPool[T, R]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Local worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
+    """Body of a local worker process: answer (token, item) messages until told to stop."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the pool's process is gone
+            return
+        if message is None:
+            return
+        token, item = message
+        reply = _call(fn, token, item)
+        try:
+            conn.send(reply)
+        except Exception as e:  # e.g. an unpicklable result
+            conn.send((token, False, f"result could not be sent back: {type(e).__name__}: {e}"))
+
+
+@dataclass
+class _LocalHandle:
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+
+
+class _LocalBackend:
+    """Workers are spawned processes (spawn, not fork: the host may run threads)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.ctx = multiprocessing.get_context("spawn")
+
+    def start(self, name: str) -> _Worker:
+        ours, theirs = self.ctx.Pipe()
+        process = self.ctx.Process(target=_local_worker_main, args=(theirs, self.fn), name=name, daemon=True)
+        process.start()
+        theirs.close()
+        return _Worker(name, _LocalHandle(process, ours))
+
+    def submit(self, worker: _Worker, task: _Task) -> None:
+        # A dead worker cannot take the task; poll() sees its sentinel and the task is retried.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            worker.handle.conn.send((task.token, task.item))
+
+    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]:
+        by_object: dict[Any, _Worker] = {}
+        for w in workers:
+            by_object[w.handle.conn] = w
+            by_object[w.handle.process.sentinel] = w
+        events: dict[str, tuple[_Worker, _Reply | None]] = {}
+        for ready in wait(list(by_object), timeout):
+            worker = by_object[ready]
+            if worker.name in events:
+                continue
+            conn = worker.handle.conn
+            try:
+                # A worker may answer and then die: read the answer before declaring it dead.
+                events[worker.name] = (worker, conn.recv() if conn.poll() else None)
+            except (EOFError, OSError):
+                events[worker.name] = (worker, None)
+        return list(events.values())
+
+    def pid(self, worker: _Worker) -> int | None:
+        return worker.handle.process.pid
+
+    def kill(self, worker: _Worker) -> None:
+        worker.handle.process.kill()
+        worker.handle.process.join()
+        worker.handle.conn.close()
+
+    def stop(self, worker: _Worker) -> None:
+        with contextlib.suppress(OSError):
+            worker.handle.conn.send(None)
+        worker.handle.process.join(timeout=10)
+        if worker.handle.process.is_alive():
+            worker.handle.process.kill()
+            worker.handle.process.join()
+        worker.handle.conn.close()
+
+    def close(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray actors
+# ---------------------------------------------------------------------------------------------
+
+
+class _RayWorkerActor:
+    """Body of a Ray env worker actor (wrapped by ray.remote at pool start)."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def run(self, token: tuple[Hashable, int], item: Any) -> _Reply:
+        return _call(self.fn, token, item)
+
+
+@dataclass
+class _RayHandle:
+    actor: Any
+    future: Any = None
+    pid_future: Any = None
+    pid: int | None = None
+
+
+class _RayBackend:
+    """Workers are Ray actors, one task at a time each; Ray is started here only if needed."""
+
+    def __init__(self, fn: Callable[[Any], Any], config: PoolConfig) -> None:
+        import ray
+
+        self.ray = ray
+        self.started_ray = False
+        if not ray.is_initialized():
+            ray.init(address=config.ray_address or None, include_dashboard=False)
+            self.started_ray = True
+        # Workers must import loopline (fn is pickled by reference) even when it is not installed.
+        package_root = str(Path(__file__).resolve().parents[2])
+        self.actor_class = ray.remote(_RayWorkerActor).options(
+            num_cpus=config.ray_num_cpus,
+            resources=dict(config.ray_resources) or None,
+            max_restarts=0,
+            max_task_retries=0,
+            runtime_env={"env_vars": {"PYTHONPATH": package_root}},
+        )
+        self.fn_ref = ray.put(fn)
+
+    def start(self, name: str) -> _Worker:
+        actor = self.actor_class.remote(self.fn_ref)
+        return _Worker(name, _RayHandle(actor, pid_future=actor.pid.remote()))
+
+    def submit(self, worker: _Worker, task: _Task) -> None:
+        worker.handle.future = worker.handle.actor.run.remote(task.token, task.item)
+
+    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]:
+        by_future = {
+            w.handle.future: w for w in workers if w.task is not None and w.handle.future is not None
+        }
+        if not by_future:
+            time.sleep(timeout)
+            return []
+        ready, _ = self.ray.wait(list(by_future), num_returns=1, timeout=timeout)
+        if ready:  # collect whatever else is ready too
+            ready, _ = self.ray.wait(list(by_future), num_returns=len(by_future), timeout=0)
+        events: list[tuple[_Worker, _Reply | None]] = []
+        for future in ready:
+            worker = by_future[future]
+            worker.handle.future = None
+            try:
+                events.append((worker, self.ray.get(future)))
+            except self.ray.exceptions.RayError as e:  # actor died, node lost, ...
+                logger.debug("ray env worker %s failed: %s", worker.name, e)
+                events.append((worker, None))
+        return events
+
+    def pid(self, worker: _Worker) -> int | None:
+        handle = worker.handle
+        if handle.pid is None and handle.pid_future is not None:
+            try:
+                handle.pid = self.ray.get(handle.pid_future, timeout=60)
+            except self.ray.exceptions.RayError:
+                handle.pid_future = None
+        return handle.pid
+
+    def kill(self, worker: _Worker) -> None:
+        self.ray.kill(worker.handle.actor, no_restart=True)
+
+    def stop(self, worker: _Worker) -> None:
+        self.ray.kill(worker.handle.actor, no_restart=True)
+
+    def close(self) -> None:
+        if self.started_ray:
+            self.ray.shutdown()
