@@ -107,6 +107,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--trainer", type=int, default=2, help="FSDP ranks of the trainer")
     parser.add_argument("--engines", type=int, default=1, help="engine replicas")
     parser.add_argument("--engine-tp", type=int, default=2, help="TP ranks per engine")
+    parser.add_argument("--colocated", action="store_true", help="put the engine ranks on the trainer ranks")
     parser.add_argument("--models", default="builtin,100m", help=f"comma list of {sorted(BENCH_MODELS)}")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per method (median reported)")
     parser.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size of the planned sync, MiB")
@@ -117,10 +118,12 @@ def main(argv: list[str]) -> int:
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
         parser.error(f"--models: unknown {unknown}; accepted: {sorted(BENCH_MODELS)}")
-    world = args.trainer + args.engines * args.engine_tp
-    print(
-        f"world: {world} processes (trainer fsdp={args.trainer}; engines={args.engines} x tp={args.engine_tp})"
-    )
+    engine_ranks = args.engines * args.engine_tp
+    world = max(args.trainer, engine_ranks) if args.colocated else args.trainer + engine_ranks
+    first = 0 if args.colocated else args.trainer
+    print(f"world: {world}")
+    print(f"trainer: fsdp={args.trainer} on ranks 0-{args.trainer - 1}")
+    print(f"engines: {args.engines} x tp={args.engine_tp} on ranks {first}-{first + engine_ranks - 1}")
     print(f"bucket_bytes: {int(args.bucket_mb * 2**20)}")
     if not args.skip_plan_70b:
         _plan_70b()
@@ -131,6 +134,7 @@ def main(argv: list[str]) -> int:
             trainer=args.trainer,
             engines=args.engines,
             engine_tp=args.engine_tp,
+            colocated=args.colocated,
             models=models,
             repeats=args.repeats,
             bucket_bytes=int(args.bucket_mb * 2**20),
@@ -222,16 +226,19 @@ def _bench_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
     for name in conf["models"]:
         model, _ = load_policy(ModelConfig(tiny=BENCH_MODELS[name]), seed=0 if rank < conf["trainer"] else 1)
         specs = param_specs(model)
-        plan = plan_transfers(
-            specs, TrainerLayout(conf["trainer"]), EngineLayout(conf["engines"], conf["engine_tp"])
-        )
+        engine_ranks = tuple(range(conf["engines"] * conf["engine_tp"])) if conf["colocated"] else None
+        layout = EngineLayout(conf["engines"], conf["engine_tp"], ranks=engine_ranks)
+        plan = plan_transfers(specs, TrainerLayout(conf["trainer"]), layout)
         src = dst = None
         if plan.is_src(rank):
             src = local_shards(shard_model(model, mesh))
-        elif plan.dst_position(rank) is not None:
-            dst = engine_tensors(model) if conf["engine_tp"] == 1 else empty_engine_shards(plan, rank)
-            if conf["engine_tp"] > 1:
-                model = None  # a TP engine keeps only its shards
+        if plan.dst_position(rank) is not None:
+            if src is None and conf["engine_tp"] == 1:
+                dst = engine_tensors(model)  # a whole engine model
+            else:
+                dst = empty_engine_shards(plan, rank)  # TP shards, or an engine beside a trainer shard
+                if src is None:
+                    model = None  # a TP engine keeps only its shards
         res: dict[str, Any] = {"params": sum(s.nbytes // s.dtype.itemsize for s in specs)}
         res["param_bytes"] = sum(s.nbytes for s in specs)
         digests = {}

@@ -125,6 +125,7 @@ def sync_weights(
     """
     rank = dist.get_rank()
     _check_roles(plan, rank, src_shards, dst_tensors)
+    src, dst = src_shards or {}, dst_tensors or {}
     stats = SyncStats()
     start = time.perf_counter()
     with torch.no_grad():
@@ -133,36 +134,36 @@ def sync_weights(
             requests, live = [], 0
             # Sends: group by destination; one packed buffer per engine TP rank, reused across engines.
             by_dst: dict[int, list[Transfer]] = {}
-            for t in plan.transfers_from(rank, bucket) if src_shards is not None else ():
+            for t in plan.transfers_from(rank, bucket):
                 if t.dst_rank == rank:
-                    dst_tensors[t.name][t.dst_slice].copy_(src_shards[t.name][t.src_slice])  # type: ignore[index]
+                    dst[t.name][t.dst_slice].copy_(src[t.name][t.src_slice])
                     stats.bytes_local += t.nbytes
                 else:
                     by_dst.setdefault(t.dst_rank, []).append(t)
             packed: dict[int, torch.Tensor] = {}
-            for dst, ts in by_dst.items():
-                j = plan.dst_position(dst)[1]  # type: ignore[index]
+            for peer, ts in by_dst.items():
+                _, j = plan.dst_position(peer) or (0, 0)
                 if j not in packed:
-                    packed[j] = _pack(ts, src_shards)  # type: ignore[arg-type]
+                    packed[j] = _pack(ts, src)
                     live += packed[j].numel()
-                requests.append(dist.isend(packed[j], dst=dst, tag=tag))
+                requests.append(dist.isend(packed[j], dst=peer, tag=tag))
                 stats.bytes_sent += sum(t.nbytes for t in ts)
             # Receives: one buffer per trainer rank, unpacked once everything in the bucket has arrived.
             by_src: dict[int, list[Transfer]] = {}
-            for t in plan.transfers_to(rank, bucket) if dst_tensors is not None else ():
+            for t in plan.transfers_to(rank, bucket):
                 if t.src_rank != rank:
                     by_src.setdefault(t.src_rank, []).append(t)
             received = []
-            for src, ts in by_src.items():
+            for peer, ts in by_src.items():
                 buf = torch.empty(_packed_size(ts), dtype=torch.uint8)
                 live += buf.numel()
-                requests.append(dist.irecv(buf, src=src, tag=tag))
+                requests.append(dist.irecv(buf, src=peer, tag=tag))
                 received.append((buf, ts))
             stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
             for req in requests:
                 req.wait()
             for buf, ts in received:
-                _unpack(buf, ts, dst_tensors)  # type: ignore[arg-type]
+                _unpack(buf, ts, dst)
                 stats.bytes_received += sum(t.nbytes for t in ts)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -229,6 +230,7 @@ def sync_weights_naive(
     """
     rank = dist.get_rank()
     _check_roles(plan, rank, src_shards, dst_tensors)
+    src, dst = src_shards or {}, dst_tensors or {}
     root = int(plan.src_ranks[0])
     members = tuple([root] + sorted({int(r) for r in plan.dst_ranks.reshape(-1)} - {root}))
     if members not in _groups:  # new_group is collective over the world: every rank creates it, once
@@ -237,18 +239,16 @@ def sync_weights_naive(
     stats = SyncStats(buckets=1)
     start = time.perf_counter()
     with torch.no_grad():
-        full = _gather_to_root(plan, rank, root, src_shards, stats)
+        full = _gather_to_root(plan, rank, root, src, stats)
         pos = plan.dst_position(rank)
         for p, spec in enumerate(plan.params):
             box = plan.dst_box(p, pos[1]) if pos is not None else None
             if rank == root:
                 buf = full[spec.name]
             elif rank in members:
-                dst = dst_tensors[spec.name]  # type: ignore[index]
-                whole = dst.shape == spec.shape and dst.is_contiguous()
-                buf = (
-                    dst if whole else torch.empty(spec.shape, dtype=spec.dtype)
-                )  # receive in place if we can
+                mine = dst[spec.name]
+                whole = mine.shape == spec.shape and mine.is_contiguous()  # then receive in place
+                buf = mine if whole else torch.empty(spec.shape, dtype=spec.dtype)
                 if not whole:
                     stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, spec.nbytes)
             else:
@@ -259,8 +259,8 @@ def sync_weights_naive(
                     stats.bytes_sent += spec.nbytes * (len(members) - 1)
                 else:
                     stats.bytes_received += spec.nbytes
-            if box is not None and buf is not dst_tensors[spec.name]:  # type: ignore[index]
-                dst_tensors[spec.name].copy_(buf[tuple(slice(lo, hi) for lo, hi in box)])  # type: ignore[index]
+            if box is not None and buf is not dst[spec.name]:
+                dst[spec.name].copy_(buf[tuple(slice(lo, hi) for lo, hi in box)])
     stats.seconds = time.perf_counter() - start
     return stats
 
@@ -269,12 +269,12 @@ def _gather_to_root(
     plan: TransferPlan,
     rank: int,
     root: int,
-    src_shards: Mapping[str, torch.Tensor] | None,
+    src_shards: Mapping[str, torch.Tensor],
     stats: SyncStats,
 ) -> dict[str, torch.Tensor]:
     """Assemble every full parameter on `root` from the trainer shards; other trainer ranks send theirs."""
     if rank != root:
-        if src_shards is not None:
+        if plan.is_src(rank):
             reqs = []
             for p, spec in enumerate(plan.params):
                 shard = src_shards[spec.name]
@@ -294,7 +294,7 @@ def _gather_to_root(
                 continue
             region = full[spec.name][tuple(slice(lo, hi) for lo, hi in box)]
             if other == root:
-                region.copy_(src_shards[spec.name])  # type: ignore[index]
+                region.copy_(src_shards[spec.name])
                 continue
             tmp = torch.empty(region.shape, dtype=spec.dtype)
             stats.peak_buffer_bytes = max(
