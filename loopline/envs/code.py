@@ -232,7 +232,7 @@ def _plain(value: Any, depth: int = 0) -> Any:
             _plain(key, depth + 1)
             _plain(item, depth + 1)
         return value
-    raise TypeError(f"a {kind.__name__} cannot cross the sandbox boundary (built-in data only)")
+    raise TypeError(f"a value of type {kind.__name__} cannot cross the sandbox boundary (built-in data only)")
 
 
 def _send(fd: int, value: Any) -> None:
