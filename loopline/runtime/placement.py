@@ -126,8 +126,9 @@ def _amounts(resources: Mapping[str, float], keys: Sequence[str]) -> str:
 
 def _who(cfg: PlacementConfig, pool: PoolConfig) -> str:
     roles = cfg.roles_on(pool.name)
-    label = "role" if len(roles) == 1 else "roles"
-    return f"{label} {', '.join(repr(r) for r in roles)} (pool '{pool.name}')"
+    if len(roles) == 1:
+        return f"role '{roles[0]}' (pool '{pool.name}')"
+    return f"pool '{pool.name}' (colocated roles {', '.join(repr(r) for r in roles)})"
 
 
 def _relevant(node: Mapping[str, float], bundle: Mapping[str, float]) -> dict[str, float]:
@@ -281,9 +282,22 @@ def place_pools(cfg: PlacementConfig) -> dict[str, Pool]:
     return {role: pool for pool in pools for role in pool.roles}
 
 
-def remove_pools(pools: Mapping[str, Pool]) -> None:
-    """Release the placement groups of `pools` (as returned by place_pools); actors in them are killed by Ray."""
+def remove_pools(pools: Mapping[str, Pool], timeout_s: float = 10.0) -> None:
+    """Release the placement groups of `pools` (as returned by place_pools); Ray kills the actors in them.
+
+    Waits (at most timeout_s) until the cluster's resource view no longer shows the groups, so that a
+    check made right after this (place_pools) sees the freed resources, not a stale view.
+    """
+    from ray._private.state import total_resources_per_node
     from ray.util.placement_group import remove_placement_group
 
-    for pool in {id(p): p for p in pools.values()}.values():  # colocated roles share one Pool
+    unique = list({id(p): p for p in pools.values()}.values())  # colocated roles share one Pool
+    for pool in unique:
         remove_placement_group(pool.placement_group)
+    ids = [pool.placement_group.id.hex() for pool in unique]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        keys = [k for res in total_resources_per_node().values() for k in res]
+        if not any(k.endswith(pg_id) for k in keys for pg_id in ids):
+            return
+        time.sleep(0.05)
