@@ -243,6 +243,8 @@ class WorkerGroup:
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if not ready and deadline is not None and time.monotonic() < deadline:
+                continue  # Ray rounds the timeout to milliseconds and may return a little early
             if not ready:
                 stuck = [futures[i] for i in sorted(pending.values())]
                 also = ", ".join(f"rank {f.rank} {f.method}()" for f in stuck[1:])
@@ -276,8 +278,9 @@ class WorkerGroup:
                 self.role, f.rank, f.method, f"raised {type(cause).__name__}: {cause}"
             ) from cause
         except ActorDiedError as e:
-            if e.actor_init_failed:
-                raise WorkerError(self.role, f.rank, "__init__", e.error_msg) from e
+            if e.actor_init_failed:  # the last line of Ray's traceback is "ErrorType: message"
+                last = e.error_msg.strip().splitlines()[-1]
+                raise WorkerError(self.role, f.rank, "__init__", f"raised {last}") from e
             raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's actor died: {e.error_msg}") from e
         except RayActorError as e:  # ActorUnavailableError: restarting, or its node is unreachable
             raise WorkerDiedError(
