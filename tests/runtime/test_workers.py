@@ -1,0 +1,248 @@
+"""Worker groups on a real multi-node Ray built on this machine, started once for this file.
+
+Nodes: a head with no CPU, a trainer node {trainer: 2}, a gen node {gen: 1} and an env node {env_node: 2},
+one CPU each. Checks that ranks land on the node their pool asks for, that ranks of a ray group form a
+real gloo process group, that the local and ray backends agree, and that a stuck or dead rank surfaces
+as an error naming role, rank and method within a bounded time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from loopline.runtime.cluster import local_multinode_cluster
+from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
+from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup, WorkerTimeoutError
+
+LIMIT_S = 60.0  # no group in these tests may wait longer than this for anything
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker classes: plain Python classes, as a role's worker would be
+# ---------------------------------------------------------------------------------------------------------
+
+
+class Probe:
+    """Reports where its rank runs and what environment it was given."""
+
+    def where(self) -> dict[str, str]:
+        env = {k: os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "TAG")}
+        return {"node": ray.get_runtime_context().get_node_id(), **env}
+
+    def all_reduce(self, value: float) -> dict[str, float]:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")  # env:// rendezvous from RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        try:
+            t = torch.tensor([value, 1.0])
+            dist.all_reduce(t)  # sum over ranks
+            return {
+                "rank": dist.get_rank(),
+                "world": dist.get_world_size(),
+                "sum": t[0].item(),
+                "n": t[1].item(),
+            }
+        finally:
+            dist.destroy_process_group()
+
+    def nap(self, seconds_on_rank_1: float) -> str:
+        if os.environ["RANK"] == "1":
+            time.sleep(seconds_on_rank_1)
+        return "awake"
+
+    def exit_on_rank(self, rank: int) -> str:
+        if os.environ["RANK"] == str(rank):
+            os._exit(1)  # the process dies, as on an OOM kill or a segfault
+        return "alive"
+
+
+class Accumulator:
+    """Stateful arithmetic: the same calls must give the same results on either backend."""
+
+    def __init__(self, start: float, scale: float = 1.0) -> None:
+        self.total, self.scale = start, scale
+
+    def add(self, x: float, times: int = 1) -> float:
+        self.total += self.scale * x * times
+        return self.total
+
+    def rank_info(self) -> tuple[str, str]:
+        return os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+    def fail(self, why: str) -> None:
+        raise ValueError(why)
+
+
+class Broken:
+    def __init__(self) -> None:
+        raise RuntimeError("no weights at /nowhere")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> dict[str, str]:
+    """Start the 4-node cluster; return node id by custom resource."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this test file
+    nodes = [{"CPU": 1, "trainer": 2}, {"CPU": 1, "gen": 1}, {"CPU": 1, "env_node": 2}]
+    with local_multinode_cluster(nodes, head_cpus=0, object_store_mb=100):
+        yield {
+            k: n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"]
+            for k in n["Resources"]
+            if k in ("trainer", "gen", "env_node")
+        }
+
+
+def _place(pools: list[tuple[str, int, dict[str, float]]], roles: dict[str, str]) -> dict[str, Pool]:
+    cfg = PlacementConfig(
+        pools=[PoolConfig(name=n, bundles=b, resources=r) for n, b, r in pools],
+        roles=roles,
+        ready_timeout_s=LIMIT_S,
+    )
+    return place_pools(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_heterogeneous_placement(cluster: dict[str, str]) -> None:
+    pools = _place(
+        [("train", 2, {"trainer": 1}), ("gen", 1, {"gen": 1}), ("env", 2, {"env_node": 1})],
+        {"actor": "train", "ref": "train", "rollout": "gen", "env": "env"},
+    )
+    groups = {
+        role: WorkerGroup(
+            Probe, n, backend="ray", role=role, pool=pools[role], env_vars={"TAG": role}, timeout_s=LIMIT_S
+        )
+        for role, n in [("actor", 2), ("ref", 2), ("rollout", 1), ("env", 2)]
+    }
+    try:
+        where = {role: g.call("where") for role, g in groups.items()}
+    finally:
+        for g in groups.values():
+            g.shutdown()
+        remove_pools(pools)
+
+    expected_node = {"actor": "trainer", "ref": "trainer", "rollout": "gen", "env": "env_node"}
+    for role, ranks in where.items():
+        assert [r["node"] for r in ranks] == [cluster[expected_node[role]]] * len(ranks), role
+        assert [r["RANK"] for r in ranks] == [str(i) for i in range(len(ranks))]
+        assert [r["LOCAL_RANK"] for r in ranks] == [
+            str(i) for i in range(len(ranks))
+        ]  # one node per role here
+        assert {r["WORLD_SIZE"] for r in ranks} == {str(len(ranks))}
+        assert {r["MASTER_ADDR"] for r in ranks} == {"127.0.0.1"}
+        assert {r["TAG"] for r in ranks} == {role}
+    # actor and ref are colocated: each took half of each {trainer: 1} bundle.
+    assert pools["actor"] is pools["ref"] and pools["ref"].rank_resources() == {"trainer": 0.5}
+
+
+def test_ray_ranks_all_reduce_over_gloo(cluster: dict[str, str]) -> None:
+    pools = _place([("train", 2, {"trainer": 1})], {"actor": "train"})
+    try:
+        with WorkerGroup(
+            Probe, 2, backend="ray", role="actor", pool=pools["actor"], timeout_s=LIMIT_S
+        ) as group:
+            out = group.call_each("all_reduce", [(10.0,), (32.0,)])
+    finally:
+        remove_pools(pools)
+    assert out == [{"rank": r, "world": 2, "sum": 42.0, "n": 2.0} for r in range(2)]
+
+
+def test_local_backend_matches_ray_backend(cluster: dict[str, str]) -> None:
+    def run(group: WorkerGroup) -> list:
+        with group:
+            results = [
+                group.call("rank_info"),
+                group.call("add", 2.0),
+                group.call("add", 0.5, times=4),
+                group.call_each("add", [(-1.0,)]),
+                group.wait(group.call_async("add", 10.0), timeout_s=LIMIT_S),
+            ]
+            with pytest.raises(
+                WorkerError, match=r"role 'critic' rank 0 fail\(\): raised ValueError: bad batch"
+            ) as e:
+                group.call("fail", "bad batch")
+            assert isinstance(e.value.__cause__, ValueError) and (e.value.rank, e.value.method) == (0, "fail")
+            with pytest.raises(AttributeError, match="role 'critic': Accumulator has no method 'nope'"):
+                group.call("nope")
+            return results
+
+    local = run(WorkerGroup(Accumulator, role="critic", init_args=(1.0,), init_kwargs={"scale": 3.0}))
+    pools = _place([("gen", 1, {"gen": 1})], {"critic": "gen"})
+    try:
+        remote = run(
+            WorkerGroup(
+                Accumulator,
+                backend="ray",
+                role="critic",
+                pool=pools["critic"],
+                init_args=(1.0,),
+                init_kwargs={"scale": 3.0},
+                timeout_s=LIMIT_S,
+            )
+        )
+        with pytest.raises(
+            WorkerError,
+            match=r"role 'critic' rank 0 __init__\(\): raised RuntimeError: no weights at /nowhere",
+        ):
+            WorkerGroup(Broken, backend="ray", role="critic", pool=pools["critic"], timeout_s=LIMIT_S)
+    finally:
+        remove_pools(pools)
+    with pytest.raises(
+        WorkerError, match=r"role 'critic' rank 0 __init__\(\): raised RuntimeError: no weights"
+    ):
+        WorkerGroup(Broken, role="critic")
+
+    assert local == remote == [[("0", "1")], [7.0], [13.0], [10.0], [40.0]]
+
+
+def test_stuck_rank_times_out_naming_role_rank_method(cluster: dict[str, str]) -> None:
+    pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
+    try:
+        with WorkerGroup(Probe, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+            assert group.call("nap", 0.0) == ["awake", "awake"]
+            futures = group.call_async("nap", 600.0)
+            t0 = time.monotonic()
+            with pytest.raises(
+                WorkerTimeoutError, match=r"role 'env' rank 1 nap\(\): did not finish within 1.5s"
+            ) as e:
+                group.wait(futures, timeout_s=1.5)
+            assert 1.5 <= time.monotonic() - t0 < 10
+            assert (e.value.role, e.value.rank, e.value.method) == ("env", 1, "nap")
+            assert isinstance(e.value, TimeoutError)
+        # leaving the block killed the stuck actor instead of waiting 600 s for it
+    finally:
+        remove_pools(pools)
+
+
+def test_dead_rank_is_reported_by_role_and_rank(cluster: dict[str, str]) -> None:
+    pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
+    try:
+        with WorkerGroup(Probe, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+            t0 = time.monotonic()
+            with pytest.raises(
+                WorkerDiedError, match=r"role 'env' rank 1 exit_on_rank\(\): the rank's actor died"
+            ):
+                group.call("exit_on_rank", 1)
+            assert time.monotonic() - t0 < 30
+            with pytest.raises(WorkerDiedError, match=r"role 'env' rank 1 where\(\)"):
+                group.call("where")  # rank 0 still answers; rank 1 stays dead (no restarts asked for)
+    finally:
+        remove_pools(pools)
