@@ -100,7 +100,7 @@ class WorkerGroup:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
         pool: where the ray backend puts rank i (bundle i of the pool); the local backend takes none.
-        env_vars: extra environment for every rank (the rank variables above take precedence).
+        env_vars: extra environment for every rank (RANK, WORLD_SIZE, ... take precedence).
         max_restarts: passed to Ray's actor options (ray backend only).
         timeout_s: default limit for construction and for every call; None = no limit.
         """
@@ -171,21 +171,21 @@ class WorkerGroup:
             options["memory"] = share.pop("memory")
         options["resources"] = share
         actor_cls = ray.remote(self.cls)
-        for i in range(n):
-            env = {
-                **env_vars,
-                **_rank_env(i, n, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port),
-            }
-            handle = actor_cls.options(
-                **options, scheduling_strategy=in_bundle(i), runtime_env={"env_vars": env}
-            ).remote(*init_args, **init_kwargs)
-            self._ranks.append(handle)
         try:
+            for i in range(n):
+                env = {
+                    **env_vars,
+                    **_rank_env(i, n, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port),
+                }
+                handle = actor_cls.options(
+                    **options, scheduling_strategy=in_bundle(i), runtime_env={"env_vars": env}
+                ).remote(*init_args, **init_kwargs)
+                self._ranks.append(handle)
             self.wait(
                 [RankFuture(i, "__init__", h.__ray_ready__.remote()) for i, h in enumerate(self._ranks)]
             )
-        except Exception:
-            self.shutdown()
+        except BaseException:
+            self.shutdown()  # no half-started group left behind
             raise
 
     # -----------------------------------------------------------------------------------------------------
