@@ -1,0 +1,42 @@
+"""The built-in verifiable task: integer addition with an exact-match verifier."""
+
+from __future__ import annotations
+
+import random
+
+from loopline.config import TaskConfig
+from loopline.data.datasets import PromptRow
+
+
+def _operand(rng: random.Random, cfg: TaskConfig) -> int:
+    digits = rng.randint(cfg.min_digits, cfg.max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train and held-out splits of 'a+b=' prompts, the same for the same seed."""
+    rng = random.Random(f"arithmetic-{seed}")
+    seen: set[tuple[int, int]] = set()
+    rows: list[PromptRow] = []
+    wanted = cfg.num_train + cfg.num_eval
+    space = sum(9 * 10 ** (d - 1) + (d == 1) for d in range(cfg.min_digits, cfg.max_digits + 1)) ** 2
+    if wanted > space // 2:
+        raise ValueError(
+            f"data.task asks for {wanted} distinct problems but only {space} exist with "
+            f"{cfg.min_digits}-{cfg.max_digits} digit operands; lower num_train/num_eval or raise max_digits"
+        )
+    while len(rows) < wanted:
+        a, b = _operand(rng, cfg), _operand(rng, cfg)
+        if (a, b) in seen:
+            continue
+        seen.add((a, b))
+        rows.append(PromptRow(index=len(rows), prompt=f"{a}+{b}=", answer=str(a + b), completion=f"{a + b}\n"))
+    eval_rows = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
+    return rows[: cfg.num_train], eval_rows
+
+
+def exact_match(completion: str, answer: str) -> float:
+    """1.0 if the completion's first line equals the answer (surrounding spaces ignored), else 0.0."""
+    first_line = completion.split("\n", 1)[0]
+    return 1.0 if first_line.strip() == answer.strip() else 0.0

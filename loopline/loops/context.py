@@ -1,0 +1,100 @@
+"""What every loop shares: the config, model, tokenizer, engine, data, logger; prompt encoding; eval."""
+
+from __future__ import annotations
+
+import copy
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from loopline.config import RunConfig, SamplingConfig, save_config
+from loopline.data.datasets import PromptRow, load_splits
+from loopline.data.tasks import exact_match
+from loopline.metrics.logger import MetricsLogger
+from loopline.models import load_policy
+from loopline.rollout.engine import SamplingParams, TorchEngine
+
+
+@dataclass
+class RunContext:
+    """The objects of one run, built once from its config."""
+
+    cfg: RunConfig
+    run_dir: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    engine: TorchEngine
+    train_rows: list[PromptRow]
+    eval_rows: list[PromptRow]
+    logger: MetricsLogger
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
+    """Seed, load model and data, give the engine its own copy of the weights, open the logger."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed)
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    train_rows, eval_rows = load_splits(cfg.data, cfg.seed, need_answer=need_answer)
+    # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
+    engine = TorchEngine(copy.deepcopy(model), tokenizer)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    return RunContext(cfg, run_dir, model, tokenizer, engine, train_rows, eval_rows, logger)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_template: bool) -> list[int]:
+    """Prompt token ids: the chat template when asked for and available, else the plain text."""
+    if row.messages or (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        messages = list(row.messages) or [{"role": "user", "content": row.prompt}]
+        if messages[-1]["role"] == "assistant":
+            messages = messages[:-1]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return tokenizer(row.prompt)["input_ids"]
+
+
+def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        stop=tuple(cfg.stop),
+        seed=seed,
+    )
+
+
+def sync_engine(ctx: RunContext, version: int) -> None:
+    """Push the trainer's weights to the engine (in-process copy: the local, colocated transport)."""
+    ctx.engine.update_weights(ctx.model.state_dict(), version)
+
+
+def evaluate(ctx: RunContext) -> dict[str, float]:
+    """Held-out exact-match accuracy (greedy by default) and mean response length."""
+    rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts]
+    if not rows:
+        return {}
+    params = sampling_params(ctx.cfg.eval.sampling, seed=ctx.cfg.seed)
+    # eval must not move the training RNG: a run with evals samples exactly like one without
+    saved = torch.get_rng_state()
+    correct, lengths = 0.0, 0
+    for start in range(0, len(rows), ctx.cfg.eval.batch_size):
+        chunk = rows[start : start + ctx.cfg.eval.batch_size]
+        prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in chunk]
+        for c in ctx.engine.generate(prompts, params, n=1):
+            correct += exact_match(c.text, chunk[c.prompt_index].answer)
+            lengths += len(c.token_ids)
+    torch.set_rng_state(saved)
+    return {"eval_accuracy": correct / len(rows), "eval_response_len": lengths / len(rows)}

@@ -1,0 +1,64 @@
+"""Supervised warm start: prompt-masked next-token loss on (prompt, completion) pairs."""
+
+from __future__ import annotations
+
+import time
+
+from tqdm import tqdm
+
+from loopline.checkpoint.state import RunState, save_checkpoint
+from loopline.data.batches import collate
+from loopline.data.datasets import PromptRow
+from loopline.data.sampler import Sampler
+from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine
+from loopline.training.policy import PolicyTrainer
+
+
+def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
+    """(prompt ids, target ids) for one row; the target ends with EOS so the model learns to stop."""
+    tok = ctx.tokenizer
+    if row.messages and row.messages[-1]["role"] == "assistant":
+        target_text = row.messages[-1]["content"]
+    else:
+        target_text = row.completion or row.answer
+    if not target_text:
+        raise ValueError(f"SFT row {row.index} has no completion, answer or assistant message to learn")
+    target = tok(target_text, add_special_tokens=False)["input_ids"]
+    if tok.eos_token_id is not None:
+        target = target + [tok.eos_token_id]
+    return encode_prompt(tok, row, ctx.cfg.model.use_chat_template), target
+
+
+def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
+    """Run SFT from `state` to cfg.sft.steps; returns the final state (phase 'sft')."""
+    cfg = ctx.cfg.sft
+    sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed)
+    if state.sampler:
+        sampler.load_state_dict(state.sampler)
+    trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
+    if trainer_state:
+        trainer.load_state_dict(trainer_state)
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="sft", disable=not ctx.cfg.progress, leave=False)
+    while state.step < cfg.steps:
+        t0 = time.perf_counter()
+        rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.batch_size)]
+        pairs = [sft_pair(ctx, row) for row in rows]
+        batch = collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
+        stats = trainer.sft_step(batch, cfg.micro_batch_size)
+        state.step += 1
+        state.sampler = sampler.state_dict()
+        elapsed = time.perf_counter() - t0
+        row = {"phase": "sft", "step": state.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
+        row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
+        row["time_train"] = elapsed
+        last = state.step == cfg.steps
+        if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
+            sync_engine(ctx, version=0)
+            row.update(evaluate(ctx))
+        ctx.logger.log(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_accuracy", "-"))
+    bar.close()
+    if cfg.steps:
+        save_checkpoint(ctx.run_dir, state, ctx.model, ctx.tokenizer, trainer.state_dict())
+    return state

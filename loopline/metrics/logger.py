@@ -1,0 +1,63 @@
+"""Metrics: one JSON object per row in metrics.jsonl, TensorBoard when installed, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    """Appends rows to RUN_DIR/metrics.jsonl (and TensorBoard); resumable by truncating later rows."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                log.info("tensorboard not installed: logging to metrics.jsonl only")
+
+    def log(self, row: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with self.path.open("a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self._tb is not None and "step" in row:
+            phase = row.get("phase", "run")
+            for k, v in row.items():
+                if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
+                    self._tb.add_scalar(f"{phase}/{k}", v, row["step"])
+            self._tb.flush()
+
+    def truncate_after(self, phase: str, step: int) -> None:
+        """Drop rows written after a checkpoint (phase, step) so a resumed run does not repeat them."""
+        if not self.path.exists():
+            return
+        order = {"sft": 0, "grpo": 1}
+        kept = []
+        for line in self.path.read_text().splitlines():
+            row = json.loads(line)
+            key = (order.get(row.get("phase", ""), 2), row.get("step", 0))
+            if key <= (order[phase], step):
+                kept.append(line)
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All rows of a run's metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}'")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

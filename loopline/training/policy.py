@@ -1,0 +1,148 @@
+"""The policy trainer: log-probs of response tokens, SFT and GRPO update steps, optimizer state."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from loopline.algorithms.losses import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate
+from loopline.config import GRPOConfig, OptimConfig
+from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
+
+
+def build_optimizer(
+    model: torch.nn.Module, cfg: OptimConfig, total_steps: int
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW plus linear warmup then constant/cosine/linear decay to min_lr_ratio."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        if cfg.schedule == "cosine":
+            shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            shape = 1.0 - progress
+        return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def response_logprobs(
+    model: PreTrainedModel, batch: TokenBatch, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
+    p = batch.prompt_len
+    logits = logits[:, p - 1 : -1, :].float()  # (B, C, V): position t predicts token t + 1
+    targets = batch.input_ids[:, p:]  # (B, C)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logp, entropy
+
+
+def _share(micro: TokenBatch, whole: TokenBatch, agg: str) -> float:
+    """Weight of a micro-batch's mean in the whole batch's mean, so accumulation is exact."""
+    if agg == "token_mean":
+        return float(micro.response_mask.sum()) / max(1.0, float(whole.response_mask.sum()))
+    return len(micro) / len(whole)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step reports."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    extra: dict[str, float]
+
+
+class PolicyTrainer:
+    """Owns the trainable model, its optimizer and LR schedule; one method per kind of update."""
+
+    def __init__(self, model: PreTrainedModel, optim: OptimConfig, total_steps: int) -> None:
+        self.model = model
+        self.cfg = optim
+        self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
+
+    def _step(self) -> tuple[float, float]:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if not torch.isfinite(grad_norm):
+            # a non-finite gradient would poison the weights and AdamW moments: skip this update
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(grad_norm), self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm), lr
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        """One optimizer step of token-mean cross-entropy on response tokens (prompt masked)."""
+        self.model.train()
+        total = 0.0
+        for micro in split_rows(batch, micro_batch_size):
+            logp, _ = response_logprobs(self.model, micro)
+            mask = micro.response_mask
+            loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
+            (loss * _share(micro, batch, "token_mean")).backward()
+            total += float(loss) * _share(micro, batch, "token_mean")
+        grad_norm, lr = self._step()
+        return StepStats(loss=total, grad_norm=grad_norm, lr=lr, extra={})
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
+        """One optimizer step of the clipped GRPO objective (+ KL to ref, + entropy bonus)."""
+        self.model.train()
+        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
+        max_len = cfg.sampling.max_new_tokens
+        for micro in split_rows(batch, cfg.micro_batch_size):
+            share = _share(micro, batch, cfg.loss_agg)
+            logp, entropy = response_logprobs(self.model, micro, with_entropy=True)
+            assert entropy is not None
+            # on-policy with a single update per rollout: the behaviour log-probs equal the current
+            old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
+            pg = clipped_policy_loss(
+                logp, old, micro.advantages, micro.response_mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, max_len
+            )
+            loss = pg.loss
+            ent = _masked_mean(entropy, micro.response_mask)
+            if cfg.entropy_coef:
+                loss = loss - cfg.entropy_coef * ent
+            kl = torch.zeros(())
+            if cfg.kl_coef and micro.ref_logprobs is not None:
+                per_token_kl = kl_estimate(logp, micro.ref_logprobs, cfg.kl_estimator)
+                kl = aggregate(per_token_kl, micro.response_mask, cfg.loss_agg, max_len)
+                loss = loss + cfg.kl_coef * kl
+            (loss * share).backward()
+            for key, value in (
+                ("loss", loss),
+                ("policy_loss", pg.loss),
+                ("kl", kl),
+                ("entropy", ent),
+                ("clip_fraction", pg.clip_fraction),
+                ("approx_kl", pg.approx_kl),
+            ):
+                sums[key] += float(value) * share
+        grad_norm, lr = self._step()
+        loss = sums.pop("loss")
+        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
