@@ -10,7 +10,9 @@ import torch
 Aggregation = Literal["seq_mean", "token_mean", "fixed_length"]
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_len: int | None = None) -> torch.Tensor:
+def aggregate(
+    values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_len: int | None = None
+) -> torch.Tensor:
     """Reduce per-token values (B, T) under a 0/1 mask to a scalar.
 
     seq_mean:     mean over sequences of each sequence's token mean (rows with no tokens count as 0)
@@ -31,7 +33,9 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, mode: Aggregation, max_l
     raise ValueError(f"unknown aggregation {mode!r}; use seq_mean, token_mean or fixed_length")
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"]) -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: Literal["k1", "k2", "k3"]
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3)."""
     log_ratio = ref_logprobs - logprobs  # log(ref / pi)
     if kind == "k1":
@@ -54,6 +58,60 @@ class PolicyLossOutput:
     approx_kl: torch.Tensor  # k3 estimate of KL(old || new) over the masked tokens
 
 
+# ---------------------------------------------------------------- per-token surrogates
+
+
+def ppo_clip_token_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2
+) -> torch.Tensor:
+    """PPO per-token loss -min(r A, clip(r, 1 - lo, 1 + hi) A); lo != hi is DAPO's clip-higher. (B, T)."""
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def dual_clip_token_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, clip_low: float, clip_high: float, clip_c: float
+) -> torch.Tensor:
+    """Dual-clip PPO: the PPO loss, capped at -c A (c > 1) where A < 0, so a huge ratio cannot blow it up."""
+    if clip_c <= 1.0:
+        raise ValueError(f"dual clip needs clip_c > 1, got {clip_c}")
+    per_token = ppo_clip_token_loss(ratio, advantages, clip_low, clip_high)
+    return torch.where(advantages < 0, torch.minimum(per_token, -clip_c * advantages), per_token)
+
+
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
+    """Truncated importance weights min(exp(logp_old - logp_behaviour), C), detached; 1 off the mask. (B, T).
+
+    old_logprobs: the trainer's log-probs of the sampled tokens before this update; behaviour_logprobs:
+    those the generation engine reported (another kernel, or an older policy version in async mode).
+    """
+    diff = (old_logprobs - behaviour_logprobs).detach() * mask.to(old_logprobs.dtype)
+    return torch.exp(diff).clamp(max=cap)
+
+
+def _policy_loss_output(
+    per_token: torch.Tensor,
+    log_ratio: torch.Tensor,
+    clipped_away: torch.Tensor,
+    mask: torch.Tensor,
+    agg: Aggregation,
+    max_len: int | None,
+) -> PolicyLossOutput:
+    """Aggregate a per-token loss and gather the statistics every policy loss reports."""
+    loss = aggregate(per_token, mask, agg, max_len)
+    with torch.no_grad():
+        m = mask.to(per_token.dtype)
+        n = m.sum().clamp(min=1.0)
+        clip_fraction = (clipped_away.to(m.dtype) * m).sum() / n
+        approx_kl = ((torch.exp(-log_ratio) - 1.0 + log_ratio) * m).sum() / n
+    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl)
+
+
+# ---------------------------------------------------------------- policy losses
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -63,25 +121,101 @@ def clipped_policy_loss(
     clip_high: float = 0.2,
     agg: Aggregation = "token_mean",
     max_len: int | None = None,
+    *,
+    dual_clip: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> PolicyLossOutput:
     """PPO/GRPO clipped surrogate: -min(r A, clip(r, 1-lo, 1+hi) A), aggregated over tokens.
 
     logprobs, old_logprobs, mask: (B, T); advantages: (B,) per sequence or (B, T) per token.
+    dual_clip: c > 1 caps the loss of negative-advantage tokens at -c A (dual_clip_token_loss).
+    is_weights: (B, T) per-token weights multiplied in before aggregation (truncated_is_weights).
     """
     if advantages.ndim == 1:
         advantages = advantages.unsqueeze(1)  # (B, 1) broadcasts over tokens
-    log_ratio = logprobs - old_logprobs
+    log_ratio = logprobs - old_logprobs  # (B, T)
     ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, agg, max_len)
+    if dual_clip is None:
+        per_token = ppo_clip_token_loss(ratio, advantages, clip_low, clip_high)
+    else:
+        per_token = dual_clip_token_loss(ratio, advantages, clip_low, clip_high, dual_clip)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     with torch.no_grad():
-        m = mask.to(per_token.dtype)
-        n = m.sum().clamp(min=1.0)
-        clip_fraction = ((clipped < unclipped).to(m.dtype) * m).sum() / n
-        approx_kl = ((torch.exp(-log_ratio) - 1.0 + log_ratio) * m).sum() / n
-    return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl)
+        clipped_away = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages < ratio * advantages
+    return _policy_loss_output(per_token, log_ratio, clipped_away, mask, agg, max_len)
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    agg: Aggregation = "seq_mean",
+    max_len: int | None = None,
+    *,
+    is_weights: torch.Tensor | None = None,
+) -> PolicyLossOutput:
+    """GSPO: PPO clip on the sequence ratio s = exp(mean_t (logp - logp_old)) over masked tokens.
+
+    logprobs, old_logprobs, mask: (B, T); advantages: (B,). The sequence loss -min(s A, clip(s) A) is
+    spread over the sequence's tokens, so with agg="seq_mean" the loss is its mean over sequences.
+    Default clip range from the GSPO paper (sequence ratios stay much closer to 1 than token ratios).
+    """
+    m = mask.to(logprobs.dtype)
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    seq_log_ratio = (log_ratio * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)  # (B,)
+    ratio = torch.exp(seq_log_ratio).unsqueeze(1)  # (B, 1)
+    adv = advantages.unsqueeze(1)  # (B, 1)
+    per_token = ppo_clip_token_loss(ratio, adv, clip_low, clip_high).expand_as(log_ratio)  # (B, T)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    with torch.no_grad():
+        clipped_away = (ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv < ratio * adv).expand_as(log_ratio)
+    return _policy_loss_output(per_token, log_ratio, clipped_away, mask, agg, max_len)
+
+
+# ---------------------------------------------------------------- critic
+
+
+@dataclass
+class ValueLossOutput:
+    """The scalar value loss and the fraction of tokens where the clipped error was the larger."""
+
+    loss: torch.Tensor
+    clip_fraction: torch.Tensor
+
+
+def clipped_value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+    agg: Aggregation = "token_mean",
+    max_len: int | None = None,
+) -> ValueLossOutput:
+    """PPO value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -e, e) - R)^2); e=None: plain 0.5 (V - R)^2.
+
+    values (the critic now), old_values (at rollout time), returns, mask: (B, T).
+    """
+    unclipped = (values - returns).square()  # (B, T)
+    if clip_range is None:
+        per_token, clipped_away = 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    else:
+        v_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (v_clipped - returns).square()
+        per_token = 0.5 * torch.maximum(unclipped, clipped)
+        clipped_away = (clipped > unclipped).detach()
+    loss = aggregate(per_token, mask, agg, max_len)
+    m = mask.to(values.dtype)
+    clip_fraction = (clipped_away.to(m.dtype) * m).sum() / m.sum().clamp(min=1.0)
+    return ValueLossOutput(loss=loss, clip_fraction=clip_fraction)
+
+
+# ---------------------------------------------------------------- entropy
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
