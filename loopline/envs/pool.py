@@ -41,7 +41,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-class PoolConfig(Section):
+class EnvPoolConfig(Section):
     """Where env tasks run and how failures are handled."""
 
     backend: Literal["local", "ray"] = Field("local", description="Local worker processes or Ray actors.")
@@ -50,7 +50,7 @@ class PoolConfig(Section):
     task_timeout_s: float = Field(120.0, gt=0, description="A task running longer kills its worker.")
     max_attempts: int = Field(3, ge=1, description="Tries per task when workers die or time out.")
     ray_address: str = Field(
-        "", description="Ray cluster to join when Ray is not yet initialised; empty = start a local one."
+        "", description="Ray cluster to join if this process has no Ray yet; empty = start a local one."
     )
     ray_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per Ray worker actor.")
     ray_resources: dict[str, float] = Field(
@@ -67,6 +67,7 @@ class Outcome(Generic[R]):
     error: str | None  # None when `fn` returned; else its exception, or the worker failure
     attempts: int  # 1 unless workers died or timed out on this task
     worker: str  # name of the worker that produced it ("" if none did)
+    failures: tuple[str, ...] = ()  # why each earlier attempt was lost, oldest first
 
     @property
     def ok(self) -> bool:
@@ -89,6 +90,7 @@ class _Task:
     item: Any
     attempt: int = 1
     started: float = 0.0
+    failures: tuple[str, ...] = ()
 
     @property
     def token(self) -> tuple[Hashable, int]:
@@ -99,12 +101,17 @@ class _Task:
 class _Worker:
     name: str
     handle: Any  # backend-specific
+    ready: bool = False  # started and able to take a task (task timeouts exclude start-up)
     task: _Task | None = None
     retiring: bool = False
 
 
 # (token, ok, value or error text) as sent back by a worker
 _Reply = tuple[tuple[Hashable, int], bool, Any]
+# What poll() reports about a worker: it became ready, it answered (with the reply), or it died.
+_Event = tuple[_Worker, Literal["ready", "reply", "dead"], _Reply | None]
+# Consecutive workers that die before becoming ready, after which the pool gives up.
+MAX_START_FAILURES = 3
 
 
 class _Backend(Protocol):
@@ -112,8 +119,9 @@ class _Backend(Protocol):
 
     def start(self, name: str) -> _Worker: ...
     def submit(self, worker: _Worker, task: _Task) -> None: ...
-    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]: ...
+    def poll(self, workers: list[_Worker], timeout: float) -> list[_Event]: ...
     def pid(self, worker: _Worker) -> int | None: ...
+    def alive(self, worker: _Worker) -> bool: ...
     def kill(self, worker: _Worker) -> None: ...
     def stop(self, worker: _Worker) -> None: ...
     def close(self) -> None: ...
@@ -135,8 +143,8 @@ def _call(fn: Callable[[Any], Any], token: tuple[Hashable, int], item: Any) -> _
 class WorkerPool(Generic[T, R]):
     """Runs `fn` over batches of {sample id: item} on a resizable set of workers."""
 
-    def __init__(self, fn: Callable[[T], R], config: PoolConfig | None = None) -> None:
-        self.config = config or PoolConfig()
+    def __init__(self, fn: Callable[[T], R], config: EnvPoolConfig | None = None) -> None:
+        self.config = config or EnvPoolConfig()
         self._backend: _Backend = (
             _LocalBackend(fn) if self.config.backend == "local" else _RayBackend(fn, self.config)
         )
@@ -146,6 +154,7 @@ class WorkerPool(Generic[T, R]):
         self._names = itertools.count()
         self._running = False
         self._closed = False
+        self._start_failures = 0
         with self._lock:
             self._apply_membership()
 
@@ -240,40 +249,58 @@ class WorkerPool(Generic[T, R]):
                     self._apply_membership()
 
     def _dispatch(self, queue: deque[_Task]) -> None:
+        # Workers that died while idle (e.g. between batches) must not be handed a task.
+        for worker in [w for w in self._workers if w.task is None and not self._backend.alive(w)]:
+            self._died(worker)
+        self._apply_membership()
         limit = self.config.max_concurrency or len(self._workers)
         in_flight = sum(w.task is not None for w in self._workers)
         for worker in self._workers:
             if not queue or in_flight >= limit:
                 return
-            if worker.task is None and not worker.retiring:
+            if worker.ready and worker.task is None and not worker.retiring:
                 task = queue.popleft()
                 task.started = time.monotonic()
                 worker.task = task
                 self._backend.submit(worker, task)
                 in_flight += 1
 
-    def _handle(self, events: list[tuple[_Worker, _Reply | None]], queue: deque[_Task]) -> list[Outcome[R]]:
+    def _handle(self, events: list[_Event], queue: deque[_Task]) -> list[Outcome[R]]:
         finished: list[Outcome[R]] = []
-        for worker, reply in events:
+        for worker, kind, reply in events:
             task = worker.task
-            if reply is None:  # the worker died
-                logger.warning(
-                    "env worker %s died%s", worker.name, f" running {task.sample_id!r}" if task else ""
-                )
-                self._drop(worker, kill=True)
+            if kind == "ready":
+                worker.ready = True
+                self._start_failures = 0
+            elif kind == "dead":
+                self._died(worker)
                 if task is not None:
-                    finished += self._retry(task, queue, f"worker {worker.name} died")
-                continue
-            token, ok, value = reply
-            if task is None or token != task.token:
-                continue  # a stale reply: that task was already given up on
-            worker.task = None
-            finished.append(
-                Outcome(
-                    task.sample_id, value if ok else None, None if ok else value, task.attempt, worker.name
+                    finished += self._retry(task, queue, f"worker {self._describe(worker)} died")
+            elif reply is not None and task is not None and reply[0] == task.token:
+                token, ok, value = reply
+                worker.task = None
+                error = None if ok else value
+                value = value if ok else None
+                finished.append(
+                    Outcome(task.sample_id, value, error, task.attempt, worker.name, task.failures)
                 )
-            )
+            # else: a stale reply, for a task already given up on
         return finished
+
+    def _died(self, worker: _Worker) -> None:
+        task = worker.task
+        logger.warning(
+            "env worker %s died%s",
+            self._describe(worker),
+            f" running {task.sample_id!r}" if task else (" while idle" if worker.ready else " starting up"),
+        )
+        self._drop(worker, kill=True)
+        if not worker.ready:
+            self._start_failures += 1
+            if self._start_failures >= MAX_START_FAILURES:
+                raise RuntimeError(
+                    f"{self._start_failures} env workers in a row died while starting; see their stderr"
+                )
 
     def _expire(self, queue: deque[_Task]) -> list[Outcome[R]]:
         finished: list[Outcome[R]] = []
@@ -283,18 +310,20 @@ class WorkerPool(Generic[T, R]):
             if task is not None and now - task.started > self.config.task_timeout_s:
                 logger.warning("env task %r timed out on %s; killing the worker", task.sample_id, worker.name)
                 self._drop(worker, kill=True)
-                finished += self._retry(task, queue, f"timed out after {self.config.task_timeout_s:g}s")
+                why = f"timed out after {self.config.task_timeout_s:g}s on {self._describe(worker)}"
+                finished += self._retry(task, queue, why)
         return finished
 
     def _retry(self, task: _Task, queue: deque[_Task], why: str) -> list[Outcome[R]]:
+        failures = (*task.failures, why)
         if task.attempt >= self.config.max_attempts:
-            return [
-                Outcome(
-                    task.sample_id, None, f"{why}; gave up after {task.attempt} attempts", task.attempt, ""
-                )
-            ]
-        queue.appendleft(_Task(task.sample_id, task.item, task.attempt + 1))
+            error = f"{why}; gave up after {task.attempt} attempts"
+            return [Outcome(task.sample_id, None, error, task.attempt, "", failures)]
+        queue.appendleft(_Task(task.sample_id, task.item, task.attempt + 1, failures=failures))
         return []
+
+    def _describe(self, worker: _Worker) -> str:
+        return f"{worker.name} (pid {self._backend.pid(worker)})"
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -323,6 +352,7 @@ class WorkerPool(Generic[T, R]):
 
 def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
     """Body of a local worker process: answer (token, item) messages until told to stop."""
+    conn.send(_READY)
     while True:
         try:
             message = conn.recv()
@@ -336,6 +366,9 @@ def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
             conn.send(reply)
         except Exception as e:  # e.g. an unpicklable result
             conn.send((token, False, f"result could not be sent back: {type(e).__name__}: {e}"))
+
+
+_READY = "ready"  # a local worker's first message
 
 
 @dataclass
@@ -363,12 +396,12 @@ class _LocalBackend:
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             worker.handle.conn.send((task.token, task.item))
 
-    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]:
+    def poll(self, workers: list[_Worker], timeout: float) -> list[_Event]:
         by_object: dict[Any, _Worker] = {}
         for w in workers:
             by_object[w.handle.conn] = w
             by_object[w.handle.process.sentinel] = w
-        events: dict[str, tuple[_Worker, _Reply | None]] = {}
+        events: dict[str, _Event] = {}
         for ready in wait(list(by_object), timeout):
             worker = by_object[ready]
             if worker.name in events:
@@ -376,13 +409,22 @@ class _LocalBackend:
             conn = worker.handle.conn
             try:
                 # A worker may answer and then die: read the answer before declaring it dead.
-                events[worker.name] = (worker, conn.recv() if conn.poll() else None)
+                message = conn.recv() if conn.poll() else None
             except (EOFError, OSError):
-                events[worker.name] = (worker, None)
+                message = None
+            if message is None:
+                events[worker.name] = (worker, "dead", None)
+            elif message == _READY:
+                events[worker.name] = (worker, "ready", None)
+            else:
+                events[worker.name] = (worker, "reply", message)
         return list(events.values())
 
     def pid(self, worker: _Worker) -> int | None:
         return worker.handle.process.pid
+
+    def alive(self, worker: _Worker) -> bool:
+        return worker.handle.process.is_alive()
 
     def kill(self, worker: _Worker) -> None:
         worker.handle.process.kill()
@@ -431,14 +473,14 @@ class _RayHandle:
 class _RayBackend:
     """Workers are Ray actors, one task at a time each; Ray is started here only if needed."""
 
-    def __init__(self, fn: Callable[[Any], Any], config: PoolConfig) -> None:
+    def __init__(self, fn: Callable[[Any], Any], config: EnvPoolConfig) -> None:
         import ray
 
+        from loopline.runtime.cluster import ClusterConfig, start_ray
+
         self.ray = ray
-        self.started_ray = False
-        if not ray.is_initialized():
-            ray.init(address=config.ray_address or None, include_dashboard=False)
-            self.started_ray = True
+        # Reuse the Ray of this process if there is one; else join ray_address or start a local one.
+        self.started_ray = start_ray(ClusterConfig(address=config.ray_address))
         # Workers must import loopline (fn is pickled by reference) even when it is not installed.
         package_root = str(Path(__file__).resolve().parents[2])
         self.actor_class = ray.remote(_RayWorkerActor).options(
@@ -457,35 +499,41 @@ class _RayBackend:
     def submit(self, worker: _Worker, task: _Task) -> None:
         worker.handle.future = worker.handle.actor.run.remote(task.token, task.item)
 
-    def poll(self, workers: list[_Worker], timeout: float) -> list[tuple[_Worker, _Reply | None]]:
-        by_future = {
-            w.handle.future: w for w in workers if w.task is not None and w.handle.future is not None
-        }
-        if not by_future:
+    def poll(self, workers: list[_Worker], timeout: float) -> list[_Event]:
+        waiting: dict[Any, tuple[_Worker, Literal["ready", "reply"]]] = {}
+        for w in workers:
+            if not w.ready and w.handle.pid_future is not None:
+                waiting[w.handle.pid_future] = (w, "ready")
+            elif w.task is not None and w.handle.future is not None:
+                waiting[w.handle.future] = (w, "reply")
+        if not waiting:
             time.sleep(timeout)
             return []
-        ready, _ = self.ray.wait(list(by_future), num_returns=1, timeout=timeout)
+        ready, _ = self.ray.wait(list(waiting), num_returns=1, timeout=timeout)
         if ready:  # collect whatever else is ready too
-            ready, _ = self.ray.wait(list(by_future), num_returns=len(by_future), timeout=0)
-        events: list[tuple[_Worker, _Reply | None]] = []
+            ready, _ = self.ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        events: list[_Event] = []
         for future in ready:
-            worker = by_future[future]
-            worker.handle.future = None
+            worker, kind = waiting[future]
             try:
-                events.append((worker, self.ray.get(future)))
+                value = self.ray.get(future)
             except self.ray.exceptions.RayError as e:  # actor died, node lost, ...
                 logger.debug("ray env worker %s failed: %s", worker.name, e)
-                events.append((worker, None))
+                events.append((worker, "dead", None))
+                continue
+            if kind == "ready":
+                worker.handle.pid, worker.handle.pid_future = value, None
+                events.append((worker, "ready", None))
+            else:
+                worker.handle.future = None
+                events.append((worker, "reply", value))
         return events
 
     def pid(self, worker: _Worker) -> int | None:
-        handle = worker.handle
-        if handle.pid is None and handle.pid_future is not None:
-            try:
-                handle.pid = self.ray.get(handle.pid_future, timeout=60)
-            except self.ray.exceptions.RayError:
-                handle.pid_future = None
-        return handle.pid
+        return worker.handle.pid  # known once the actor is ready
+
+    def alive(self, worker: _Worker) -> bool:
+        return True  # not cheap to ask Ray; a dead actor fails its next task, which is retried
 
     def kill(self, worker: _Worker) -> None:
         self.ray.kill(worker.handle.actor, no_restart=True)

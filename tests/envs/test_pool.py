@@ -1,0 +1,220 @@
+"""Worker pool: every sample's outcome arrives exactly once, whatever happens to the workers.
+
+Workers are real spawned processes (and real Ray actors on a local 2-CPU Ray); failures are real
+SIGKILLs and hangs. The task functions live in this module so that workers can import them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+from collections.abc import Hashable
+
+import pytest
+
+from loopline.envs.pool import EnvPoolConfig, Outcome, WorkerPool
+
+
+def square_slowly(x: int) -> tuple[int, int]:
+    """x², after a pause long enough to catch the worker busy; also says which process ran it."""
+    time.sleep(0.15)
+    return x * x, os.getpid()
+
+
+def hang_on_request(x: object) -> object:
+    if x == "hang":
+        time.sleep(600)
+    return x
+
+
+def fail_on_three(x: int) -> int:
+    if x == 3:
+        raise ValueError("three is not allowed")
+    return x
+
+
+def return_unpicklable(x: int) -> object:
+    return lambda: x
+
+
+def timed(x: int) -> tuple[float, float]:
+    start = time.monotonic()
+    time.sleep(0.2)
+    return start, time.monotonic()
+
+
+def _check_exactly_once(outcomes: list[Outcome], ids: list[Hashable]) -> dict[Hashable, Outcome]:
+    counts = Counter(o.sample_id for o in outcomes)
+    assert all(n == 1 for n in counts.values()), [k for k, n in counts.items() if n > 1]
+    assert set(counts) == set(ids)
+    return {o.sample_id: o for o in outcomes}
+
+
+def test_every_sample_gets_exactly_one_outcome() -> None:
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        outcomes = pool.map({f"s{i}": i for i in range(12)})
+    assert set(outcomes) == {f"s{i}" for i in range(12)}
+    assert all(
+        o.ok and o.value[0] == i * i and o.attempts == 1
+        for i, o in ((int(k[1:]), o) for k, o in outcomes.items())
+    )
+    assert len({o.worker for o in outcomes.values()}) == 2  # both workers took part
+
+
+class BusyWorkerKiller(threading.Thread):
+    """SIGKILLs `count` workers, each one the pool reports busy, `gap_s` apart, while a batch runs."""
+
+    def __init__(self, pool: WorkerPool, count: int, gap_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pool, self.count, self.gap_s = pool, count, gap_s
+        self.killed: list[tuple[int, Hashable]] = []  # (pid, sample id it was busy with)
+
+    def run(self) -> None:
+        deadline = time.monotonic() + 60
+        while len(self.killed) < self.count and time.monotonic() < deadline:
+            busy = [w for w in self.pool.workers() if w.busy_with is not None and w.pid is not None]
+            if not busy:
+                time.sleep(0.005)
+                continue
+            os.kill(busy[0].pid, signal.SIGKILL)
+            self.killed.append((busy[0].pid, busy[0].busy_with))
+            time.sleep(self.gap_s)
+
+
+def test_sigkill_mid_batch_loses_nothing_and_counts_nothing_twice() -> None:
+    ids = list(range(30))
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2, max_attempts=3)) as pool:
+        pool.map({"warm": 0})  # both workers started
+        killer = BusyWorkerKiller(pool, count=2, gap_s=1.0)
+        killer.start()
+        outcomes = list(pool.imap({i: i for i in ids}))
+        killer.join()
+        assert len(pool.workers()) == 2  # the dead were replaced
+    assert len(killer.killed) == 2
+    by_id = _check_exactly_once(outcomes, ids)
+    assert all(o.ok and o.value[0] == i * i for i, o in by_id.items())
+    # Each kill loses the task its worker was on (the next one, if it had just answered): that
+    # task, and only that, ran again, and says where its first attempt died.
+    killed_pids = {pid for pid, _ in killer.killed}
+    retried = [o for o in outcomes if o.attempts > 1]
+    assert 1 <= len(retried) <= 2
+    for o in retried:
+        assert o.attempts == 2 and len(o.failures) == 1
+        dead_pid = next(pid for pid in killed_pids if f"(pid {pid}) died" in o.failures[0])
+        assert o.value[1] != dead_pid  # the retry ran on another worker
+
+
+def test_hung_task_is_killed_retried_then_reported() -> None:
+    config = EnvPoolConfig(num_workers=2, task_timeout_s=1.0, max_attempts=2)
+    start = time.monotonic()
+    with WorkerPool(hang_on_request, config) as pool:
+        outcomes = pool.map({"a": "a", "h": "hang", "b": "b", "c": "c"})
+    assert time.monotonic() - start < 30
+    assert outcomes["h"].error is not None and "timed out" in outcomes["h"].error
+    assert outcomes["h"].attempts == 2 and outcomes["h"].value is None
+    assert all(outcomes[k].ok and outcomes[k].value == k for k in "abc")
+
+
+def test_exception_in_fn_is_an_outcome_and_not_retried() -> None:
+    with WorkerPool(fail_on_three, EnvPoolConfig(num_workers=1)) as pool:
+        outcomes = pool.map({i: i for i in range(5)})
+    assert outcomes[3].error == "ValueError: three is not allowed" and outcomes[3].attempts == 1
+    assert [outcomes[i].value for i in (0, 1, 2, 4)] == [0, 1, 2, 4]
+
+
+def test_unpicklable_result_is_an_error_outcome() -> None:
+    with WorkerPool(return_unpicklable, EnvPoolConfig(num_workers=1)) as pool:
+        outcome = pool.map({"x": 1})["x"]
+    assert not outcome.ok and "could not be sent back" in (outcome.error or "")
+
+
+def test_workers_join_and_leave_while_a_batch_runs() -> None:
+    ids = list(range(40))
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=1)) as pool:
+
+        def resize() -> None:
+            time.sleep(0.5)
+            pool.add_workers(2)
+            time.sleep(1.5)
+            pool.remove_workers(2)
+
+        resizer = threading.Thread(target=resize)
+        resizer.start()
+        outcomes = list(pool.imap({i: i for i in ids}))
+        resizer.join()
+        assert pool.num_workers == 1 and len(pool.workers()) == 1
+    by_id = _check_exactly_once(outcomes, ids)
+    assert all(o.ok and o.value[0] == i * i and o.attempts == 1 for i, o in by_id.items())
+    assert len({o.value[1] for o in outcomes}) >= 3  # the added workers did run tasks
+
+
+def test_concurrency_limit_is_respected() -> None:
+    with WorkerPool(timed, EnvPoolConfig(num_workers=3, max_concurrency=2)) as pool:
+        outcomes = pool.map({i: i for i in range(8)})
+    spans = sorted(o.value for o in outcomes.values())
+    most = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert most <= 2
+
+
+def test_abandoned_batch_leaves_no_stale_results() -> None:
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        for i, _ in enumerate(pool.imap({("old", i): i for i in range(10)})):
+            if i == 1:
+                break  # two tasks are still in flight
+        outcomes = list(pool.imap({("new", i): i for i in range(6)}))
+        assert len(pool.workers()) == 2
+    by_id = _check_exactly_once(outcomes, [("new", i) for i in range(6)])
+    assert all(o.value[0] == k[1] ** 2 for k, o in by_id.items())
+
+
+def test_idle_worker_death_is_repaired_without_using_attempts() -> None:
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        pool.map({"warm": 1})
+        os.kill(pool.workers()[0].pid, signal.SIGKILL)
+        time.sleep(0.2)
+        outcomes = pool.map({i: i for i in range(4)})
+    assert all(o.ok and o.attempts == 1 for o in outcomes.values())
+
+
+def test_bad_config_names_the_field() -> None:
+    with pytest.raises(ValueError, match="max_attempts"):
+        EnvPoolConfig(max_attempts=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray actors
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ray_actor_killed_mid_batch_loses_nothing() -> None:
+    ray = pytest.importorskip("ray")
+    from loopline.envs.code import CodeProblem, ScoreJob, run_score_job
+    from loopline.envs.sandbox import SandboxConfig
+    from loopline.runtime.cluster import ClusterConfig, start_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    start_ray(ClusterConfig(num_cpus=2))
+    try:
+        problem = CodeProblem("add", "def add(a, b):\n", "add", "def check(c):\n    assert c(2, 3) == 5\n")
+        jobs = {
+            i: ScoreJob(problem, "    return a + b\n" if i % 2 else "    return a - b\n", SandboxConfig())
+            for i in range(10)
+        }
+        with WorkerPool(run_score_job, EnvPoolConfig(backend="ray", num_workers=2, ray_num_cpus=0.5)) as pool:
+            killer = BusyWorkerKiller(pool, count=1, gap_s=0)
+            killer.start()
+            outcomes = list(pool.imap(jobs))
+            killer.join()
+        assert len(killer.killed) == 1
+        by_id = _check_exactly_once(outcomes, list(jobs))
+        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+        assert [by_id[i].value.passed for i in range(10)] == [bool(i % 2) for i in range(10)]
+        retried = [o for o in outcomes if o.attempts > 1]
+        assert len(retried) == 1 and f"(pid {killer.killed[0][0]}) died" in retried[0].failures[0]
+    finally:
+        ray.shutdown()
