@@ -24,7 +24,7 @@ from loopline.envs.code import (
     read_jsonl,
     run_score_job,
 )
-from loopline.envs.pool import PoolConfig, WorkerPool
+from loopline.envs.pool import EnvPoolConfig, WorkerPool
 from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxError
 
 
@@ -107,7 +107,7 @@ def _check(args: argparse.Namespace) -> int:
     config = _sandbox_config(args)
     Sandbox(config)  # fail here, once, if the sandbox cannot be set up
     jobs = {lineno: ScoreJob(problems[task_id], completion, config) for lineno, task_id, completion in rows}
-    pool_config = PoolConfig(backend=args.backend, num_workers=args.workers, ray_address=args.ray_address)
+    pool_config = EnvPoolConfig(backend=args.backend, num_workers=args.workers, ray_address=args.ray_address)
     passed = 0
     with WorkerPool(run_score_job, pool_config) as pool:
         outcomes = pool.map(jobs)
