@@ -95,7 +95,7 @@ class PolicyTrainer:
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
             (loss * _share(micro, batch, "token_mean")).backward()
-            total += float(loss) * _share(micro, batch, "token_mean")
+            total += float(loss.detach()) * _share(micro, batch, "token_mean")
         grad_norm, lr = self._step()
         return StepStats(loss=total, grad_norm=grad_norm, lr=lr, extra={})
 
@@ -106,6 +106,7 @@ class PolicyTrainer:
         max_len = cfg.sampling.max_new_tokens
         for micro in split_rows(batch, cfg.micro_batch_size):
             share = _share(micro, batch, cfg.loss_agg)
+            token_share = _share(micro, batch, "token_mean")  # for the token-mean statistics
             logp, entropy = response_logprobs(self.model, micro, with_entropy=True)
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
@@ -116,22 +117,24 @@ class PolicyTrainer:
             loss = pg.loss
             ent = _masked_mean(entropy, micro.response_mask)
             if cfg.entropy_coef:
-                loss = loss - cfg.entropy_coef * ent
+                # aggregated like the other terms, so that micro-batches accumulate exactly
+                bonus = aggregate(entropy, micro.response_mask, cfg.loss_agg, max_len)
+                loss = loss - cfg.entropy_coef * bonus
             kl = torch.zeros(())
             if cfg.kl_coef and micro.ref_logprobs is not None:
                 per_token_kl = kl_estimate(logp, micro.ref_logprobs, cfg.kl_estimator)
                 kl = aggregate(per_token_kl, micro.response_mask, cfg.loss_agg, max_len)
                 loss = loss + cfg.kl_coef * kl
             (loss * share).backward()
-            for key, value in (
-                ("loss", loss),
-                ("policy_loss", pg.loss),
-                ("kl", kl),
-                ("entropy", ent),
-                ("clip_fraction", pg.clip_fraction),
-                ("approx_kl", pg.approx_kl),
+            for key, value, weight in (
+                ("loss", loss, share),
+                ("policy_loss", pg.loss, share),
+                ("kl", kl, share),
+                ("entropy", ent, token_share),
+                ("clip_fraction", pg.clip_fraction, token_share),
+                ("approx_kl", pg.approx_kl, token_share),
             ):
-                sums[key] += float(value) * share
+                sums[key] += float(value.detach()) * weight
         grad_norm, lr = self._step()
         loss = sums.pop("loss")
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)

@@ -1,0 +1,23 @@
+"""Shared fixtures: the byte tokenizer and a built-in model shrunk further so unit tests stay fast."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopline.config import TinyModelConfig
+from loopline.models.load import build_tiny_model
+from loopline.models.tokenizer import build_byte_tokenizer
+
+# Smaller than the default built-in model; same architecture (Qwen2 with GQA and tied embeddings).
+SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return build_byte_tokenizer()
+
+
+@pytest.fixture
+def small_model(tokenizer):
+    """A fresh, randomly initialised small model (seed 0) per test."""
+    return build_tiny_model(SMALL, tokenizer, seed=0)
