@@ -105,7 +105,8 @@ def _policy_loss_output(
         m = mask.to(per_token.dtype)
         n = m.sum().clamp(min=1.0)
         clip_fraction = (clipped_away.to(m.dtype) * m).sum() / n
-        approx_kl = ((torch.exp(-log_ratio) - 1.0 + log_ratio) * m).sum() / n
+        # k3 with r = new / old, the tokens sampled from old: (r - 1) - log r estimates KL(old || new)
+        approx_kl = ((torch.exp(log_ratio) - 1.0 - log_ratio) * m).sum() / n
     return PolicyLossOutput(loss=loss, clip_fraction=clip_fraction, approx_kl=approx_kl)
 
 

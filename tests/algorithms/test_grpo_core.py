@@ -112,11 +112,6 @@ def test_per_token_advantages_and_mask():
     assert float(out.clip_fraction) == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="losses.py approx_kl computes exp(-log_ratio) - 1 + log_ratio; the k3 estimate of "
-    "KL(old || new) from samples of old is exp(log_ratio) - 1 - log_ratio (r = new / old)",
-)
 def test_approx_kl_is_k3_of_old_to_new():
     # one token: old p = 0.5, new p = 0.25 -> r = new/old = 0.5, log r = -0.693147
     # k3 = (r - 1) - log r = -0.5 + 0.693147 = 0.193147
