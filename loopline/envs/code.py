@@ -1,28 +1,29 @@
 """Code environment: HumanEval-format problems, scored by running their tests in the sandbox.
 
 Reward is 1 only when the problem's own `check(entry_point)` ran to the end and returned. To make
-that claim unforgeable, the completion never runs in the same process as the test:
+that claim unforgeable, the completion never runs in the process that runs the test:
 
-    host ──stdin: payload + nonce──► judge (sandboxed, non-dumpable)   ──► stdout: verdict + nonce
-                                       │ runs prompt + test + check()
-                                       │ candidate(*args) = a call over a pipe
+    host ──stdin: payload + nonce──► judge (sandboxed, non-dumpable) ──► stdout: verdict + nonce
+                                       │ runs prompt + test + check(); candidate(*args) is a call
+                                       │ over a pipe to ...
                                        ▼
-                                     solution process (same sandbox)
-                                       runs prompt + completion; answers calls with plain data
+                                     solution process (forked by the judge before the judge has
+                                       read anything): runs prompt + completion, answers calls
 
 - The judge holds a per-run random nonce and prints it with the verdict only after `check`
   returned; the host requires exit status 0, a passing verdict and the nonce.
 - The solution process never sees the nonce, the test source or the judge's stdout, and cannot
   read the judge's memory: the judge makes itself non-dumpable before reading its input, which
-  denies /proc/<pid>/mem and ptrace to every other process of its uid.
-- Arguments and return values cross the pipe as tagged JSON and are rebuilt from built-in types
-  only, so an object whose `__eq__` always says True cannot reach the test; monkeypatching
-  builtins, `check`, helper functions from the prompt or modules happens in the solution
-  process and cannot touch the judge; `sys.exit(0)`/`os._exit(0)` just end the solution process,
-  which the judge reports as a failure; printing a fake verdict goes to stderr, without the nonce.
+  denies /proc/<pid>/mem, /proc/<pid>/fd and ptrace to every other process of its uid.
+- Arguments and return values cross the pipe as marshal data checked to be built-in types all
+  the way down, so an object whose `__eq__` always says True cannot reach the test.
+  Monkeypatching builtins, `check`, prompt helpers or modules happens in the solution process
+  and cannot touch the judge; `sys.exit(0)`/`os._exit(0)` only end the solution process, which
+  the judge reports as a failure; a printed fake verdict goes to stderr and lacks the nonce.
 
 Departure from the usual `exec(prompt + completion + test)`: a test cannot observe mutation of
-its arguments by the candidate (calls pass copies); HumanEval's tests do not rely on that.
+its arguments by the candidate (calls pass copies) nor get anything but built-in data back;
+HumanEval's tests need neither (all 164 canonical solutions pass).
 """
 
 from __future__ import annotations
@@ -158,7 +159,6 @@ def score(problem: CodeProblem, completion: str, sandbox: Sandbox | None = None)
         "solution": problem.prompt + completion,
         "test": problem.test,
         "entry_point": problem.entry_point,
-        "solution_program": SOLUTION_PROGRAM,
     }
     result = sandbox.run(JUDGE_PROGRAM, stdin=marshal.dumps(payload, 4))
     verdict = _verdict(result.stdout)
@@ -262,20 +262,27 @@ def _receive(stream: Any) -> Any:
     return marshal.loads(body)
 
 
-def _solution_main() -> None:
-    """Solution process: run prompt + completion, then answer calls read from fd 3 on fd 4."""
-    import os
+def _flush(*streams: Any) -> None:
+    """Flush Python-level buffers before os._exit (which skips that)."""
+    for stream in streams:
+        try:  # noqa: SIM105 - no contextlib import at start-up
+            stream.flush()
+        except Exception:
+            pass  # a stream the solution closed or replaced
 
-    requests = os.fdopen(3, "rb")
+
+def _solution_main(requests_fd: int, answers_fd: int) -> None:
+    """Solution process: run prompt + completion, then answer calls until the judge hangs up."""
+    requests = open(requests_fd, "rb")  # noqa: SIM115 - lives as long as this process
     first = _receive(requests)
     namespace: dict[str, Any] = {"__name__": "__solution__"}
     try:
         exec(compile(first["source"], "<solution>", "exec"), namespace)
         function = namespace[first["entry_point"]]
     except BaseException as e:  # noqa: BLE001 - any failure to load is reported, not raised
-        _send(4, {"error": f"{type(e).__name__} while loading the solution: {e}"})
+        _send(answers_fd, {"error": f"{type(e).__name__} while loading the solution: {e}"})
         return
-    _send(4, {"ok": True})
+    _send(answers_fd, {"ok": True})
     while True:
         try:
             args, kwargs = _receive(requests)
@@ -285,21 +292,43 @@ def _solution_main() -> None:
             answer = {"return": _plain(function(*args, **kwargs))}
         except Exception as e:
             answer = {"raise": type(e).__name__, "message": str(e)[:2000]}
-        _send(4, answer)
+        _send(answers_fd, answer)
 
 
 def _judge_main() -> None:
-    """Judge process: start the solution process, run the test against it, print the verdict."""
+    """Judge process: fork the solution process, run the test against it, print the verdict."""
     import builtins
-    import ctypes
     import marshal
     import os
     import sys
+
+    # Fork the solution process first, while this process holds nothing secret (the payload and
+    # its nonce are still unread on stdin): the child shares no secret memory with the judge, and
+    # costs no interpreter start-up of its own.
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    if os.fork() == 0:
+        try:
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)  # not the payload
+            os.dup2(2, 1)  # not the verdict stream: the solution's prints go to stderr
+            os.close(devnull)
+            os.close(requests_w)
+            os.close(answers_r)
+            _solution_main(requests_r, answers_w)
+        finally:
+            _flush(sys.stdout, sys.stderr)
+            os._exit(0)  # never return into the judge's code, whatever the solution raised
+    os.close(requests_r)
+    os.close(answers_w)
+
+    import ctypes
 
     verdict_fd = os.dup(1)  # only the judge writes the verdict stream...
     os.dup2(2, 1)  # ...and anything the test prints goes to stderr
 
     def verdict(line: str) -> None:
+        _flush(sys.stdout, sys.stderr)  # what the test printed, before the process ends
         os.write(verdict_fd, ("\n" + VERDICT + " " + line.replace("\n", " ") + "\n").encode())
 
     # Non-dumpable before the nonce enters memory: other processes of this uid (the solution)
@@ -308,32 +337,12 @@ def _judge_main() -> None:
         verdict("failed judge: prctl(PR_SET_DUMPABLE, 0) failed")
         os._exit(2)
     payload = marshal.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)  # the payload is gone from stdin; the solution inherits /dev/null
-    os.close(devnull)
     nonce = payload.pop("nonce")
-
-    req_r, req_w = os.pipe()
-    resp_r, resp_w = os.pipe()
-    os.posix_spawn(
-        sys.executable,
-        [sys.executable, "-I", *(["-S"] if sys.flags.no_site else []), "-c", payload["solution_program"]],
-        dict(os.environ),
-        # posix_spawn closes every fd not listed here on exec (Python's fds are close-on-exec):
-        # the solution gets /dev/null, stderr twice, and its two pipe ends.
-        file_actions=[
-            (os.POSIX_SPAWN_DUP2, 2, 1),
-            (os.POSIX_SPAWN_DUP2, req_r, 3),
-            (os.POSIX_SPAWN_DUP2, resp_w, 4),
-        ],
-    )
-    os.close(req_r)
-    os.close(resp_w)
-    responses = os.fdopen(resp_r, "rb")
+    answers = open(answers_r, "rb")  # noqa: SIM115 - lives as long as this process
 
     def exchange(message: Any) -> dict[str, Any]:
-        _send(req_w, message)
-        answer = _plain(_receive(responses))
+        _send(requests_w, message)
+        answer = _plain(_receive(answers))
         if type(answer) is not dict:
             raise ValueError("malformed answer from the solution process")
         return answer
@@ -375,13 +384,13 @@ def _judge_main() -> None:
 VERDICT = "loopline-verdict"
 
 
-def _program(main: Any) -> str:
+def _program() -> str:
+    """Source of the judge program (which forks the solution process) as run in the sandbox."""
     # Annotations stay unevaluated, so the program needs no `typing` import (start-up cost).
     parts = ["from __future__ import annotations", f"VERDICT = {VERDICT!r}"]
     parts.append(f"MAX_FRAME = {MAX_FRAME}")
-    parts += [inspect.getsource(f) for f in (_plain, _send, _receive, main)]
-    return "\n\n".join(parts) + f"\n\n{main.__name__}()\n"
+    parts += [inspect.getsource(f) for f in (_plain, _send, _receive, _flush, _solution_main, _judge_main)]
+    return "\n\n".join(parts) + "\n\n_judge_main()\n"
 
 
-JUDGE_PROGRAM = _program(_judge_main)
-SOLUTION_PROGRAM = _program(_solution_main)
+JUDGE_PROGRAM = _program()

@@ -118,7 +118,7 @@ class Sandbox:
 
     def __init__(self, config: SandboxConfig | None = None) -> None:
         self.config = config or SandboxConfig()
-        self.python = _resolve_python(self.config.python)
+        self.python = resolve_python(self.config.python)
         # -I: ignore PYTHON* variables and the user site; -S: no site.py, so no .pth file runs
         # code at start-up and the interpreter starts several times faster.
         self.python_flags = ["-I"] if self.config.site_packages else ["-I", "-S"]
@@ -128,7 +128,7 @@ class Sandbox:
                 raise SandboxError(f"'{tool}' (util-linux) is required by the sandbox and was not found")
         self.isolation: Isolation = self._choose_isolation()
         if self.isolation == "process":
-            if self._root and not _readable_by_others(self.python):
+            if self._root and not readable_by_others(self.python):
                 raise SandboxError(
                     f"process isolation as root drops to an unprivileged uid, which cannot run "
                     f"{self.python} (a parent directory is not world-readable); set sandbox.python to "
@@ -147,7 +147,7 @@ class Sandbox:
         wanted = self.config.isolation
         if wanted == "process":
             return "process"
-        problem = _bwrap_problem(self.python, tuple(self.config.ro_binds), self._root)
+        problem = bwrap_problem(self.python, tuple(self.config.ro_binds), self._root)
         if problem is None:
             return "bwrap"
         if wanted == "bwrap":
@@ -235,7 +235,7 @@ class Sandbox:
 # ---------------------------------------------------------------------------------------------
 
 
-def _resolve_python(configured: str) -> str:
+def resolve_python(configured: str) -> str:
     """The interpreter the sandbox runs: configured, or the base install (not a venv) of this one."""
     if configured:
         path = shutil.which(configured) or configured
@@ -250,7 +250,7 @@ def _prefix_of(python: str) -> str:
     return str(Path(python).parent.parent)
 
 
-def _readable_by_others(path: str) -> bool:
+def readable_by_others(path: str) -> bool:
     """Whether an unprivileged uid can reach and run `path` and read its install."""
     p = Path(path)
     for d in [p, *p.parents]:
@@ -362,7 +362,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 @functools.cache
-def _bwrap_problem(python: str, ro_binds: tuple[str, ...], root: bool) -> str | None:
+def bwrap_problem(python: str, ro_binds: tuple[str, ...], root: bool) -> str | None:
     """Why bwrap cannot run the sandbox here, or None when a trial run works (cached)."""
     if shutil.which("bwrap") is None:
         return "bwrap is not installed (apt-get install bubblewrap)"

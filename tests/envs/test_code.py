@@ -23,9 +23,9 @@ from loopline.envs.code import (
     load_problems,
     score,
 )
-from loopline.envs.sandbox import Sandbox, SandboxConfig, _bwrap_problem, _resolve_python
+from loopline.envs.sandbox import Sandbox, SandboxConfig, bwrap_problem, resolve_python
 
-BWRAP_PROBLEM = _bwrap_problem(_resolve_python(""), (), os.geteuid() == 0)
+BWRAP_PROBLEM = bwrap_problem(resolve_python(""), (), os.geteuid() == 0)
 
 ADD = CodeProblem(
     task_id="add",

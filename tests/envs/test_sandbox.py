@@ -26,13 +26,13 @@ from loopline.envs.sandbox import (
     Sandbox,
     SandboxConfig,
     SandboxResult,
-    _bwrap_problem,
-    _resolve_python,
+    bwrap_problem,
     pids_of_uid,
+    resolve_python,
 )
 
 ROOT = os.geteuid() == 0
-BWRAP_PROBLEM = _bwrap_problem(_resolve_python(""), (), ROOT)
+BWRAP_PROBLEM = bwrap_problem(resolve_python(""), (), ROOT)
 SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
 
 LEVELS = [
