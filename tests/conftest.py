@@ -17,6 +17,11 @@ def tokenizer():
     return build_byte_tokenizer()
 
 
+@pytest.fixture(scope="session")
+def small_cfg() -> TinyModelConfig:
+    return SMALL
+
+
 @pytest.fixture
 def small_model(tokenizer):
     """A fresh, randomly initialised small model (seed 0) per test."""

@@ -61,7 +61,8 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 @dataclass
 class _StopMatcher:
-    """Finds stop tokens and stop strings; single-token stop strings are checked as ids (cheap)."""
+    """Finds stop tokens and stop strings. Every stop string is looked for in the decoded tail, as
+    BPE vocabularies merge it into longer tokens (a double-newline token holds a newline)."""
 
     tokenizer: PreTrainedTokenizerBase
     stop: tuple[str, ...]
@@ -75,8 +76,7 @@ class _StopMatcher:
             ids = self.tokenizer.encode(s, add_special_tokens=False)
             if len(ids) == 1:
                 self.token_ids.add(ids[0])
-            else:
-                self.strings.append(s)
+            self.strings.append(s)
 
     def hit(self, generated: list[int], new_token: int) -> bool:
         if new_token in self.token_ids:

@@ -1,0 +1,224 @@
+"""TorchEngine against Hugging Face generate and a plain forward pass, on the built-in architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from loopline.config import OptimConfig, TaskConfig
+from loopline.data.batches import collate
+from loopline.data.tasks import arithmetic_splits
+from loopline.models.load import build_tiny_model
+from loopline.rollout.engine import SamplingParams, TorchEngine
+from loopline.training.policy import PolicyTrainer
+
+PROMPTS_TEXT = ["7+5=", "12+30=", "4+91=", "3+3=", "60+9="]  # 5 to 7 tokens with <bos>: padding varies
+
+
+@pytest.fixture(scope="module")
+def trained(tokenizer, small_cfg):
+    """The small model after 60 SFT steps on 1-2 digit addition: it writes digits, '\\n' and EOS."""
+    model = build_tiny_model(small_cfg, tokenizer, seed=0)
+    rows, _ = arithmetic_splits(TaskConfig(max_digits=2, num_train=500, num_eval=10), seed=0)
+    trainer = PolicyTrainer(model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=60)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        picks = torch.randint(len(rows), (32,), generator=g).tolist()
+        prompts = [tokenizer(rows[i].prompt)["input_ids"] for i in picks]
+        targets = [tokenizer(rows[i].completion, add_special_tokens=False)["input_ids"] + [2] for i in picks]
+        trainer.sft_step(collate(prompts, targets, 0), 32)
+    return model.eval()
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer(t)["input_ids"] for t in PROMPTS_TEXT]
+
+
+def _hf_greedy(model, tokenizer, max_new: int) -> list[list[int]]:
+    """HF generate on the same prompts, left-padded; each row cut after its first EOS."""
+    enc = tokenizer(PROMPTS_TEXT, padding=True, return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any(), "the prompts must need padding for this test to mean anything"
+    out = model.generate(
+        **enc, do_sample=False, max_new_tokens=max_new, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    rows = []
+    for row in out[:, enc["input_ids"].shape[1] :].tolist():
+        rows.append(row[: row.index(2) + 1] if 2 in row else row)
+    return rows
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_greedy_matches_hf_generate(request, tokenizer, which):
+    model = request.getfixturevalue("small_model" if which == "random" else "trained")
+    engine = TorchEngine(model, tokenizer)
+    got = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=10, temperature=0.0))
+    expected = _hf_greedy(model, tokenizer, 10)
+    assert [c.token_ids for c in got] == expected
+    for c, e in zip(got, expected):
+        assert c.finish_reason == ("stop" if e[-1] == tokenizer.eos_token_id else "length")
+    if which == "trained":  # the trained model really does stop on EOS
+        assert any(c.finish_reason == "stop" for c in got)
+
+
+def test_batched_greedy_equals_one_prompt_at_a_time(trained, tokenizer):
+    engine = TorchEngine(trained, tokenizer)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    batched = engine.generate(_prompts(tokenizer), params)
+    for i, p in enumerate(_prompts(tokenizer)):
+        assert engine.generate([p], params)[0].token_ids == batched[i].token_ids
+
+
+def test_logprobs_match_a_forward_pass(small_model, tokenizer):
+    engine = TorchEngine(small_model, tokenizer)
+    completions = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, seed=3), n=2)
+    for c in completions:
+        prompt = _prompts(tokenizer)[c.prompt_index]
+        with torch.no_grad():
+            logits = small_model(input_ids=torch.tensor([prompt + c.token_ids])).logits[0]
+        logp = torch.log_softmax(logits.float(), -1)
+        # token k of the completion is predicted at position len(prompt) - 1 + k
+        positions = torch.arange(len(c.token_ids)) + len(prompt) - 1
+        expected = logp[positions, torch.tensor(c.token_ids)]
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
+
+
+def test_n_samples_per_prompt_are_indexed(small_model, tokenizer):
+    engine = TorchEngine(small_model, tokenizer)
+    out = engine.generate(_prompts(tokenizer)[:3], SamplingParams(max_new_tokens=4, seed=0), n=4)
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(3) for s in range(4)]
+    # samples of one prompt are different draws, not copies of one
+    assert len({tuple(c.token_ids) for c in out if c.prompt_index == 0}) > 1
+
+
+def test_single_token_stop_string_ends_generation_and_is_kept(trained, tokenizer):
+    engine = TorchEngine(trained, tokenizer)
+    free = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=10, temperature=0.0))
+    stopped = engine.generate(
+        _prompts(tokenizer), SamplingParams(max_new_tokens=10, temperature=0.0, stop=("\n",))
+    )
+    (newline,) = tokenizer.encode("\n", add_special_tokens=False)
+    assert any(newline in f.token_ids[:-1] for f in free)  # the model writes more after a newline (EOS)
+    for f, s in zip(free, stopped):
+        if newline in f.token_ids:
+            assert s.token_ids == f.token_ids[: f.token_ids.index(newline) + 1]
+            assert s.text.endswith("\n") and s.finish_reason == "stop"
+        else:
+            assert s.token_ids == f.token_ids
+    assert any(len(s.token_ids) < len(f.token_ids) for f, s in zip(free, stopped))
+
+
+def test_multi_token_stop_string_ends_generation_and_is_kept(trained, tokenizer):
+    engine = TorchEngine(trained, tokenizer)
+    free = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=10, temperature=0.0))
+    # a two-character stop string (two byte tokens) taken from the start of the longest greedy answer
+    k = max(range(len(free)), key=lambda i: len(free[i].text))
+    stop = free[k].text[:2]
+    assert len(tokenizer.encode(stop, add_special_tokens=False)) == 2
+    stopped = engine.generate(
+        _prompts(tokenizer), SamplingParams(max_new_tokens=10, temperature=0.0, stop=(stop,))
+    )
+    assert stopped[k].token_ids == free[k].token_ids[:2]
+    assert len(stopped[k].token_ids) < len(free[k].token_ids)  # it really cut the generation short
+    assert stopped[k].text == stop and stopped[k].finish_reason == "stop"
+    for f, s in zip(free, stopped):  # every row stops at its own first occurrence, or not at all
+        cut = f.text.find(stop)
+        assert s.text == (f.text if cut < 0 else f.text[: cut + len(stop)])
+
+
+def test_max_new_tokens_gives_length(small_model, tokenizer):
+    engine = TorchEngine(small_model, tokenizer)
+    out = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=3, temperature=0.0))
+    for c in out:
+        if tokenizer.eos_token_id not in c.token_ids:
+            assert len(c.token_ids) == 3 and c.finish_reason == "length"
+    assert any(c.finish_reason == "length" for c in out)
+
+
+@pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6)])
+def test_top_k_1_and_tiny_top_p_equal_greedy(small_model, tokenizer, params):
+    engine = TorchEngine(small_model, tokenizer)
+    greedy = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, temperature=0.0))
+    sampled = engine.generate(
+        _prompts(tokenizer), SamplingParams(max_new_tokens=6, temperature=1.0, seed=1, **params)
+    )
+    assert [c.token_ids for c in sampled] == [c.token_ids for c in greedy]
+    # only one token survives the filter: it has probability 1
+    assert all(lp == pytest.approx(0.0, abs=1e-6) for c in sampled for lp in c.logprobs)
+
+
+def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(small_model, tokenizer):
+    engine = TorchEngine(small_model, tokenizer)
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    a = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, seed=7), n=2)
+    assert torch.equal(torch.get_rng_state(), rng)
+    b = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, seed=7), n=2)
+    c = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, seed=8), n=2)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_update_weights_copies_bitwise_and_bumps_version(small_model, trained, tokenizer):
+    engine = TorchEngine(copy.deepcopy(small_model), tokenizer)
+    engine.update_weights(trained.state_dict(), version=5)
+    assert engine.version == 5
+    mine, theirs = engine.model.state_dict(), trained.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in theirs:
+        assert torch.equal(mine[name], theirs[name]), name
+    # the copies are the engine's own: training the source afterwards does not leak into the engine
+    assert engine.model.model.embed_tokens.weight.data_ptr() != trained.model.embed_tokens.weight.data_ptr()
+    out = engine.generate(_prompts(tokenizer)[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert out[0].policy_version == 5
+    assert out[0].token_ids == _hf_greedy(trained, tokenizer, 2)[0]
+    with pytest.raises(KeyError, match="no parameter"):
+        engine.update_weights({"not.a.weight": torch.zeros(1)}, version=6)
+
+
+def test_generate_rejects_empty_prompts_and_restores_train_mode(small_model, tokenizer):
+    engine = TorchEngine(small_model, tokenizer)
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.generate([[1, 5], []], SamplingParams())
+    small_model.train()
+    engine.generate([[1, 5]], SamplingParams(max_new_tokens=1))
+    assert small_model.training
+
+
+def test_stop_string_inside_a_merged_token(small_cfg):
+    # Real BPE vocabularies merge "\n" into longer tokens ("\n\n", ".\n"). A stop string that is one
+    # token on its own must still end generation when it arrives inside such a merged token.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from loopline.models.load import build_tiny_model
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # 3 specials + 256 bytes + exactly one merge: the most frequent pair, "\n" "\n"
+    trainer = trainers.BpeTrainer(
+        vocab_size=260, special_tokens=["<pad>", "<bos>", "<eos>"], initial_alphabet=alphabet
+    )
+    bpe.train_from_iterator(["a\n\nb\n\nc\n\nd\n\n"] * 20, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+    target = tok.encode("7\n\n8", add_special_tokens=False) + [tok.eos_token_id]
+    assert len(target) == 4 and len(tok.encode("\n", add_special_tokens=False)) == 1  # "7", "\n\n", "8", eos
+
+    model = build_tiny_model(small_cfg, tok, seed=0)
+    trainer_ = PolicyTrainer(model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=40)
+    prompt = [tok.bos_token_id] + tok.encode("q", add_special_tokens=False)
+    for _ in range(40):  # memorise the one completion
+        trainer_.sft_step(collate([prompt] * 4, [target] * 4, tok.pad_token_id), 4)
+    engine = TorchEngine(model, tok)
+    free = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0))[0]
+    assert free.token_ids == target
+    stopped = engine.generate([prompt], SamplingParams(max_new_tokens=6, temperature=0.0, stop=("\n",)))[0]
+    assert stopped.token_ids == target[:2] and stopped.text == "7\n\n"
+    assert stopped.finish_reason == "stop"
