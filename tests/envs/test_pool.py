@@ -132,23 +132,33 @@ def test_unpicklable_result_is_an_error_outcome() -> None:
 
 
 def test_workers_join_and_leave_while_a_batch_runs() -> None:
-    ids = list(range(40))
+    ids = list(range(60))
+    names_seen: set[str] = set()
+    three_workers_seen = threading.Event()
     with WorkerPool(square_slowly, EnvPoolConfig(num_workers=1)) as pool:
 
-        def resize() -> None:
-            time.sleep(0.5)
+        def resize() -> None:  # another thread, as an autoscaler would
+            time.sleep(0.3)
             pool.add_workers(2)
-            time.sleep(1.5)
+            three_workers_seen.wait(timeout=60)
             pool.remove_workers(2)
 
         resizer = threading.Thread(target=resize)
         resizer.start()
-        outcomes = list(pool.imap({i: i for i in ids}))
+        outcomes = []
+        for outcome in pool.imap({i: i for i in ids}):
+            outcomes.append(outcome)
+            names_seen.add(outcome.worker)
+            if len(names_seen) >= 3:
+                three_workers_seen.set()
         resizer.join()
         assert pool.num_workers == 1 and len(pool.workers()) == 1
     by_id = _check_exactly_once(outcomes, ids)
     assert all(o.ok and o.value[0] == i * i and o.attempts == 1 for i, o in by_id.items())
-    assert len({o.value[1] for o in outcomes}) >= 3  # the added workers did run tasks
+    assert len(names_seen) == 3  # the added workers did run tasks
+    # After the removal only one worker is left to finish the batch.
+    last = outcomes[-5:]
+    assert len({o.worker for o in last}) == 1
 
 
 def test_concurrency_limit_is_respected() -> None:
