@@ -1,4 +1,4 @@
-"""Policy-gradient losses, KL estimators and loss aggregation: pure tensor functions."""
+"""Policy and value losses, KL estimators, importance weights and loss aggregation: pure tensor functions."""
 
 from __future__ import annotations
 
