@@ -23,8 +23,12 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     # encode(text) starts with <bos>, so a prompt always has at least one token to condition on
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, clean_up_tokenization_spaces=False
+    # padding_side given here (not set afterwards) so that save_pretrained records it
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
     )
-    fast.padding_side = "left"
-    return fast
