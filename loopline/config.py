@@ -227,6 +227,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         tree = loaded
     tree = _merge(tree, parse_overrides(overrides or []))
+    # Start from the defaults, so a section given in part keeps the rest of its own defaults:
+    # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
+    tree = _merge(RunConfig().model_dump(), tree)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:

@@ -1,0 +1,122 @@
+"""Config: YAML + dotted overrides, errors that name the dotted key, partial sections keep defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopline.config import ConfigError, RunConfig, describe, load_config, parse_overrides, save_config
+
+
+def test_defaults_load_without_a_file():
+    cfg = load_config()
+    assert cfg == RunConfig()
+    assert cfg.eval.sampling.temperature == 0.0  # eval is greedy by default
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("grpo.stepz=1", "grpo.stepz"), ("model.tiny.widht=3", "model.tiny.widht"), ("nope=1", "nope")],
+)
+def test_unknown_key_names_the_dotted_key(override, key):
+    with pytest.raises(ConfigError, match=f"unknown config key '{key}'"):
+        load_config(overrides=[override])
+
+
+@pytest.mark.parametrize(
+    "override,key,hint",
+    [
+        ("grpo.group_size=1", "grpo.group_size", "greater than 1"),
+        ("grpo.loss_agg=sum", "grpo.loss_agg", "seq_mean"),
+        ("sft.steps=abc", "sft.steps", "integer"),
+        ("grpo.sampling.top_p=1.5", "grpo.sampling.top_p", "less than or equal to 1"),
+        ("model.tiny.num_heads=3", "model.tiny", "divisible by num_heads"),
+        ("data.task.min_digits=4", "data.task", "min_digits"),
+        ("seed.x=1", "seed", "integer"),
+    ],
+)
+def test_bad_value_names_the_key_and_the_rule(override, key, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert f"config key '{key}'" in str(err.value)
+    assert hint in str(err.value)
+
+
+def test_every_error_is_reported_at_once():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["grpo.stepz=1", "sft.steps=-1"])
+    assert "grpo.stepz" in str(err.value) and "sft.steps" in str(err.value)
+
+
+def test_yaml_file_and_overrides_merge(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 7\ngrpo:\n  steps: 11\n  group_size: 4\n  sampling:\n    stop: [\"\\n\", '###']\n")
+    cfg = load_config(path, ["grpo.steps=3", "grpo.optim.lr=1e-3", "out_dir=/tmp/x"])
+    assert cfg.seed == 7  # file only
+    assert cfg.grpo.group_size == 4  # file only
+    assert cfg.grpo.steps == 3  # the override wins over the file
+    assert cfg.grpo.sampling.stop == ["\n", "###"]  # a list from YAML
+    assert cfg.grpo.optim.lr == pytest.approx(1e-3)  # "1e-3"-style text is a float
+    assert cfg.out_dir == "/tmp/x"
+    assert cfg.sft == RunConfig().sft  # untouched sections keep their defaults
+
+
+def test_a_partial_section_keeps_its_own_defaults(tmp_path):
+    # SFT's optimizer defaults differ from OptimConfig's (cosine, 30 warmup steps), and eval samples
+    # greedily unlike SamplingConfig's default: overriding one field must not reset the others.
+    cfg = load_config(
+        overrides=["sft.optim.lr=0.01", "eval.sampling.max_new_tokens=16", "grpo.optim.lr=1e-3"]
+    )
+    default = RunConfig()
+    assert cfg.sft.optim.lr == 0.01
+    assert cfg.sft.optim.model_dump(exclude={"lr"}) == default.sft.optim.model_dump(exclude={"lr"})
+    assert cfg.eval.sampling.max_new_tokens == 16
+    assert cfg.eval.sampling.temperature == default.eval.sampling.temperature == 0.0
+    assert cfg.grpo.optim.warmup_steps == default.grpo.optim.warmup_steps
+    # the same through a YAML file
+    path = tmp_path / "run.yaml"
+    path.write_text("eval:\n  sampling:\n    max_new_tokens: 4\n")
+    assert load_config(path).eval.sampling.temperature == 0.0
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("grpo: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text("grpo:\n  stepz: 1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'grpo.stepz'"):
+        load_config(unknown)
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="key.path=value"):
+        parse_overrides(["grpo.steps"])
+    with pytest.raises(ConfigError, match="empty key"):
+        parse_overrides(["=3"])
+    with pytest.raises(ConfigError, match="'seed' is a value, not a section"):
+        parse_overrides(["seed=1", "seed.x=2"])
+    assert parse_overrides(["model.path=", "a.b=[1, 2]"]) == {"model": {"path": ""}, "a": {"b": [1, 2]}}
+
+
+def test_save_then_load_round_trip(tmp_path):
+    cfg = load_config(
+        overrides=["grpo.steps=3", "grpo.sampling.stop=['\\n', 'END']", "sft.optim.betas=[0.8, 0.9]"]
+    )
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_describe_lists_every_leaf_with_value_and_description():
+    lines = describe(load_config(overrides=["grpo.steps=3"]))
+    keys = {line.split(" = ")[0] for line in lines}
+    assert {"grpo.steps", "grpo.optim.lr", "model.tiny.hidden_size", "eval.sampling.temperature"} <= keys
+    assert "grpo.steps = 3  # RL steps (one rollout + update each)." in lines
+    # every leaf field has a description
+    assert all(not line.endswith("# ") for line in lines), [line for line in lines if line.endswith("# ")]
