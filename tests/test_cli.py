@@ -1,0 +1,68 @@
+"""The `loopline` command line: config printing, and bad configs failing fast with exit code 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loopline.cli import main
+
+
+def test_config_prints_every_field(capsys):
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "grpo.group_size = 8  # Completions per prompt." in out
+    assert any(line.startswith("eval.sampling.temperature = 0.0  # ") for line in out)
+    assert len(out) > 50
+
+
+def test_config_applies_file_and_overrides(tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("grpo:\n  group_size: 4\n")
+    assert main(["config", str(path), "grpo.steps=3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("grpo.group_size = 4  #") for line in out)
+    assert any(line.startswith("grpo.steps = 3  #") for line in out)
+    # with no file, the first positional argument is an override, not a path
+    assert main(["config", "grpo.steps=5"]) == 0
+    assert any(line.startswith("grpo.steps = 5  #") for line in capsys.readouterr().out.splitlines())
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "eval", "config"])
+def test_bad_config_exits_2_with_the_key(command, tmp_path, capsys):
+    assert main([command, "grpo.stepz=1", f"out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'grpo.stepz'" in err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_train_subprocess_fails_before_any_work(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "train", "grpo.stepz=1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "unknown config key 'grpo.stepz'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no run directory, no checkpoint, no metrics
+
+
+def test_missing_config_file_exits_2(tmp_path, capsys):
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2():
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate"])  # --prompt is required
+    assert e.value.code == 2
+
+
+def test_unknown_benchmark_exits_2(capsys):
+    assert main(["bench", "no_such_bench"]) == 2
+    assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().err
