@@ -1,4 +1,8 @@
-"""The built-in verifiable task: integer addition with an exact-match verifier."""
+"""The built-in verifiable task: integer addition with an exact-match verifier.
+
+Operands are zero-padded to max_digits and the sum to max_digits + 1 ("007+420=0427"): with digits
+aligned by position a tiny model learns the carries in hundreds of steps instead of thousands.
+"""
 
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list
         if (a, b) in seen:
             continue
         seen.add((a, b))
-        rows.append(PromptRow(index=len(rows), prompt=f"{a}+{b}=", answer=str(a + b), completion=f"{a + b}\n"))
+        w = cfg.max_digits
+        total = f"{a + b:0{w + 1}d}"
+        rows.append(PromptRow(index=len(rows), prompt=f"{a:0{w}d}+{b:0{w}d}=", answer=total, completion=total + "\n"))
     eval_rows = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
     return rows[: cfg.num_train], eval_rows
 
