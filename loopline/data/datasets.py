@@ -65,12 +65,16 @@ def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool
         raise DataError(f"{where}: expected an object, got {type(raw).__name__}")
     messages = raw.get(cfg.messages_field)
     if messages is not None:
-        if not isinstance(messages, list) or not all(
+        if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages
         ):
             raise DataError(f"{where}: field '{cfg.messages_field}' must be a list of {{role, content}} strings")
-        return PromptRow(index=index, prompt="", messages=tuple(messages))
+        # a chat row may carry a reference answer too (RL on chat prompts): keep it
+        answer = raw.get(cfg.answer_field, "")
+        if not isinstance(answer, str | int | float):
+            raise DataError(f"{where}: field '{cfg.answer_field}' must be a string or number")
+        return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages))
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
         raise DataError(f"{where}: missing or empty string field '{cfg.prompt_field}'")

@@ -1,0 +1,129 @@
+"""Loading prompt datasets from jsonl, parquet and saved HF datasets; malformed rows name file and row."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopline.config import DataConfig
+from loopline.data.datasets import DataError, load_rows, load_splits
+
+ROWS = [
+    {"question": "1+1=", "solution": "2", "target": "2\n"},
+    {"question": "2+3=", "solution": 5, "target": "5\n"},  # a numeric answer becomes text
+    {"question": "what is 7?", "solution": "7", "extra": "ignored"},
+]
+MAPPING = dict(prompt_field="question", answer_field="solution", completion_field="target")
+
+
+def _write_jsonl(path, rows, raw_lines=()):
+    lines = [json.dumps(r) for r in rows] + list(raw_lines)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _check_rows(rows):
+    assert [(r.index, r.prompt, r.answer, r.completion) for r in rows] == [
+        (0, "1+1=", "2", "2\n"),
+        (1, "2+3=", "5", "5\n"),
+        (2, "what is 7?", "7", ""),
+    ]
+
+
+def test_jsonl_with_field_mapping(tmp_path):
+    path = _write_jsonl(tmp_path / "train.jsonl", ROWS[:2])
+    path.write_text(path.read_text() + "\n   \n" + json.dumps(ROWS[2]) + "\n")  # blank lines are skipped
+    rows, skipped = load_rows(path, DataConfig(source="jsonl", **MAPPING))
+    _check_rows(rows)
+    assert skipped == 0
+
+
+def test_parquet_with_field_mapping(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [dict(r, solution=str(r["solution"]), target=r.get("target", "")) for r in ROWS]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    loaded, _ = load_rows(tmp_path / "train.parquet", DataConfig(source="parquet", **MAPPING))
+    _check_rows(loaded)
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_hf_disk_with_field_mapping(tmp_path, as_dict):
+    from datasets import Dataset, DatasetDict
+
+    rows = [dict(r, solution=str(r["solution"]), target=r.get("target", "")) for r in ROWS]
+    ds = Dataset.from_list(rows)
+    (DatasetDict({"train": ds, "test": ds.select([0])}) if as_dict else ds).save_to_disk(tmp_path / "ds")
+    loaded, _ = load_rows(tmp_path / "ds", DataConfig(source="hf_disk", **MAPPING))
+    _check_rows(loaded)
+
+
+def test_chat_rows_keep_messages_and_answer(tmp_path):
+    chat = [
+        {"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]},
+        {"messages": [{"role": "user", "content": "3+3="}], "answer": "6"},
+    ]
+    rows, _ = load_rows(_write_jsonl(tmp_path / "chat.jsonl", chat), DataConfig(source="jsonl"))
+    assert rows[0].messages == tuple(chat[0]["messages"]) and rows[0].prompt == ""
+    # the reference answer of a chat prompt is what RL scores against: it must not be dropped
+    assert rows[1].answer == "6"
+
+
+@pytest.mark.parametrize(
+    "line,row,why",
+    [
+        ("{not json", 2, "not valid JSON"),
+        (json.dumps({"question": "9+9="}), 2, "missing field 'solution'"),
+        (json.dumps({"solution": "1"}), 2, "missing or empty string field 'question'"),
+        (json.dumps({"question": "", "solution": "1"}), 2, "'question'"),
+        (json.dumps({"question": "1+1=", "solution": ["2"]}), 2, "must be a string or number"),
+        (json.dumps([1, 2]), 2, "expected an object"),
+        (json.dumps({"messages": "hi"}), 2, "'messages' must be a list"),
+        (json.dumps({"messages": []}), 2, "'messages' must be a list"),
+    ],
+)
+def test_malformed_row_names_file_and_row(tmp_path, line, row, why):
+    path = _write_jsonl(tmp_path / "bad.jsonl", ROWS[:1], raw_lines=[line, json.dumps(ROWS[1])])
+    with pytest.raises(DataError) as err:
+        load_rows(path, DataConfig(source="jsonl", **MAPPING))
+    msg = str(err.value)
+    assert f"{path}: row {row}" in msg  # jsonl rows are 1-based line numbers
+    assert why in msg
+    assert "skip_bad_rows" in msg  # and the way out
+
+
+def test_skip_bad_rows_counts_them(tmp_path):
+    bad = ["{not json", json.dumps({"question": "9+9="}), json.dumps({"solution": "1"})]
+    path = _write_jsonl(tmp_path / "bad.jsonl", ROWS[:2], raw_lines=bad + [json.dumps(ROWS[2])])
+    rows, skipped = load_rows(path, DataConfig(source="jsonl", skip_bad_rows=True, **MAPPING))
+    assert skipped == 3
+    _check_rows(rows)  # indices stay dense over the kept rows
+
+
+def test_answers_optional_when_not_needed(tmp_path):
+    path = _write_jsonl(tmp_path / "sft.jsonl", [{"prompt": "hi", "completion": "there"}])
+    rows, _ = load_rows(path, DataConfig(source="jsonl"), need_answer=False)
+    assert rows[0].completion == "there" and rows[0].answer == ""
+    with pytest.raises(DataError, match="missing field 'answer'"):
+        load_rows(path, DataConfig(source="jsonl"))
+
+
+def test_empty_or_missing_dataset(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_rows(tmp_path / "nope.jsonl", DataConfig(source="jsonl"))
+    path = _write_jsonl(tmp_path / "all_bad.jsonl", [], raw_lines=["{bad"])
+    with pytest.raises(DataError, match=r"no usable rows \(1 skipped\)"):
+        load_rows(path, DataConfig(source="jsonl", skip_bad_rows=True))
+
+
+def test_load_splits_from_files(tmp_path):
+    train = _write_jsonl(tmp_path / "train.jsonl", ROWS)
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", ROWS[:1])
+    cfg = DataConfig(source="jsonl", train_path=str(train), eval_path=str(held_out), **MAPPING)
+    tr, ev = load_splits(cfg, seed=0)
+    assert len(tr) == 3 and [r.prompt for r in ev] == ["1+1="]
+    assert load_splits(cfg.model_copy(update={"eval_path": ""}), seed=0)[1] == []
+    with pytest.raises(DataError, match="data.train_path is required"):
+        load_splits(DataConfig(source="jsonl"), seed=0)

@@ -1,0 +1,64 @@
+"""The built-in arithmetic task and its verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+from loopline.config import TaskConfig
+from loopline.data.tasks import arithmetic_splits, exact_match
+
+
+def _operands(prompt: str) -> tuple[int, int]:
+    assert prompt.endswith("=")
+    a, b = prompt[:-1].split("+")
+    return int(a), int(b)
+
+
+def test_splits_are_deterministic_disjoint_and_correct():
+    cfg = TaskConfig(min_digits=1, max_digits=2, num_train=300, num_eval=50)
+    train, held_out = arithmetic_splits(cfg, seed=0)
+    again_train, again_held_out = arithmetic_splits(cfg, seed=0)
+    assert (train, held_out) == (again_train, again_held_out)
+    assert arithmetic_splits(cfg, seed=1)[0] != train
+    assert len(train) == 300 and len(held_out) == 50
+    assert {_operands(r.prompt) for r in train}.isdisjoint(_operands(r.prompt) for r in held_out)
+    assert len({r.prompt for r in train}) == 300  # no duplicates inside a split either
+    for split in (train, held_out):
+        assert [r.index for r in split] == list(range(len(split)))
+        for r in split:
+            a, b = _operands(r.prompt)
+            assert int(r.answer) == a + b
+            assert r.completion == r.answer + "\n"
+            assert exact_match(r.completion, r.answer) == 1.0
+            assert all(0 <= x <= 99 for x in (a, b))
+
+
+def test_digit_range_is_respected():
+    cfg = TaskConfig(min_digits=2, max_digits=3, num_train=200, num_eval=10)
+    train, _ = arithmetic_splits(cfg, seed=0)
+    values = [x for r in train for x in _operands(r.prompt)]
+    assert min(values) >= 10 and max(values) <= 999
+    assert any(x < 100 for x in values) and any(x >= 100 for x in values)
+
+
+def test_asking_for_more_problems_than_exist_fails():
+    # 1-digit operands: 10 * 10 = 100 distinct problems; more than half of them is refused
+    with pytest.raises(ValueError, match="only 100 exist"):
+        arithmetic_splits(TaskConfig(min_digits=1, max_digits=1, num_train=50, num_eval=10), seed=0)
+
+
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("42\n", "42", 1.0),
+        ("42", "42", 1.0),
+        (" 42 \nanything after the first line", "42", 1.0),
+        ("042\n", "42", 0.0),  # exact: no numeric normalisation
+        ("4\n2", "42", 0.0),
+        ("", "42", 0.0),
+        ("", "", 1.0),
+        ("42.0\n", "42", 0.0),
+    ],
+)
+def test_exact_match(completion, answer, expected):
+    assert exact_match(completion, answer) == expected
