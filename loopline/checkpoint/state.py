@@ -72,11 +72,17 @@ def save_checkpoint(
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(name)
     os.replace(latest_tmp, root / "latest")
-    whole = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    whole = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=_age_key)
     for old in whole[:-keep_last] if keep_last > 0 else []:
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _age_key(path: Path) -> tuple[int, str]:
+    """Oldest first: SFT checkpoints precede RL ones (by name alone 'grpo-*' would sort before 'sft-*')."""
+    phase = path.name.split("-", 1)[0]
+    return ({"sft": 0, "grpo": 1}.get(phase, 2), path.name)
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
