@@ -1,0 +1,80 @@
+"""metrics.jsonl rows, truncation for resumed runs, TensorBoard, and the curves plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loopline.metrics.logger import MetricsLogger, read_metrics
+from loopline.metrics.plot import plot_run
+
+
+def _fill(logger: MetricsLogger) -> None:
+    logger.log({"phase": "sft", "step": 0, "eval_accuracy": 0.0})
+    for step in (1, 2, 3):
+        logger.log({"phase": "sft", "step": step, "loss": 3.0 / step})
+    logger.log({"phase": "grpo", "step": 0, "eval_accuracy": 0.1})
+    for step in (1, 2, 3, 4):
+        logger.log(
+            {"phase": "grpo", "step": step, "reward_mean": step / 10, "entropy": 1.0, "response_len_mean": 5}
+        )
+
+
+def test_rows_round_trip_and_non_finite_become_null(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(
+        {"phase": "grpo", "step": 1, "loss": float("nan"), "grad_norm": float("inf"), "n": 3, "ok": True}
+    )
+    logger.close()
+    line = (tmp_path / "metrics.jsonl").read_text().strip()
+    json.loads(line)  # strict JSON: no NaN / Infinity literals
+    assert "NaN" not in line and "Infinity" not in line
+    assert read_metrics(tmp_path) == [
+        {"phase": "grpo", "step": 1, "loss": None, "grad_norm": None, "n": 3, "ok": True}
+    ]
+
+
+def test_truncate_after_drops_rows_past_the_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    _fill(logger)
+    logger.truncate_after("grpo", 2)
+    kept = [(r["phase"], r["step"]) for r in read_metrics(tmp_path)]
+    assert kept == [("sft", 0), ("sft", 1), ("sft", 2), ("sft", 3), ("grpo", 0), ("grpo", 1), ("grpo", 2)]
+    logger.truncate_after("sft", 1)  # an SFT checkpoint: every RL row is later
+    assert [(r["phase"], r["step"]) for r in read_metrics(tmp_path)] == [("sft", 0), ("sft", 1)]
+    logger.log({"phase": "sft", "step": 2, "loss": 1.0})  # appending continues after truncation
+    assert read_metrics(tmp_path)[-1] == {"phase": "sft", "step": 2, "loss": 1.0}
+
+
+def test_read_metrics_without_a_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        read_metrics(tmp_path)
+
+
+def test_tensorboard_events_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    _fill(logger)
+    logger.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    scalars = acc.Scalars("grpo/reward_mean")
+    assert [e.step for e in scalars] == [1, 2, 3, 4]
+    assert [e.value for e in scalars] == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert "sft/loss" in acc.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("with_sft", [True, False])
+def test_plot_writes_curves_png(tmp_path, with_sft):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    if with_sft:
+        _fill(logger)
+    else:
+        logger.log({"phase": "grpo", "step": 0, "eval_accuracy": 0.1})
+        logger.log({"phase": "grpo", "step": 1, "reward_mean": 0.5})
+    (path,) = plot_run(tmp_path)
+    assert path == tmp_path / "curves.png"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
