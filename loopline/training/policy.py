@@ -6,11 +6,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from transformers import PreTrainedModel
 
 from loopline.algorithms.losses import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate
 from loopline.config import GRPOConfig, OptimConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
+from loopline.training.parallel import all_reduce_sum, full_optimizer_state, load_full_optimizer_state
 
 
 def build_optimizer(
@@ -49,11 +51,15 @@ def response_logprobs(
     return logp, entropy
 
 
-def _share(micro: TokenBatch, whole: TokenBatch, agg: str) -> float:
-    """Weight of a micro-batch's mean in the whole batch's mean, so accumulation is exact."""
+def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
+    """Weight of a micro-batch's mean in the global batch's mean, so accumulation is exact.
+
+    `totals` = (response tokens, rows) of the global batch: over every rank when data-parallel.
+    """
+    tokens, rows = totals
     if agg == "token_mean":
-        return float(micro.response_mask.sum()) / max(1.0, float(whole.response_mask.sum()))
-    return len(micro) / len(whole)
+        return float(micro.response_mask.sum()) / max(1.0, tokens)
+    return len(micro) / rows
 
 
 @dataclass
@@ -67,12 +73,36 @@ class StepStats:
 
 
 class PolicyTrainer:
-    """Owns the trainable model, its optimizer and LR schedule; one method per kind of update."""
+    """Owns the trainable model, its optimizer and LR schedule; one method per kind of update.
 
-    def __init__(self, model: PreTrainedModel, optim: OptimConfig, total_steps: int) -> None:
+    Data-parallel: pass the trainer ranks' `group` and a model under FSDP2 (training.parallel.shard_model,
+    which sums gradients). Each rank steps on its slice of the global batch; micro-batches are weighted
+    by global token and row counts, so N ranks make the same update as one rank on the whole batch.
+    Every rank must run the same number of micro-batches (equal slices): FSDP2 gathers in each forward.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        optim: OptimConfig,
+        total_steps: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.model = model
         self.cfg = optim
+        self.group = group
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
+
+    def _totals(self, batch: TokenBatch) -> tuple[float, float]:
+        """(response tokens, rows) of the global batch: one all_reduce over the group per step."""
+        local = torch.tensor([float(batch.response_mask.sum()), float(len(batch))], dtype=torch.float64)
+        tokens, rows = all_reduce_sum(local, self.group).tolist()
+        return tokens, rows
+
+    def _global_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """Share-weighted statistics summed over the group (each rank holds its part of each mean)."""
+        total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
+        return dict(zip(sums, total.tolist()))
 
     def _step(self) -> tuple[float, float]:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -89,24 +119,27 @@ class PolicyTrainer:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked)."""
         self.model.train()
+        totals = self._totals(batch)
         total = 0.0
         for micro in split_rows(batch, micro_batch_size):
             logp, _ = response_logprobs(self.model, micro)
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
-            (loss * _share(micro, batch, "token_mean")).backward()
-            total += float(loss.detach()) * _share(micro, batch, "token_mean")
+            (loss * _share(micro, totals, "token_mean")).backward()
+            total += float(loss.detach()) * _share(micro, totals, "token_mean")
         grad_norm, lr = self._step()
-        return StepStats(loss=total, grad_norm=grad_norm, lr=lr, extra={})
+        loss = self._global_sums({"loss": total})["loss"]
+        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra={})
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
         """One optimizer step of the clipped GRPO objective (+ KL to ref, + entropy bonus)."""
         self.model.train()
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         max_len = cfg.sampling.max_new_tokens
+        totals = self._totals(batch)
         for micro in split_rows(batch, cfg.micro_batch_size):
-            share = _share(micro, batch, cfg.loss_agg)
-            token_share = _share(micro, batch, "token_mean")  # for the token-mean statistics
+            share = _share(micro, totals, cfg.loss_agg)
+            token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
             logp, entropy = response_logprobs(self.model, micro, with_entropy=True)
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
@@ -136,14 +169,20 @@ class PolicyTrainer:
             ):
                 sums[key] += float(value.detach()) * weight
         grad_norm, lr = self._step()
+        sums = self._global_sums(sums)
         loss = sums.pop("loss")
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer state by parameter name (whole tensors; on rank 0 only when sharded) and LR schedule."""
+        return {
+            "optimizer": full_optimizer_state(self.model, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore a `state_dict()` (every rank passes the whole of it; sharded ranks keep their part)."""
+        load_full_optimizer_state(self.model, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
 
 
