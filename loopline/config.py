@@ -19,6 +19,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+# The runtime's sections live beside the code that reads them and build on Section above; importing
+# loopline.runtime first imports this module, so the two always load in this order.
+from loopline.runtime.cluster import ClusterConfig  # noqa: E402
+from loopline.runtime.placement import PlacementConfig  # noqa: E402
+
+
 class TinyModelConfig(Section):
     """Shape of the built-in Qwen2-architecture model (used when model.path is empty)."""
 
@@ -147,6 +153,67 @@ class EvalConfig(Section):
     )
 
 
+class RuntimeConfig(Section):
+    """Where the roles run: all in this process (local), or as worker groups on a Ray cluster (ray)."""
+
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local: one process, no cluster; ray: actor, rollout and env worker groups on Ray.",
+    )
+    trainer_ranks: int = Field(
+        1,
+        gt=0,
+        description="FSDP2 ranks of the actor (ray); each gets an equal slice, micro_batch_size is per rank.",
+    )
+    engines: int = Field(
+        1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
+    )
+    env_workers: int = Field(
+        1, gt=0, description="CPU scorer workers (ray); completions are split across them."
+    )
+    call_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait for a call on a worker group, and for the trainer's collectives.",
+    )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="Which Ray: a local one or an address."
+    )
+    placement: PlacementConfig | None = Field(
+        None,
+        description="Pools and role -> pool map (roles actor, rollout, env); None = one pool per role "
+        "with a {CPU: 1} bundle per rank.",
+    )
+
+    @model_validator(mode="after")
+    def _roles_fit(self) -> RuntimeConfig:
+        if self.backend == "local":
+            many = [f"{k}={v}" for k, v in self._ranks().items() if v > 1]
+            if many:
+                raise ValueError(
+                    f"backend 'local' runs one rank per role; {', '.join(many)} needs backend=ray"
+                )
+            return self
+        if self.placement is None:
+            return self
+        pools = {p.name: p for p in self.placement.pools}
+        for role, ranks in self._ranks().items():
+            field = {"actor": "trainer_ranks", "rollout": "engines", "env": "env_workers"}[role]
+            if role not in self.placement.roles:
+                raise ValueError(
+                    f"placement.roles must place role '{role}' (its {ranks} rank(s) need a pool)"
+                )
+            pool = pools[self.placement.roles[role]]
+            if pool.bundles < ranks:
+                raise ValueError(
+                    f"{field}={ranks} but pool '{pool.name}' of role '{role}' has {pool.bundles} bundles"
+                )
+        return self
+
+    def _ranks(self) -> dict[str, int]:
+        return {"actor": self.trainer_ranks, "rollout": self.engines, "env": self.env_workers}
+
+
 class RunConfig(Section):
     """A whole run: model, data, SFT warm start, GRPO, eval, outputs."""
 
@@ -161,6 +228,23 @@ class RunConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+
+    @model_validator(mode="after")
+    def _batches_split_evenly(self) -> RunConfig:
+        # every trainer rank must run the same number of micro-batches: FSDP2 gathers in each forward
+        n = self.runtime.trainer_ranks
+        rollout = self.grpo.prompts_per_step * self.grpo.group_size
+        if rollout % n:
+            raise ValueError(
+                f"grpo.prompts_per_step * grpo.group_size ({rollout}) must be a multiple of "
+                f"runtime.trainer_ranks ({n})"
+            )
+        if self.sft.batch_size % n:
+            raise ValueError(
+                f"sft.batch_size ({self.sft.batch_size}) must be a multiple of runtime.trainer_ranks ({n})"
+            )
+        return self
 
 
 class ConfigError(ValueError):
@@ -174,7 +258,10 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             lines.append(f"unknown config key '{key}'")
         else:
-            lines.append(f"config key '{key}': {e['msg']} (got {e.get('input')!r})")
+            got = e.get("input")
+            # a section's own check names its fields in the message; its input is the whole section
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"config key '{key}': {e['msg']}{shown}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from loopline.config import Section
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster
@@ -39,12 +41,6 @@ def _loopback() -> Iterator[None]:
             os.environ.pop(_LOOPBACK_ENV, None)
         else:
             os.environ[_LOOPBACK_ENV] = saved_env
-
-
-class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ClusterConfig(Section):

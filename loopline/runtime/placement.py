@@ -21,7 +21,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from loopline.config import Section
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -31,12 +33,6 @@ ROLES: tuple[str, ...] = get_args(Role)
 
 # Slack for float sums of fractional resources (Ray itself works in units of 1e-4).
 _EPS = 1e-6
-
-
-class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class PoolConfig(Section):
