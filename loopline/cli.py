@@ -58,7 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # argparse fills the overrides list only up to the first option; key=value words after an option
+    # (`train run.yaml --resume grpo.steps=5`) come back unrecognised and are overrides too
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         if args.command in ("train", "sft", "eval", "generate", "config"):
             from loopline import commands

@@ -18,6 +18,7 @@ def _resume(ctx: RunContext) -> tuple[RunState, dict | None]:
     path = latest_checkpoint(ctx.run_dir)
     if path is None:
         print(f"no checkpoint in {ctx.run_dir}: starting fresh")
+        ctx.logger.clear()
         return RunState(), None
     state, trainer_state, rng = load_checkpoint(path, ctx.model)
     set_rng_state(rng)
@@ -31,7 +32,11 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     cfg = load_config(config, overrides)
     t0 = time.perf_counter()
     ctx = build_context(cfg)
-    state, trainer_state = _resume(ctx) if args.resume else (RunState(), None)
+    if args.resume:
+        state, trainer_state = _resume(ctx)
+    else:
+        ctx.logger.clear()  # a new run; without this, an earlier run's rows would be read as this one's
+        state, trainer_state = RunState(), None
 
     if state.phase == "sft":
         sync_engine(ctx, version=0)
@@ -74,6 +79,7 @@ def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     """SFT only; the result is the checkpoint's model/ directory."""
     cfg = load_config(config, overrides)
     ctx = build_context(cfg)
+    ctx.logger.clear()
     sync_engine(ctx, version=0)
     ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
     train_sft(ctx, RunState(), None)

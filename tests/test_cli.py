@@ -66,3 +66,14 @@ def test_usage_errors_exit_2():
 def test_unknown_benchmark_exits_2(capsys):
     assert main(["bench", "no_such_bench"]) == 2
     assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_options(capsys):
+    # argparse alone stops collecting positionals at `--resume`; both overrides must still be read
+    assert main(["train", "grpo.stepz=1", "--resume", "sft.steps=x"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown config key 'grpo.stepz'" in err and "config key 'sft.steps'" in err
+    with pytest.raises(SystemExit) as e:
+        main(["train", "grpo.steps=1", "--resume", "--bogus"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -37,6 +37,10 @@ class MetricsLogger:
                     self._tb.add_scalar(f"{phase}/{k}", v, row["step"])
             self._tb.flush()
 
+    def clear(self) -> None:
+        """Start metrics.jsonl afresh: rows of an earlier run in the same directory must not mix in."""
+        self.path.unlink(missing_ok=True)
+
     def truncate_after(self, phase: str, step: int) -> None:
         """Drop rows written after a checkpoint (phase, step) so a resumed run does not repeat them."""
         if not self.path.exists():

@@ -47,6 +47,15 @@ def test_truncate_after_drops_rows_past_the_checkpoint(tmp_path):
     assert read_metrics(tmp_path)[-1] == {"phase": "sft", "step": 2, "loss": 1.0}
 
 
+def test_clear_starts_a_new_file(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    _fill(logger)
+    logger.clear()
+    logger.clear()  # also fine when there is nothing to clear
+    logger.log({"phase": "sft", "step": 0})
+    assert read_metrics(tmp_path) == [{"phase": "sft", "step": 0}]
+
+
 def test_read_metrics_without_a_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
         read_metrics(tmp_path)
