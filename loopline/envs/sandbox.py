@@ -9,12 +9,20 @@ Two isolation levels, chosen by `SandboxConfig.isolation`:
 - "process": a plain subprocess with the same rlimits and a scratch dir in the host's temp dir.
   The code sees the host file system and network: a loud warning is logged.
 
-In both, when the host runs as root the code runs under a uid of its own, leased for the run
-(see `_UidLease`): RLIMIT_NPROC only bites for non-root uids, a non-root uid cannot signal or
-read the host's processes, and "every process of this uid" is exactly the sandbox, which is how
+When the host runs as root, the code runs under a uid of its own, leased per sandbox process
+(`_UidLease`): RLIMIT_NPROC only bites for non-root uids, a non-root uid cannot signal or read
+the host's processes, and "every process of this uid" is exactly the sandbox, which is how
 leftovers are found and killed. Limits are set by `prlimit` before the interpreter starts, so
 they cover the whole process tree; the wall-clock limit is enforced from outside by killing the
 session (and, for bwrap, the PID namespace dies with its init).
+
+Warm sandboxes (`reuse_runs` > 0): starting bwrap and an interpreter costs tens of ms, more than
+most checks. A warm sandbox is one sandboxed "zygote" interpreter that forks a child per run
+(inheriting all limits), and after each run kills every other process of its uid, wipes the
+scratch dir, and reports the exit status. Each run gets its own stdin/stdout/stderr pipes,
+handed over as file descriptors. The zygote is non-dumpable, so runs (same uid) cannot ptrace
+it or read its memory or fds; they can only kill it, which ends that sandbox. On a timeout, or
+anything unexpected, the whole sandbox is killed and a fresh one started for the next run.
 """
 
 from __future__ import annotations
@@ -23,18 +31,22 @@ import contextlib
 import errno
 import fcntl
 import functools
+import inspect
 import logging
 import os
 import random
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -69,6 +81,12 @@ class SandboxConfig(Section):
     scratch_mb: int = Field(64, gt=0, description="Size of the private /tmp scratch tmpfs (bwrap), MiB.")
     max_output_bytes: int = Field(
         65536, gt=0, description="Bytes kept of stdout and of stderr each; the tail is kept."
+    )
+    reuse_runs: int = Field(
+        100,
+        ge=0,
+        description="Runs served by one warm sandbox (its leftovers killed, scratch wiped between runs) "
+        "before it is replaced; 0 = a fresh sandbox for every run.",
     )
     python: str = Field(
         "", description="Interpreter inside the sandbox; empty = the base install running loopline."
@@ -142,6 +160,11 @@ class Sandbox:
             )
         else:
             logger.info("sandbox isolation: bwrap (python %s)", self.python)
+        # Warm reuse needs "kill every other process of my uid" to mean "of this sandbox": a PID
+        # namespace (bwrap) or a leased uid (root).
+        self.reuses = self.config.reuse_runs > 0 and (self.isolation == "bwrap" or self._root)
+        self._warm: _Warm | None = None
+        self._warm_lock = threading.Lock()
 
     def _choose_isolation(self) -> Isolation:
         wanted = self.config.isolation
@@ -157,67 +180,23 @@ class Sandbox:
 
     def run(self, code: str, stdin: bytes = b"") -> SandboxResult:
         """Run `code` as a Python program (argv[0] = its file), feeding it `stdin`."""
-        cfg = self.config
-        with contextlib.ExitStack() as stack:
-            uid = stack.enter_context(_UidLease()) if self._root else None
-            if uid is not None and not _kill_uid(uid):  # a crashed host may have left processes behind
-                raise SandboxError(
-                    f"cannot clear leftover processes of sandbox uid {uid}: {pids_of_uid(uid)}"
-                )
-            if self.isolation == "bwrap":
-                code_fd = _memfd("main.py", code.encode())
-                stack.callback(os.close, code_fd)
-                argv = _bwrap_argv(cfg, self.python, uid, code_fd) + _limits_argv(cfg, uid)
-                argv += [self.python, *self.python_flags, SANDBOX_MAIN]
-                cwd, pass_fds = "/", (code_fd,)
-                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-            else:
-                scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="loopline-sandbox-"))
-                main = Path(scratch, "main.py")
-                main.write_text(code)
-                main.chmod(0o444)
-                if uid is not None:
-                    os.chown(scratch, uid, uid)
-                argv = _process_prefix(uid) + _limits_argv(cfg, uid)
-                argv += [self.python, *self.python_flags, str(main)]
-                cwd, pass_fds = scratch, ()
-                env = {
-                    "PATH": "/usr/local/bin:/usr/bin:/bin",
-                    "HOME": scratch,
-                    "TMPDIR": scratch,
-                    "LANG": "C.UTF-8",
-                }
-            start = time.monotonic()
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=pass_fds,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,  # the run is its own session: killpg reaches the whole tree
-            )
+        start = time.monotonic()
+        # One warm sandbox per Sandbox: a concurrent caller gets a fresh one instead of waiting.
+        if self.reuses and self._warm_lock.acquire(blocking=False):
             try:
-                out, err, timed_out = _communicate(
-                    proc, stdin, start + cfg.timeout_s, cfg.max_output_bytes, uid
-                )
+                code_, timed_out, out, err = self._run_warm(code, stdin)
             finally:
-                _kill_tree(proc, uid)
-            duration = time.monotonic() - start
-        code_ = proc.returncode
-        if self.isolation == "bwrap" and code_ > 128 and not timed_out:
-            code_ = 128 - code_  # bwrap reports "killed by signal N" as 128 + N; normalise to -N
-        if timed_out:
-            code_ = -signal.SIGKILL
+                self._warm_lock.release()
+        else:
+            code_, timed_out, out, err = self._run_fresh(code, stdin)
         result = SandboxResult(
-            exit_code=code_,
+            exit_code=-signal.SIGKILL if timed_out else code_,
             timed_out=timed_out,
             stdout=bytes(out.data).decode("utf-8", "replace"),
             stderr=bytes(err.data).decode("utf-8", "replace"),
             stdout_bytes=out.total,
             stderr_bytes=err.total,
-            duration_s=duration,
+            duration_s=time.monotonic() - start,
             isolation=self.isolation,
         )
         logger.debug(
@@ -225,9 +204,403 @@ class Sandbox:
             result.isolation,
             result.exit_code,
             result.timed_out,
-            duration,
+            result.duration_s,
         )
         return result
+
+    def _run_fresh(self, code: str, stdin: bytes) -> tuple[int, bool, _Tail, _Tail]:
+        """A new sandbox for this run only."""
+        cfg = self.config
+        with contextlib.ExitStack() as stack:
+            uid = stack.enter_context(_UidLease()) if self._root else None
+            if self.isolation == "bwrap":
+                code_fd = _memfd("main.py", code.encode())
+                stack.callback(os.close, code_fd)
+                main, pass_fds, scratch = SANDBOX_MAIN, (code_fd,), None
+            else:
+                scratch = stack.enter_context(_scratch_dir(uid))
+                Path(scratch, "main.py").write_text(code)
+                Path(scratch, "main.py").chmod(0o444)
+                main, pass_fds, code_fd = str(Path(scratch, "main.py")), (), None
+            proc = self._launch([main], uid, code_fd, scratch, pass_fds, stdin=subprocess.PIPE)
+            assert proc.stdin and proc.stdout and proc.stderr
+            exited_at: list[float] = []
+
+            def stalled(now: float) -> None:
+                # The program exited but something it started still holds the pipes.
+                if not exited_at and proc.poll() is not None:
+                    exited_at.append(now)
+                if exited_at and now - exited_at[-1] > 0.5:
+                    _kill_tree(proc, uid, self.isolation)
+                    exited_at.append(now)
+
+            stdin_fd = os.dup(proc.stdin.fileno())  # _pump owns (and closes) this one
+            proc.stdin.close()
+            try:
+                out, err, timed_out = _pump(
+                    stdin_fd,
+                    stdin,
+                    proc.stdout.fileno(),
+                    proc.stderr.fileno(),
+                    time.monotonic() + cfg.timeout_s,
+                    cfg.max_output_bytes,
+                    stalled,
+                )
+            finally:
+                proc.stdout.close()
+                proc.stderr.close()
+                _kill_tree(proc, uid, self.isolation)
+        code_ = proc.returncode
+        if self.isolation == "bwrap" and code_ > 128:
+            code_ = 128 - code_  # bwrap reports "killed by signal N" as 128 + N; normalise to -N
+        return code_, timed_out, out, err
+
+    def _run_warm(self, code: str, stdin: bytes) -> tuple[int, bool, _Tail, _Tail]:
+        """The run on this Sandbox's warm sandbox, started (again) when needed."""
+        for _ in range(2):  # a sandbox that died between runs is replaced once
+            if self._warm is not None and (not self._warm.alive or self._warm.runs >= self.config.reuse_runs):
+                self._warm.close()
+                self._warm = None
+            if self._warm is None:
+                try:
+                    self._warm = _Warm(self)
+                except SandboxError as e:
+                    logger.warning("warm sandbox did not start (%s); running without reuse", e)
+                    self.reuses = False
+                    break
+            try:
+                return self._warm.run(code, stdin)
+            except _WarmGone as e:
+                logger.warning("warm sandbox was gone before a run (%s); replacing it", e)
+        return self._run_fresh(code, stdin)
+
+    def _launch(
+        self,
+        main_args: list[str],
+        uid: int | None,
+        code_fd: int | None,
+        scratch: str | None,
+        pass_fds: tuple[int, ...],
+        **popen: Any,
+    ) -> subprocess.Popen[bytes]:
+        """Start the interpreter with `main_args` under the configured isolation and limits."""
+        if self.isolation == "bwrap":
+            argv = _bwrap_argv(self.config, self.python, uid, code_fd)
+            cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+        else:
+            assert scratch is not None
+            argv = _process_prefix(uid)
+            cwd = scratch
+            env = {
+                "PATH": "/usr/local/bin:/usr/bin:/bin",
+                "HOME": scratch,
+                "TMPDIR": scratch,
+                "LANG": "C.UTF-8",
+            }
+        argv += _limits_argv(self.config, uid) + [self.python, *self.python_flags, *main_args]
+        defaults: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        return subprocess.Popen(
+            argv,
+            pass_fds=pass_fds,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,  # its own session: killpg reaches the whole tree
+            **{**defaults, **popen},
+        )
+
+    def close(self) -> None:
+        """Stop the warm sandbox, if any (also done when this process exits)."""
+        with self._warm_lock:
+            if self._warm is not None:
+                self._warm.close()
+                self._warm = None
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm sandboxes
+# ---------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _launcher() -> ThreadPoolExecutor:
+    """The thread that starts warm sandboxes (see _Warm); idle, it waits for the next one."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-launcher")
+
+
+class _WarmGone(Exception):
+    """The warm sandbox died between runs (e.g. killed by the previous run); nothing ran."""
+
+
+class _Warm:
+    """One sandboxed zygote serving runs in turn; see the module docstring."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self.sandbox = sandbox
+        self.runs = 0
+        self.alive = True
+        self._stack = contextlib.ExitStack()
+        try:
+            self.uid = self._stack.enter_context(_UidLease()) if sandbox._root else None
+            if sandbox.isolation == "bwrap":
+                scratch: str | None = None
+                where = ["/tmp", SANDBOX_MAIN]  # scratch dir, and the path runs see as argv[0]
+            else:
+                scratch = self._stack.enter_context(_scratch_dir(self.uid))
+                where = [scratch, str(Path(scratch, "main.py"))]
+            self.control, theirs = socket.socketpair()
+            self._log = self._stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - closed by the stack
+            with theirs:
+                # bwrap --die-with-parent and setpriv --pdeathsig fire when the *thread* that
+                # started them ends: start warm sandboxes from one thread that lives as long as
+                # this process, not from whichever (maybe short-lived) thread called run().
+                self.proc = (
+                    _launcher()
+                    .submit(
+                        sandbox._launch,
+                        ["-c", ZYGOTE_PROGRAM, str(theirs.fileno()), *where],
+                        self.uid,
+                        None,
+                        scratch,
+                        (theirs.fileno(),),
+                        stdin=subprocess.DEVNULL,
+                        stdout=self._log,
+                        stderr=self._log,
+                    )
+                    .result()
+                )
+            if self._receive_line(time.monotonic() + 30) != "ready":
+                raise SandboxError(f"the zygote did not start: {self._log_tail()}")
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, code: str, stdin: bytes) -> tuple[int, bool, _Tail, _Tail]:
+        cfg = self.sandbox.config
+        deadline = time.monotonic() + cfg.timeout_s
+        self.runs += 1
+        program = _memfd("main.py", code.encode())
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        stderr_r, stderr_w = os.pipe()
+        try:
+            socket.send_fds(self.control, [b"r"], [program, stdin_r, stdout_w, stderr_w])
+        except OSError as e:
+            for fd in (stdin_w, stdout_r, stderr_r):
+                os.close(fd)
+            self.close()
+            raise _WarmGone(str(e)) from e
+        finally:
+            for fd in (program, stdin_r, stdout_w, stderr_w):
+                os.close(fd)
+        try:
+            # The outputs close when the run and everything it started are dead (the zygote
+            # kills leftovers before it reports), or when the whole sandbox is killed.
+            out, err, timed_out = _pump(
+                stdin_w, stdin, stdout_r, stderr_r, deadline, cfg.max_output_bytes, None
+            )
+        finally:
+            os.close(stdout_r)
+            os.close(stderr_r)
+        if timed_out:
+            self.close()
+            return -signal.SIGKILL, True, out, err
+        report = self._receive_line(deadline) if self.alive else ""
+        try:
+            code_, clean = (int(x) for x in report.split())
+        except ValueError:
+            logger.warning("warm sandbox died during a run (report %r); replacing it", report)
+            self.close()
+            err.add(b"\n[sandbox: the sandbox process was killed during this run]\n")
+            return -signal.SIGKILL, False, out, err
+        if not clean:
+            logger.warning("warm sandbox could not be cleaned after a run; replacing it")
+            self.close()
+        return code_, False, out, err
+
+    def _receive_line(self, deadline: float) -> str:
+        """One line from the zygote, or "" if it is gone or silent past the deadline."""
+        data = b""
+        while not data.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return ""
+            self.control.settimeout(remaining)
+            try:
+                chunk = self.control.recv(64)
+            except (TimeoutError, OSError):
+                return ""
+            if not chunk:
+                return ""
+            data += chunk
+        return data.decode(errors="replace").strip()
+
+    def _log_tail(self) -> str:
+        self._log.seek(0)
+        return self._log.read()[-2000:].decode(errors="replace").strip()
+
+    def close(self) -> None:
+        self.alive = False
+        with contextlib.suppress(AttributeError, OSError):
+            self.control.close()
+        if hasattr(self, "proc"):
+            _kill_tree(self.proc, self.uid, self.sandbox.isolation)
+        self._stack.close()
+
+
+def _zygote_main() -> None:
+    """In the sandbox: fork a child per run request from the host; clean up after each."""
+    import ctypes
+    import os
+    import socket
+    import sys
+
+    control = socket.socket(fileno=int(sys.argv[1]))
+    scratch, main_path = sys.argv[2], sys.argv[3]
+    # Runs share our uid: non-dumpable, they cannot ptrace us nor open /proc/<us>/{mem,fd}.
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+        sys.exit("zygote: prctl(PR_SET_DUMPABLE, 0) failed")
+    me, uid = os.getpid(), os.getuid()
+    control.sendall(b"ready\n")
+    while True:
+        try:
+            _, fds, _, _ = socket.recv_fds(control, 16, 4)
+        except OSError:
+            return
+        if len(fds) != 4:
+            return  # the host closed the connection
+        program_fd, stdin_fd, stdout_fd, stderr_fd = fds
+        with open(program_fd, "rb") as f:
+            source = f.read()
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            _zygote_child(source, stdin_fd, stdout_fd, stderr_fd, scratch, main_path)
+        for fd in (stdin_fd, stdout_fd, stderr_fd):
+            os.close(fd)
+        _, status = os.waitpid(pid, 0)
+        clean = _zygote_cleanup(me, uid, scratch)
+        control.sendall(f"{os.waitstatus_to_exitcode(status)} {int(clean)}\n".encode())
+
+
+def _zygote_child(
+    source: bytes, stdin_fd: int, stdout_fd: int, stderr_fd: int, scratch: str, main_path: str
+) -> None:
+    """Run one program as `python main.py` would, in a forked child of the zygote."""
+    import atexit
+    import builtins
+    import os
+    import sys
+    import types
+
+    code = 1
+    try:
+        for fd, target in ((stdin_fd, 0), (stdout_fd, 1), (stderr_fd, 2)):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(scratch)
+        main = types.ModuleType("__main__")
+        main.__file__ = main_path
+        main.__builtins__ = builtins
+        sys.modules["__main__"] = main
+        sys.argv[:] = [main_path]
+        try:
+            exec(compile(source, main_path, "exec"), main.__dict__)
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 - like the interpreter: print it, exit 1
+            import traceback
+
+            tb = e.__traceback__.tb_next if e.__traceback__ else None  # hide this function's frame
+            traceback.print_exception(type(e), e, tb)
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:  # noqa: SIM105 - no contextlib import in the zygote
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def _zygote_cleanup(me: int, uid: int, scratch: str) -> bool:
+    """Kill every other process of our uid, wipe the scratch dir; False if something remains."""
+    import os
+    import shutil
+    import signal
+    import time
+
+    deadline = time.monotonic() + 5
+    while _pids_of_uid(uid, exclude=me):
+        if time.monotonic() > deadline:
+            return False
+        try:  # noqa: SIM105 - no contextlib import in the zygote
+            os.kill(-1, signal.SIGKILL)  # every process of this uid but us, in one sweep
+        except OSError:
+            pass
+        time.sleep(0.001)
+    for entry in os.scandir(scratch):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            try:  # noqa: SIM105 - no contextlib import in the zygote
+                os.unlink(entry.path)
+            except OSError:
+                pass
+    if os.listdir(scratch):
+        return False
+    # SysV IPC objects outlive processes; we cannot remove them here, so report (and recycle).
+    for table in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        if any(len(r.split()) > 7 and str(uid) in r.split()[4:8] for r in rows):
+            return False
+    return True
+
+
+def _pids_of_uid(uid: int, exclude: int = -1) -> list[int]:
+    """Live (not zombie) processes whose real uid is `uid`.
+
+    Reads /proc/<pid>/status: the owner of /proc/<pid> is root for non-dumpable processes,
+    which any process can make itself.
+    """
+    import os
+
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == exclude:
+            continue
+        try:
+            with open(f"/proc/{name}/status", "rb") as f:
+                status = f.read(4096)
+        except OSError:
+            continue
+        state = status.find(b"\nState:")
+        real = status.find(b"\nUid:")
+        if state < 0 or real < 0 or status[state + 7 :].split()[0] == b"Z":
+            continue
+        if int(status[real + 5 :].split()[0]) == uid:
+            found.append(int(name))
+    return found
+
+
+ZYGOTE_PROGRAM = "\n\n".join(
+    ["from __future__ import annotations"]
+    + [inspect.getsource(f) for f in (_pids_of_uid, _zygote_cleanup, _zygote_child, _zygote_main)]
+    + ["_zygote_main()\n"]
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +633,7 @@ def readable_by_others(path: str) -> bool:
     return bool(p.stat().st_mode & stat.S_IXOTH)
 
 
-def _bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, code_fd: int) -> list[str]:
+def _bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, code_fd: int | None) -> list[str]:
     """bwrap arguments: namespaces, a minimal read-only root, scratch tmpfs, cleared env."""
     argv = [
         "bwrap",
@@ -295,8 +668,10 @@ def _bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, code_fd: int) 
         made.add(path)
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", str(cfg.scratch_mb << 20), "--tmpfs", "/tmp"]
-    argv += ["--perms", "0555", "--dir", "/sandbox", "--perms", "0444"]
-    argv += ["--ro-bind-data", str(code_fd), SANDBOX_MAIN, "--chdir", "/tmp"]
+    argv += ["--perms", "0555", "--dir", "/sandbox"]
+    if code_fd is not None:
+        argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), SANDBOX_MAIN]
+    argv += ["--chdir", "/tmp"]
     for key, value in (
         ("PATH", "/usr/local/bin:/usr/bin:/bin"),
         ("HOME", "/tmp"),
@@ -333,10 +708,9 @@ def _process_prefix(uid: int | None) -> list[str]:
 def _limits_argv(cfg: SandboxConfig, uid: int | None) -> list[str]:
     """prlimit arguments; the limits hold from the interpreter's first instruction."""
     nproc = cfg.max_procs if uid is not None else _tasks_of_uid(os.getuid()) + cfg.max_procs
-    soft_cpu = cfg.cpu_s
     return [
         shutil.which("prlimit") or "prlimit",
-        f"--cpu={soft_cpu}:{soft_cpu + 1}",  # SIGXCPU at the soft limit, SIGKILL one second later
+        f"--cpu={cfg.cpu_s}:{cfg.cpu_s + 1}",  # SIGXCPU at the soft limit, SIGKILL one second later
         f"--as={cfg.memory_mb << 20}",
         f"--nproc={nproc}",
         f"--fsize={cfg.max_file_mb << 20}",
@@ -346,19 +720,23 @@ def _limits_argv(cfg: SandboxConfig, uid: int | None) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def _scratch_dir(uid: int | None) -> Iterator[str]:
+    """A host temp dir owned by the sandbox uid (isolation=process)."""
+    with tempfile.TemporaryDirectory(prefix="loopline-sandbox-") as scratch:
+        if uid is not None:
+            os.chown(scratch, uid, uid)
+        yield scratch
+
+
 def _memfd(name: str, data: bytes) -> int:
-    """An in-memory file holding `data`, positioned at 0 (bwrap copies it into the sandbox)."""
+    """An in-memory file holding `data`, positioned at 0."""
     fd = os.memfd_create(name)
-    _write_all(fd, data)
-    os.lseek(fd, 0, os.SEEK_SET)
-    return fd
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write every byte of `data` to a blocking fd."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
 
 
 @functools.cache
@@ -390,14 +768,15 @@ def bwrap_problem(python: str, ro_binds: tuple[str, ...], root: bool) -> str | N
 
 
 # ---------------------------------------------------------------------------------------------
-# Sandbox uids
+# Sandbox uids and leftovers
 # ---------------------------------------------------------------------------------------------
 
 
 class _UidLease:
     """Exclusive use of one sandbox uid, across processes, via an flock on a file per uid.
 
-    The kernel drops the lock when its holder dies, so a crashed host never leaks a uid.
+    The kernel drops the lock when its holder dies, so a crashed host never leaks a uid; a new
+    holder first kills whatever the old one may have left under it.
     """
 
     def __init__(self) -> None:
@@ -421,6 +800,11 @@ class _UidLease:
                     continue
                 raise
             self.fd = fd
+            if not _kill_uid(uid):
+                self.__exit__()
+                raise SandboxError(
+                    f"cannot clear leftover processes of sandbox uid {uid}: {pids_of_uid(uid)}"
+                )
             return uid
         raise SandboxError(f"all {UID_COUNT} sandbox uids are in use")
 
@@ -428,26 +812,9 @@ class _UidLease:
         os.close(self.fd)  # closing releases the flock
 
 
-def _pids() -> Iterator[int]:
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            yield int(name)
-
-
 def pids_of_uid(uid: int) -> list[int]:
-    """Live (not zombie) processes owned by `uid`: sandbox leftovers when uid is a sandbox's."""
-    found = []
-    for pid in _pids():
-        with contextlib.suppress(OSError, IndexError):
-            if os.stat(f"/proc/{pid}").st_uid == uid and _stat_fields(pid)[0] != b"Z":
-                found.append(pid)
-    return found
-
-
-def _stat_fields(pid: int) -> list[bytes]:
-    """Fields of /proc/<pid>/stat after the command name: state, ppid, pgrp, session, ..."""
-    with open(f"/proc/{pid}/stat", "rb") as f:
-        return f.read().rsplit(b")", 1)[1].split()
+    """Live processes whose real uid is `uid` (sandbox leftovers, when uid is a sandbox's)."""
+    return _pids_of_uid(uid)
 
 
 def _tasks_of_uid(uid: int) -> int:
@@ -479,23 +846,30 @@ def _kill_uid(uid: int, wait_s: float = 5.0) -> bool:
 def _session_members(sid: int) -> list[int]:
     """Processes whose session id is `sid` (children keep it unless they call setsid)."""
     found = []
-    for pid in _pids():
+    for name in os.listdir("/proc"):
         with contextlib.suppress(OSError, IndexError, ValueError):
-            if int(_stat_fields(pid)[3]) == sid:
-                found.append(pid)
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[3]) == sid:
+                found.append(int(name))
     return found
 
 
-def _kill_tree(proc: subprocess.Popen[bytes], uid: int | None) -> None:
-    """Kill whatever the run left behind: its session, and every process of its uid."""
+def _kill_tree(proc: subprocess.Popen[bytes], uid: int | None, isolation: Isolation) -> None:
+    """Kill a sandbox and whatever it left behind.
+
+    bwrap: killing its monitor kills the PID namespace's init (--die-with-parent), which takes
+    every process in the namespace with it. Then every process of the uid; without a uid of
+    its own (process isolation, not root), every process still in the session.
+    """
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
     if proc.poll() is None:
         proc.wait()
-    if uid is not None:
+    if uid is not None:  # (for bwrap this waits out the namespace's teardown)
         if not _kill_uid(uid):
             logger.error("sandbox uid %d still has processes %s after SIGKILL", uid, pids_of_uid(uid))
-    else:
+    elif isolation == "process":
         for pid in _session_members(proc.pid):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -521,67 +895,69 @@ class _Tail:
             del self.data[: len(self.data) - self.limit]
 
 
-def _communicate(
-    proc: subprocess.Popen[bytes], stdin: bytes, deadline: float, limit: int, uid: int | None
+def _pump(
+    stdin_fd: int,
+    stdin: bytes,
+    stdout_fd: int,
+    stderr_fd: int,
+    deadline: float,
+    limit: int,
+    stalled: Callable[[float], None] | None,
 ) -> tuple[_Tail, _Tail, bool]:
-    """Feed stdin and collect output tails until both pipes close or the deadline passes."""
-    assert proc.stdin and proc.stdout and proc.stderr
+    """Feed stdin and collect output tails until both outputs close or the deadline passes.
+
+    Returns (stdout tail, stderr tail, timed out). Closes `stdin_fd` once everything is written
+    (so the program sees EOF) and leaves the output fds open. `stalled(now)` is called on every
+    turn, for the caller to deal with a writer that lingers.
+    """
     out, err = _Tail(limit), _Tail(limit)
-    tails = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
+    tails = {stdout_fd: out, stderr_fd: err}
     pending = memoryview(stdin)
     sel = selectors.DefaultSelector()
     for fd in tails:
         sel.register(fd, selectors.EVENT_READ)
     if pending:
-        os.set_blocking(proc.stdin.fileno(), False)
-        sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
+        os.set_blocking(stdin_fd, False)
+        sel.register(stdin_fd, selectors.EVENT_WRITE)
     else:
-        proc.stdin.close()
-    exited_at: float | None = None
+        os.close(stdin_fd)
     timed_out = False
     try:
-        while sel.get_map():
+        while stdout_fd in sel.get_map() or stderr_fd in sel.get_map():
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
                 break
-            if exited_at is None and proc.poll() is not None:
-                exited_at = now
-            if exited_at is not None and now - exited_at > 0.5:
-                # The program exited but something it started still holds the pipes.
-                _kill_tree(proc, uid)
-                exited_at = now
+            if stalled is not None:
+                stalled(now)
             for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
-                fd = key.fd
-                if fd in tails:
-                    chunk = os.read(fd, 1 << 20)
+                if key.fd in tails:
+                    chunk = os.read(key.fd, 1 << 20)
                     if chunk:
-                        tails[fd].add(chunk)
+                        tails[key.fd].add(chunk)
                     else:
-                        sel.unregister(fd)
-                else:
-                    try:
-                        pending = pending[os.write(fd, pending[: 1 << 16]) :]
-                    except (BrokenPipeError, BlockingIOError) as e:
-                        if isinstance(e, BrokenPipeError):
-                            pending = pending[:0]
-                    if not pending:
-                        sel.unregister(fd)
-                        proc.stdin.close()
+                        sel.unregister(key.fd)
+                    continue
+                try:
+                    pending = pending[os.write(key.fd, pending[: 1 << 16]) :]
+                except BlockingIOError:
+                    continue
+                except BrokenPipeError:  # the program stopped reading: drop the rest
+                    pending = pending[:0]
+                if not pending:
+                    sel.unregister(key.fd)
+                    os.close(key.fd)
     finally:
+        if stdin_fd in sel.get_map():
+            os.close(stdin_fd)
         sel.close()
-        if not proc.stdin.closed:
-            proc.stdin.close()
-        if timed_out:
-            _kill_tree(proc, uid)
-            _drain(proc, tails)
-        proc.stdout.close()
-        proc.stderr.close()
+    if timed_out:
+        _drain(tails)
     return out, err, timed_out
 
 
-def _drain(proc: subprocess.Popen[bytes], tails: dict[int, _Tail]) -> None:
-    """After a kill, read what is left in the pipes (bounded: the writers are dead)."""
+def _drain(tails: dict[int, _Tail]) -> None:
+    """Read what is already in the pipes, without waiting for more."""
     for fd, tail in tails.items():
         os.set_blocking(fd, False)
         with contextlib.suppress(BlockingIOError, OSError):

@@ -15,14 +15,8 @@ def test_bench_prints_name_value_lines_ending_with_the_ratio(capsys: pytest.Capt
     values = dict(line.split(": ", 1) for line in lines)
     assert len(values) == len(lines)  # every line is `name: value`
     assert values["problems"] == "4"
-    assert values["pool.passed"] == "4/4" and values["baseline.passed"] == "4/4"
-    for name in (
-        "start_ms.none",
-        "start_ms.bwrap",
-        "check_ms.bwrap",
-        "pool.exec_per_s",
-        "baseline.exec_per_s",
-    ):
+    assert values["pool.fresh.passed"] == values["pool.warm.passed"] == values["baseline.passed"] == "4/4"
+    for name in ("start_ms.none", "check_ms.bwrap.fresh", "check_ms.bwrap.warm", "pool.warm.exec_per_s"):
         if name in values and not values[name].startswith("unavailable"):
             assert float(values[name]) > 0
     assert lines[-1].startswith("pool_over_baseline.exec_per_s: ")
