@@ -1,9 +1,9 @@
-"""What every loop shares: the config, model, tokenizer, engine, data, logger; prompt encoding; eval."""
+"""What every loop shares: the config, model, tokenizer, roles, data, logger; prompt encoding; eval."""
 
 from __future__ import annotations
 
-import copy
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,21 +16,30 @@ from loopline.data.datasets import PromptRow, load_splits
 from loopline.data.tasks import exact_match
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
-from loopline.rollout.engine import SamplingParams, TorchEngine
+from loopline.rollout.engine import SamplingParams
+from loopline.runtime.roles import Actor, Rollout, Scorer, build_roles
 
 
 @dataclass
 class RunContext:
-    """The objects of one run, built once from its config."""
+    """The objects of one run, built once from its config; close() when done."""
 
     cfg: RunConfig
     run_dir: Path
-    model: PreTrainedModel
+    model: PreTrainedModel  # the policy in this process: trained here (local), a copy for checkpoints (ray)
     tokenizer: PreTrainedTokenizerBase
-    engine: TorchEngine
+    actor: Actor  # the policy trainer (runtime.backend: this process, or FSDP2 ranks on Ray)
+    rollout: Rollout  # the generation engines
+    scorer: Scorer  # the verifier (env workers)
     train_rows: list[PromptRow]
     eval_rows: list[PromptRow]
     logger: MetricsLogger
+    stop_roles: Callable[[], None]
+
+    def close(self) -> None:
+        """Flush the logger; stop the roles' workers (and Ray, if this run started it)."""
+        self.logger.close()
+        self.stop_roles()
 
 
 def seed_everything(seed: int) -> None:
@@ -40,7 +49,7 @@ def seed_everything(seed: int) -> None:
 
 
 def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
-    """Seed, load model and data, give the engine its own copy of the weights, open the logger."""
+    """Seed, load model and data, start the roles (the engines hold their own weights), open the logger."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
@@ -49,10 +58,12 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     save_config(cfg, run_dir / "config.yaml")
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     train_rows, eval_rows = load_splits(cfg.data, cfg.seed, need_answer=need_answer)
-    # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
-    engine = TorchEngine(copy.deepcopy(model), tokenizer)
+    roles = build_roles(cfg, model, tokenizer)
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
-    return RunContext(cfg, run_dir, model, tokenizer, engine, train_rows, eval_rows, logger)
+    return RunContext(
+        cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
+        roles.shutdown,
+    )  # fmt: skip
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_template: bool) -> list[int]:
@@ -61,7 +72,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_t
         messages = list(row.messages) or [{"role": "user", "content": row.prompt}]
         if messages[-1]["role"] == "assistant":
             messages = messages[:-1]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        # return_dict=False: transformers 5 returns a BatchEncoding by default (list() of it gives its keys)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        return list(ids)
     return tokenizer(row.prompt)["input_ids"]
 
 
@@ -77,8 +90,8 @@ def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingPar
 
 
 def sync_engine(ctx: RunContext, version: int) -> None:
-    """Push the trainer's weights to the engine (in-process copy: the local, colocated transport)."""
-    ctx.engine.update_weights(ctx.model.state_dict(), version)
+    """Push the trainer's weights to the engines (in-process copy locally, the planned transfer on Ray)."""
+    ctx.rollout.update_weights(ctx.actor, version)
 
 
 def evaluate(ctx: RunContext) -> dict[str, float]:
@@ -93,7 +106,7 @@ def evaluate(ctx: RunContext) -> dict[str, float]:
     for start in range(0, len(rows), ctx.cfg.eval.batch_size):
         chunk = rows[start : start + ctx.cfg.eval.batch_size]
         prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in chunk]
-        for c in ctx.engine.generate(prompts, params, n=1):
+        for c in ctx.rollout.generate(prompts, params, n=1):
             correct += exact_match(c.text, chunk[c.prompt_index].answer)
             lengths += len(c.token_ids)
     torch.set_rng_state(saved)

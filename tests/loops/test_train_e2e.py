@@ -169,6 +169,29 @@ def test_grpo_updates_the_policy_when_rewards_differ(tmp_path):
     assert any(not torch.equal(sft[k], rl_weights[k]) for k in sft)
 
 
+def test_chat_data_with_a_chat_template_model(tmp_path, small_model, tokenizer):
+    # A local HF model directory whose tokenizer has a chat template, and chat-format rows with answers.
+    tokenizer.save_pretrained(tmp_path / "model")
+    small_model.save_pretrained(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    tok.save_pretrained(tmp_path / "model")
+    rows = [
+        {"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}],
+         "answer": str(i + 1)}
+        for i in range(20)
+    ]  # fmt: skip
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    _train(
+        run, f"model.path={tmp_path / 'model'}", "model.use_chat_template=true", "data.source=jsonl",
+        f"data.train_path={data}", f"data.eval_path={data}", "eval.num_prompts=4", "sft.steps=2", "grpo.steps=1",
+    )  # fmt: skip
+    assert _steps(run, "grpo") == [0, 1]
+    assert (_ckpt(run, "grpo-000001") / "model" / "model.safetensors").exists()
+
+
 def test_sft_eval_and_generate_commands(base_run, tmp_path, capsys):
     model_dir = _ckpt(base_run, "grpo-000003") / "model"
     small = [f"out_dir={tmp_path / 'x'}", "data.task.num_train=200", "data.task.num_eval=20", "threads=1"]
