@@ -152,7 +152,16 @@ def test_a_fresh_run_in_a_used_directory_starts_new_metrics(base_run, tmp_path, 
     assert steps == [("sft", 0), ("sft", 1), ("grpo", 0), ("grpo", 1)]
 
 
-def test_grpo_updates_the_policy_when_rewards_differ(tmp_path):
+@pytest.mark.parametrize(
+    "variant",
+    [
+        [],
+        # KL to the reference, two updates per rollout (old log-probs), per-sequence mean, micro-batches
+        ["grpo.kl_coef=0.05", "grpo.epochs_per_step=2", "grpo.loss_agg=seq_mean", "grpo.micro_batch_size=4"],
+    ],
+    ids=["default", "kl_epochs"],
+)
+def test_grpo_updates_the_policy_when_rewards_differ(tmp_path, variant):
     # A jsonl task whose answer is always "7": after 8 SFT steps the policy says "7" about half the
     # time at temperature 1, so groups have mixed rewards, non-zero advantages and a real RL update.
     data = tmp_path / "sevens.jsonl"
@@ -160,10 +169,16 @@ def test_grpo_updates_the_policy_when_rewards_differ(tmp_path):
     run = tmp_path / "run"
     _train(
         run, "data.source=jsonl", f"data.train_path={data}", f"data.eval_path={data}", "eval.num_prompts=8",
-        "sft.steps=8", "sft.optim.lr=1e-2", "sft.optim.warmup_steps=0", "grpo.steps=2",
+        "sft.steps=8", "sft.optim.lr=1e-2", "sft.optim.warmup_steps=0", "grpo.steps=2", *variant,
     )  # fmt: skip
     rl = [r for r in read_metrics(run) if r["phase"] == "grpo" and r["step"] > 0]
     assert any(0.0 < r["reward_mean"] < 1.0 and r["grad_norm"] > 0 for r in rl)
+    if variant:
+        # step 2 samples from a policy that step 1 moved away from the reference; and the second
+        # update of each step sees ratios != 1 against the first one's old log-probs
+        assert rl[1]["kl"] > 0 and rl[1]["approx_kl"] > 0
+    else:
+        assert all(r["kl"] == 0 and r["approx_kl"] == 0 for r in rl)  # on-policy, no reference
     sft = load_file(_ckpt(run, "sft-000008") / "model" / "model.safetensors")
     rl_weights = load_file(_ckpt(run, "grpo-000002") / "model" / "model.safetensors")
     assert any(not torch.equal(sft[k], rl_weights[k]) for k in sft)
