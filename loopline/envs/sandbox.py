@@ -103,7 +103,9 @@ class SandboxConfig(Section):
 class SandboxResult:
     """What one sandboxed run did; output fields hold the last `max_output_bytes` of each stream."""
 
-    exit_code: int  # process exit status; negative = killed by that signal (-9 on timeout)
+    # Process exit status; negative = killed by that signal (-9 on timeout). Fresh bwrap runs
+    # report statuses above 128 the shell's way, so exit(137) reads as SIGKILL there.
+    exit_code: int
     timed_out: bool  # the wall-clock limit was hit and the run was killed
     stdout: str  # tail, decoded as UTF-8 with replacement
     stderr: str
@@ -344,6 +346,7 @@ class _Warm:
         self.sandbox = sandbox
         self.runs = 0
         self.alive = True
+        self._closed = False
         self._stack = contextlib.ExitStack()
         try:
             self.uid = self._stack.enter_context(_UidLease()) if sandbox._root else None
@@ -445,7 +448,10 @@ class _Warm:
         return self._log.read()[-2000:].decode(errors="replace").strip()
 
     def close(self) -> None:
-        self.alive = False
+        """Kill the sandbox and release its uid (once: after that the uid may be someone else's)."""
+        if self._closed:
+            return
+        self._closed, self.alive = True, False
         with contextlib.suppress(AttributeError, OSError):
             self.control.close()
         if hasattr(self, "proc"):
@@ -484,7 +490,10 @@ def _zygote_main() -> None:
         for fd in (stdin_fd, stdout_fd, stderr_fd):
             os.close(fd)
         _, status = os.waitpid(pid, 0)
-        clean = _zygote_cleanup(me, uid, scratch)
+        try:
+            clean = _zygote_cleanup(me, uid, scratch)
+        except Exception:  # e.g. the run made part of scratch unreadable: replace the sandbox
+            clean = False
         control.sendall(f"{os.waitstatus_to_exitcode(status)} {int(clean)}\n".encode())
 
 
