@@ -186,7 +186,7 @@ class ScoreJob:
     sandbox: SandboxConfig
 
 
-@functools.lru_cache(maxsize=8)
+@functools.cache  # never evicted: a Sandbox may hold a warm sandbox process
 def _sandbox_for(config_json: str) -> Sandbox:
     return Sandbox(SandboxConfig.model_validate_json(config_json))
 
