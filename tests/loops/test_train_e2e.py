@@ -144,6 +144,27 @@ def test_resume_after_a_crash_between_checkpoints(base_run, straight_run, tmp_pa
     _check_resumed_like_straight(run, straight_run)
 
 
+def test_resume_from_the_sft_checkpoint(base_run, straight_run, tmp_path, capsys):
+    # The run died during RL before its first RL checkpoint: only the end-of-SFT checkpoint is whole.
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    for name in ("grpo-000002", "grpo-000003"):
+        shutil.rmtree(_ckpt(run, name))
+    (run / "checkpoints" / "latest").write_text("sft-000003")
+    _train(run, "grpo.steps=5", resume=True)
+    assert "(sft step 3)" in capsys.readouterr().out
+    _check_resumed_like_straight(run, straight_run)
+
+
+def test_plot_command_rewrites_curves(base_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base_run, run)
+    (run / "curves.png").unlink()
+    assert main(["plot", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "curves.png")
+    assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_fresh_run_in_a_used_directory_starts_new_metrics(base_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
