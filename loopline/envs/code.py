@@ -171,12 +171,6 @@ def score(problem: CodeProblem, completion: str, sandbox: Sandbox | None = None)
     return CodeScore(False, f"no valid verdict from the judge (exit status {result.exit_code})", result)
 
 
-@functools.cache
-def default_sandbox() -> Sandbox:
-    """One Sandbox with default settings per process (isolation is probed once)."""
-    return Sandbox(SandboxConfig())
-
-
 @dataclass(frozen=True)
 class ScoreJob:
     """A picklable unit of work for `WorkerPool`: score one completion under a sandbox config."""
@@ -186,14 +180,24 @@ class ScoreJob:
     sandbox: SandboxConfig
 
 
+def sandbox_for(config: SandboxConfig) -> Sandbox:
+    """This process's Sandbox for `config` (isolation probed and warm sandbox started once)."""
+    return _sandbox_for(config.model_dump_json())
+
+
 @functools.cache  # never evicted: a Sandbox may hold a warm sandbox process
 def _sandbox_for(config_json: str) -> Sandbox:
     return Sandbox(SandboxConfig.model_validate_json(config_json))
 
 
+def default_sandbox() -> Sandbox:
+    """This process's Sandbox with default settings."""
+    return sandbox_for(SandboxConfig())
+
+
 def run_score_job(job: ScoreJob) -> CodeScore:
-    """Worker-side entry point: score `job` with a Sandbox cached per config in this process."""
-    return score(job.problem, job.completion, _sandbox_for(job.sandbox.model_dump_json()))
+    """Worker-side entry point: score `job` with this process's Sandbox for its config."""
+    return score(job.problem, job.completion, sandbox_for(job.sandbox))
 
 
 def _verdict(stdout: str) -> str:
