@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from loopline.config import ConfigError
+from loopline.config import ConfigError, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     try:
         if args.command in ("train", "sft", "eval", "generate", "config"):
+            config, overrides = _split_config(args)
+            load_config(config, overrides)  # a bad config fails in a second, before torch is imported
             from loopline import commands
 
-            config, overrides = _split_config(args)
             return getattr(commands, args.command)(config, overrides, args)
         if args.command == "plot":
             from loopline.metrics.plot import plot_run
