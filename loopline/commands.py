@@ -21,6 +21,7 @@ def _resume(ctx: RunContext) -> tuple[RunState, dict | None]:
         ctx.logger.clear()
         return RunState(), None
     state, trainer_state, rng = load_checkpoint(path, ctx.model)
+    ctx.actor.load_weights(ctx.model.state_dict())  # on Ray: to the trainer ranks (the engines get them at sync)
     set_rng_state(rng)
     ctx.logger.truncate_after(state.phase, state.step)
     print(f"resumed from {path} ({state.phase} step {state.step})")
@@ -32,25 +33,27 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     cfg = load_config(config, overrides)
     t0 = time.perf_counter()
     ctx = build_context(cfg)
-    if args.resume:
-        state, trainer_state = _resume(ctx)
-    else:
-        ctx.logger.clear()  # a new run; without this, an earlier run's rows would be read as this one's
-        state, trainer_state = RunState(), None
+    try:
+        if args.resume:
+            state, trainer_state = _resume(ctx)
+        else:
+            ctx.logger.clear()  # a new run; without this, an earlier run's rows would be read as this one's
+            state, trainer_state = RunState(), None
 
-    if state.phase == "sft":
-        sync_engine(ctx, version=0)
-        if state.step == 0 and trainer_state is None:
-            ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-        state = train_sft(ctx, state, trainer_state)
-        state, trainer_state = RunState(phase="grpo", step=0), None
-    sync_engine(ctx, version=state.step)
-    if state.step == 0:
-        ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
-    state = train_grpo(ctx, state, trainer_state)
+        if state.phase == "sft":
+            sync_engine(ctx, version=0)
+            if state.step == 0 and trainer_state is None:
+                ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+            state = train_sft(ctx, state, trainer_state)
+            state, trainer_state = RunState(phase="grpo", step=0), None
+        sync_engine(ctx, version=state.step)
+        if state.step == 0:
+            ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
+        state = train_grpo(ctx, state, trainer_state)
+    finally:
+        ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
     before = _accuracy_at(ctx, "grpo", 0)
     after = _accuracy_at(ctx, "grpo", state.step)
-    ctx.logger.close()
 
     from loopline.metrics.plot import plot_run
 
@@ -79,12 +82,16 @@ def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     """SFT only; the result is the checkpoint's model/ directory."""
     cfg = load_config(config, overrides)
     ctx = build_context(cfg)
-    ctx.logger.clear()
-    sync_engine(ctx, version=0)
-    ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-    train_sft(ctx, RunState(), None)
-    ctx.model.save_pretrained(ctx.run_dir / "model")
-    ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+    try:
+        ctx.logger.clear()
+        sync_engine(ctx, version=0)
+        ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+        train_sft(ctx, RunState(), None)
+        model, _ = ctx.actor.state()
+        model.save_pretrained(ctx.run_dir / "model")
+        ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+    finally:
+        ctx.close()
     print(f"saved {ctx.run_dir / 'model'}")
     return 0
 
@@ -93,8 +100,11 @@ def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> 
     """Held-out accuracy of model.path (or the built-in model)."""
     cfg = load_config(config, overrides)
     ctx = build_context(cfg)
-    sync_engine(ctx, version=0)
-    print(json.dumps(evaluate(ctx)))
+    try:
+        sync_engine(ctx, version=0)
+        print(json.dumps(evaluate(ctx)))
+    finally:
+        ctx.close()
     return 0
 
 
@@ -104,11 +114,16 @@ def generate(config: str | None, overrides: list[str], args: argparse.Namespace)
 
     cfg = load_config(config, overrides)
     ctx = build_context(cfg)
-    sync_engine(ctx, version=0)
-    rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(args.prompt)]
-    prompts = [encode_prompt(ctx.tokenizer, r, cfg.model.use_chat_template) for r in rows]
-    for c in ctx.engine.generate(prompts, sampling_params(cfg.eval.sampling, seed=cfg.seed), n=args.n):
-        print(json.dumps({"prompt": args.prompt[c.prompt_index], "completion": c.text, "finish": c.finish_reason}))
+    try:
+        sync_engine(ctx, version=0)
+        rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(args.prompt)]
+        prompts = [encode_prompt(ctx.tokenizer, r, cfg.model.use_chat_template) for r in rows]
+        params = sampling_params(cfg.eval.sampling, seed=cfg.seed)
+        for c in ctx.rollout.generate(prompts, params, n=args.n):
+            row = {"prompt": args.prompt[c.prompt_index], "completion": c.text, "finish": c.finish_reason}
+            print(json.dumps(row))
+    finally:
+        ctx.close()
     return 0
 
 

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from contextlib import contextmanager
 
-import torch
 from tqdm import tqdm
 
 from loopline.algorithms.advantages import group_advantages
 from loopline.checkpoint.state import RunState, save_checkpoint
 from loopline.data.batches import RolloutBatch, collate
 from loopline.data.sampler import Sampler
-from loopline.data.tasks import exact_match
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
-from loopline.training.policy import PolicyTrainer, response_logprobs
 
 
 class StageTimer:
@@ -38,13 +34,10 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed + 1)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
-    if trainer_state:
-        trainer.load_state_dict(trainer_state)
-    # The reference policy is the policy as RL starts (after SFT), frozen.
-    ref_model = copy.deepcopy(ctx.model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    if ref_model is not None and state.step > 0:
+    if cfg.kl_coef > 0 and state.step > 0:
         raise NotImplementedError("resuming GRPO with kl_coef > 0 needs the reference weights in the checkpoint")
+    # The reference policy is the policy as RL starts (after SFT), frozen.
+    ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
     sync_engine(ctx, version=state.step)
     pad_id = ctx.tokenizer.pad_token_id
 
@@ -56,20 +49,20 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         with timer("rollout"):
             rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.prompts_per_step)]
             prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
-            completions = ctx.engine.generate(prompts, params, n=cfg.group_size)
+            completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
 
         # 2. Score: verifier reward per completion.
         with timer("score"):
-            rewards = torch.tensor([exact_match(c.text, rows[c.prompt_index].answer) for c in completions])
+            answers = [rows[c.prompt_index].answer for c in completions]
+            rewards = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
 
         # 3. Experience: tokens, masks, advantages, reference (and, for several epochs, old) log-probs.
         with timer("experience"):
             tokens = collate([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions], pad_id)
             advantages = group_advantages(rewards, cfg.group_size, cfg.adv_scale, cfg.adv_eps)  # (B,)
-            with torch.no_grad():
-                ref_logprobs = response_logprobs(ref_model, tokens)[0] if ref_model is not None else None
-                # one update per rollout is on-policy: the trainer's own log-probs are the behaviour's
-                old_logprobs = response_logprobs(ctx.model, tokens)[0] if cfg.epochs_per_step > 1 else None
+            ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
+            # one update per rollout is on-policy: the trainer's own log-probs are the behaviour's
+            old_logprobs = ctx.actor.logprobs(tokens) if cfg.epochs_per_step > 1 else None
             batch = RolloutBatch(
                 tokens.input_ids, tokens.attention_mask, tokens.response_mask,
                 old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, advantages=advantages, rewards=rewards,
@@ -78,7 +71,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         # 4. Train: epochs_per_step optimizer steps over micro-batches with gradient accumulation.
         with timer("train"):
             for _ in range(cfg.epochs_per_step):
-                stats = trainer.grpo_step(batch, cfg, ref_model)
+                stats = ctx.actor.grpo_step(batch, cfg)
 
         # 5. Weight sync: the engine samples the next step from the updated policy.
         with timer("sync"):
@@ -111,7 +104,8 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
             row.update(evaluate(ctx))
         ctx.logger.log(row)
         if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
-            save_checkpoint(ctx.run_dir, state, ctx.model, ctx.tokenizer, trainer.state_dict())
+            model, trainer_state = ctx.actor.state()
+            save_checkpoint(ctx.run_dir, state, model, ctx.tokenizer, trainer_state)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
     bar.close()

@@ -11,7 +11,6 @@ from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine
-from loopline.training.policy import PolicyTrainer
 
 
 def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
@@ -35,16 +34,14 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
-    if trainer_state:
-        trainer.load_state_dict(trainer_state)
+    ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state)
     bar = tqdm(total=cfg.steps, initial=state.step, desc="sft", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps:
         t0 = time.perf_counter()
         rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.batch_size)]
         pairs = [sft_pair(ctx, row) for row in rows]
         batch = collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
-        stats = trainer.sft_step(batch, cfg.micro_batch_size)
+        stats = ctx.actor.sft_step(batch, cfg.micro_batch_size)
         state.step += 1
         state.sampler = sampler.state_dict()
         elapsed = time.perf_counter() - t0
@@ -60,5 +57,6 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_accuracy", "-"))
     bar.close()
     if cfg.steps:
-        save_checkpoint(ctx.run_dir, state, ctx.model, ctx.tokenizer, trainer.state_dict())
+        model, trainer_state = ctx.actor.state()
+        save_checkpoint(ctx.run_dir, state, model, ctx.tokenizer, trainer_state)
     return state

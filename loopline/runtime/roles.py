@@ -1,0 +1,480 @@
+"""The roles a loop drives, each behind a small interface, on either backend (runtime.backend).
+
+- `Actor`, the policy trainer. local: a PolicyTrainer on the model in this process. ray: a WorkerGroup
+  of `ActorWorker`s, FSDP2 ranks that each hold their shards, the optimizer state of those shards and a
+  PolicyTrainer; every call splits the batch into equal row slices, one per rank.
+- `Rollout`, the generation engines. local: a TorchEngine with its own copy of the weights. ray: a
+  WorkerGroup of `EngineWorker`s (a whole model each); the prompts are split across them.
+- `Scorer`, the task verifier. local: in this process. ray: a WorkerGroup of `ScorerWorker`s on CPU;
+  the completions are split across them.
+
+Weight sync on ray: the trainer ranks (global ranks 0..n-1) and the engines (n..n+m-1) form one
+torch.distributed world, and each step runs the planned transfer of runtime.weight_sync: every trainer
+rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers the model.
+Checkpoints gather the whole model and optimizer state on trainer rank 0 and hand them to the driver
+through the Ray object store; a resumed run pushes the checkpoint's weights back to the ranks the same way.
+
+Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine does not yet); the
+engines' sampling RNG is seeded per engine but not checkpointed, so a resumed ray run continues with
+new samples rather than repeating the uninterrupted run bit for bit (the local backend does).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from loopline.config import ClusterConfig, GRPOConfig, OptimConfig, PlacementConfig, RunConfig, RuntimeConfig
+from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
+from loopline.models import load_policy
+from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
+from loopline.runtime.placement import PoolConfig
+from loopline.runtime.scoring import ScorerWorker, score_texts
+from loopline.runtime.workers import WorkerGroup
+from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
+
+if TYPE_CHECKING:
+    from loopline.runtime.placement import Pool
+
+B = TypeVar("B", bound=TokenBatch)
+
+
+class Actor(Protocol):
+    """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+    ) -> None:
+        """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked."""
+        ...
+
+    def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        """Response log-probs (B, C) under the policy, or under the frozen reference."""
+        ...
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats: ...
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats: ...
+
+    def state(self) -> tuple[PreTrainedModel, dict]:
+        """The whole model in this process (for a checkpoint) and the trainer state ({} before a phase)."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Set the policy's weights (e.g. from a checkpoint)."""
+        ...
+
+
+class Rollout(Protocol):
+    """The generation engines: sample completions, take new weights from the actor."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]: ...
+
+    def update_weights(self, actor: Actor, version: int) -> None: ...
+
+
+class Scorer(Protocol):
+    """The verifier: one reward per completion."""
+
+    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor: ...
+
+
+@dataclass
+class Roles:
+    """The roles of one run, and how to stop them (worker groups, placement groups, the Ray it started)."""
+
+    actor: Actor
+    rollout: Rollout
+    scorer: Scorer
+    shutdown: Callable[[], None]
+
+
+def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
+    """The roles on cfg.runtime.backend; `model` is the policy in this process (trained by the local actor)."""
+    if cfg.runtime.backend == "local":
+        # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
+        engine = TorchEngine(copy.deepcopy(model), tokenizer)
+        return Roles(LocalActor(model), LocalRollout(engine), LocalScorer(), shutdown=lambda: None)
+    return _ray_roles(cfg, model)
+
+
+# =========================================================================================================
+# local: everything in this process
+# =========================================================================================================
+
+
+class LocalActor:
+    """PolicyTrainer on the model in this process."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        self.model = model
+        self.trainer: PolicyTrainer | None = None
+        self.reference: PreTrainedModel | None = None
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+    ) -> None:
+        self.trainer = PolicyTrainer(self.model, optim, total_steps)
+        if trainer_state:
+            self.trainer.load_state_dict(trainer_state)
+        # The reference policy is the policy as the phase starts (after SFT), frozen.
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if reference else None
+
+    def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        return _logprobs(self.reference if reference else self.model, batch)
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        return _started(self.trainer).sft_step(batch, micro_batch_size)
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        return _started(self.trainer).grpo_step(batch, cfg, None)
+
+    def state(self) -> tuple[PreTrainedModel, dict]:
+        return self.model, self.trainer.state_dict() if self.trainer else {}
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(dict(weights))
+
+
+class LocalRollout:
+    """One TorchEngine in this process; weight sync is an in-process copy."""
+
+    def __init__(self, engine: TorchEngine) -> None:
+        self.engine = engine
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
+        return self.engine.generate(prompts, params, n)
+
+    def update_weights(self, actor: Actor, version: int) -> None:
+        if not isinstance(actor, LocalActor):
+            raise TypeError(f"a local rollout takes weights from a local actor, not {type(actor).__name__}")
+        self.engine.update_weights(actor.model.state_dict(), version)
+
+
+class LocalScorer:
+    """The exact-match verifier in this process."""
+
+    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
+        return torch.tensor(score_texts(texts, answers))
+
+
+def _logprobs(model: PreTrainedModel | None, batch: TokenBatch) -> torch.Tensor:
+    if model is None:
+        raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
+    with torch.no_grad():
+        return response_logprobs(model, batch)[0]
+
+
+def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
+    if trainer is None:
+        raise RuntimeError("call start_phase() before training steps")
+    return trainer
+
+
+# =========================================================================================================
+# ray: worker classes (one instance per rank, in its own process)
+# =========================================================================================================
+
+
+def _device() -> torch.device:
+    """The device a rank computes on: its GPU when Ray gave it one."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _to(batch: B, device: torch.device) -> B:
+    """The batch with every tensor on `device`."""
+    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def _seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The run's initial policy (the same on every rank), with this process's torch RNG seeded."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed + rng_offset)
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    return model.to(_device()), tokenizer
+
+
+class ActorWorker:
+    """One FSDP2 rank of the policy trainer: its shards, their optimizer state, a PolicyTrainer."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.rank, self.ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.model, _ = _seeded_model(cfg, rng_offset=0)
+        self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined
+        self.plan: Any = None  # the weight-sync TransferPlan, once joined
+        self.trainer: PolicyTrainer | None = None
+        self.reference: PreTrainedModel | None = None
+
+    def rendezvous(self) -> str:
+        """Address of the world's TCP store: rank 0's node and a port that was free there (WorkerGroup)."""
+        return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+    def join(self, init_method: str, world_size: int, engines: int) -> None:
+        """Join the world as global rank RANK, shard the model over the trainer ranks, plan the weight sync."""
+        from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
+        from loopline.runtime.weight_sync import param_specs
+        from loopline.training.parallel import init_distributed, shard_model, trainer_mesh
+
+        device = init_distributed(init_method, self.rank, world_size, self.cfg.runtime.call_timeout_s)
+        self.mesh = trainer_mesh(self.ranks, device.type)
+        self.model = shard_model(self.model, self.mesh)
+        self.plan = plan_transfers(param_specs(self.model), TrainerLayout(self.ranks), EngineLayout(engines))
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool
+    ) -> None:
+        """New optimizer over this rank's shards (restored from the whole trainer_state); a frozen reference."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        from loopline.training.parallel import shard_model
+
+        self.trainer = PolicyTrainer(self.model, optim, total_steps, group=self.mesh.get_group())
+        if trainer_state:
+            self.trainer.load_state_dict(trainer_state)
+        self.reference = None
+        if reference:  # a second model sharded alike, holding a copy of this rank's shards
+            frozen = shard_model(load_policy(self.cfg.model, seed=self.cfg.seed)[0].to(_device()), self.mesh)
+            set_model_state_dict(frozen, get_model_state_dict(self.model))
+            self.reference = frozen.eval().requires_grad_(False)
+
+    def logprobs(self, batch: TokenBatch, reference: bool) -> torch.Tensor:
+        """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
+        return _logprobs(self.reference if reference else self.model, _to(batch, _device())).cpu()
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        return _started(self.trainer).sft_step(_to(batch, _device()), micro_batch_size)
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        return _started(self.trainer).grpo_step(_to(batch, _device()), cfg, None)
+
+    def send_weights(self) -> None:
+        """This rank's part of the planned weight sync: its shards straight to the engines that need them."""
+        from loopline.runtime.weight_sync import local_shards, sync_weights
+
+        sync_weights(self.plan, local_shards(self.model), None)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(self.model)
+        trainer = self.trainer.state_dict() if self.trainer else {}
+        return (weights, trainer) if self.rank == 0 else None
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load whole weights; this rank keeps its shards of them."""
+        from loopline.training.parallel import load_full_model_state
+
+        load_full_model_state(self.model, weights)
+
+
+class EngineWorker:
+    """One rollout engine: a TorchEngine on a whole model, filled by the planned weight sync."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.rank = int(os.environ["RANK"])
+        # each engine samples from its own stream, the same for the same seed
+        model, tokenizer = _seeded_model(cfg, rng_offset=1 + self.rank)
+        self.engine = TorchEngine(model, tokenizer)
+        self.plan: Any = None  # the weight-sync TransferPlan, once joined
+
+    def join(self, init_method: str, world_size: int, trainer_ranks: int) -> None:
+        """Join the world after the trainer ranks; plan the weight sync as the trainer ranks do."""
+        from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
+        from loopline.runtime.weight_sync import param_specs
+        from loopline.training.parallel import init_distributed, trainer_mesh
+
+        device = init_distributed(
+            init_method, trainer_ranks + self.rank, world_size, self.cfg.runtime.call_timeout_s
+        )
+        trainer_mesh(
+            trainer_ranks, device.type
+        )  # making the trainer's group is a collective of the whole world
+        engines = EngineLayout(world_size - trainer_ranks)
+        self.plan = plan_transfers(param_specs(self.engine.model), TrainerLayout(trainer_ranks), engines)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Completion]:
+        return self.engine.generate(prompts, params, n) if prompts else []
+
+    def receive_weights(self, version: int) -> None:
+        """This engine's part of the planned weight sync: its tensors are written in place."""
+        from loopline.runtime.weight_sync import engine_tensors, sync_weights
+
+        sync_weights(self.plan, None, engine_tensors(self.engine.model))
+        self.engine.version = version
+
+
+# =========================================================================================================
+# ray: the driver's side
+# =========================================================================================================
+
+
+def _even_slices(batch: B, ranks: int) -> list[B]:
+    """`ranks` slices of equal rows (RunConfig checks that the batch sizes divide)."""
+    if len(batch) % ranks:
+        raise ValueError(f"a batch of {len(batch)} rows does not split evenly over {ranks} trainer ranks")
+    return split_rows(batch, len(batch) // ranks)
+
+
+def _chunks(items: list[Any], parts: int) -> list[tuple[int, list[Any]]]:
+    """(offset, chunk) for `parts` contiguous chunks as even as can be (some may be empty)."""
+    size = math.ceil(len(items) / parts) if items else 0
+    return [(i * size, items[i * size : (i + 1) * size]) for i in range(parts)]
+
+
+class RayActor:
+    """The FSDP2 ranks of the policy trainer, as a WorkerGroup of ActorWorkers."""
+
+    def __init__(self, group: WorkerGroup, model: PreTrainedModel) -> None:
+        self.group = group
+        self.model = model  # the driver's copy: filled with the trained weights by state()
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+    ) -> None:
+        import ray
+
+        state = (
+            ray.put(trainer_state) if trainer_state else None
+        )  # one copy in the object store for all ranks
+        self.group.call("start_phase", optim, total_steps, state, reference)
+
+    def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        slices = _even_slices(batch, self.group.world_size)
+        return torch.cat(self.group.call_each("logprobs", [(s, reference) for s in slices]))
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        slices = _even_slices(batch, self.group.world_size)
+        return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        slices = _even_slices(batch, self.group.world_size)
+        return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
+
+    def state(self) -> tuple[PreTrainedModel, dict]:
+        weights, trainer_state = self.group.call("state")[0]
+        self.model.load_state_dict(weights)
+        return self.model, trainer_state
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        import ray
+
+        self.group.call("load_weights", ray.put(dict(weights)))
+
+
+class RayRollout:
+    """Rollout engines as a WorkerGroup of EngineWorkers; each generates for its share of the prompts."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
+        chunks = _chunks(prompts, self.group.world_size)
+        per_engine = self.group.call_each("generate", [(chunk, params, n) for _, chunk in chunks])
+        out = []
+        for (offset, _), completions in zip(chunks, per_engine):
+            for c in completions:
+                c.prompt_index += offset  # an engine numbers its own prompts from 0
+                out.append(c)
+        return out
+
+    def update_weights(self, actor: Actor, version: int) -> None:
+        """Planned sync: trainer ranks send, engines receive, all at once (one torch.distributed world)."""
+        if not isinstance(actor, RayActor):
+            raise TypeError(f"ray engines take weights from a ray actor, not {type(actor).__name__}")
+        sends = actor.group.call_async("send_weights")
+        receives = self.group.call_async("receive_weights", version)
+        actor.group.wait(sends)
+        self.group.wait(receives)
+
+
+class RayScorer:
+    """Scoring on the env workers, the completions split across them."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
+        chunks = list(zip(_chunks(texts, self.group.world_size), _chunks(answers, self.group.world_size)))
+        parts = self.group.call_each("score", [(t, a) for (_, t), (_, a) in chunks])
+        return torch.tensor([r for part in parts for r in part])
+
+
+def default_placement(rt: RuntimeConfig) -> PlacementConfig:
+    """One pool per role, a {CPU: 1} bundle per rank: trainer_ranks, engines, env_workers."""
+    sizes = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
+    return PlacementConfig(
+        pools=[PoolConfig(name=role, bundles=n, resources={"CPU": 1.0}) for role, n in sizes.items()],
+        roles={role: role for role in sizes},
+    )
+
+
+def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> ClusterConfig:
+    """A local Ray gets at least the CPUs the pools ask for: Ray's CPUs are scheduling slots, and on a
+    laptop the roles share the cores (num_cpus=0 means all cores; a cluster joined by address is as it is)."""
+    if cluster.address or cluster.num_cpus:
+        return cluster
+    wanted = math.ceil(sum(p.bundles * p.resources.get("CPU", 0.0) for p in placement.pools))
+    return cluster.model_copy(update={"num_cpus": max(os.cpu_count() or 1, wanted)})
+
+
+def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
+    """Start or join Ray, place the pools, start the three worker groups and wire the weight-sync world."""
+    import ray
+
+    from loopline.runtime.cluster import start_ray
+    from loopline.runtime.placement import place_pools, remove_pools
+
+    rt = cfg.runtime
+    placement = rt.placement or default_placement(rt)
+    started = start_ray(_local_cluster(rt.cluster, placement))
+    groups: list[WorkerGroup] = []
+    pools: dict[str, Pool] = {}
+
+    def shutdown() -> None:
+        for group in groups:
+            group.shutdown()
+        if pools:
+            remove_pools(pools)
+        if started:
+            ray.shutdown()
+
+    try:
+        pools = place_pools(placement)
+        workers = {
+            "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
+            "rollout": (EngineWorker, rt.engines, (cfg,)),
+            "env": (ScorerWorker, rt.env_workers, ()),
+        }
+        # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
+        options = {"backend": "ray", "timeout_s": rt.call_timeout_s}
+        with ThreadPoolExecutor(len(workers)) as threads:
+            starting = [
+                threads.submit(WorkerGroup, cls, n, role=role, pool=pools[role], init_args=args, **options)
+                for role, (cls, n, args) in workers.items()
+            ]
+        groups.extend(f.result() for f in starting if f.exception() is None)
+        trainer, engines, scorers = (f.result() for f in starting)  # raises the first failure
+        # One torch.distributed world for the weight sync: trainer ranks 0..n-1, then the engines.
+        init = trainer.call("rendezvous")[0]
+        world = rt.trainer_ranks + rt.engines
+        joins = trainer.call_async("join", init, world, rt.engines)
+        engine_joins = engines.call_async("join", init, world, rt.trainer_ranks)
+        trainer.wait(joins)
+        engines.wait(engine_joins)
+    except BaseException:
+        shutdown()
+        raise
+    return Roles(RayActor(trainer, model), RayRollout(engines), RayScorer(scorers), shutdown)
