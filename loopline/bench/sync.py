@@ -29,6 +29,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# FSDP2 exactly as the trainer applies it (the tests import these from here too)
+from loopline.training.parallel import shard_model, trainer_mesh
+
 BENCH_MODELS: dict[str, dict[str, int]] = {
     "builtin": {},  # the default TinyModelConfig, ~0.8M parameters
     "100m": dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=12, intermediate_size=2560),
@@ -77,23 +80,6 @@ def _world_entry(rank: int, fn: Callable[..., None], world_size: int, store_path
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-
-
-def trainer_mesh(trainer_size: int) -> Any:
-    """A 1-D device mesh over global ranks 0..trainer_size-1; every rank of the world must call this."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh("cpu", torch.arange(trainer_size))
-
-
-def shard_model(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
-    """FSDP2 the way the trainer does: `fully_shard` each decoder layer, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
 
 
 # ---------------------------------------------------------------------------------------------

@@ -98,7 +98,9 @@ def test_ray_run_writes_metrics_and_moves_weights(runs: dict[str, Path]) -> None
     init = load_policy(load_config(overrides=SMALL).model, seed=3)[0].state_dict()
     after_sft, after_grpo = _weights(run, "sft-000004"), _weights(run, "grpo-000003")
     assert any(not torch.equal(after_sft[k], init[k]) for k in after_sft), "SFT did not move the weights"
-    assert any(not torch.equal(after_grpo[k], after_sft[k]) for k in after_sft), "GRPO did not move the weights"
+    assert any(not torch.equal(after_grpo[k], after_sft[k]) for k in after_sft), (
+        "GRPO did not move the weights"
+    )
 
 
 def test_ray_run_agrees_with_the_local_backend(runs: dict[str, Path]) -> None:
@@ -126,7 +128,12 @@ def test_ray_run_resumes_from_its_checkpoint(runs: dict[str, Path]) -> None:
     assert main(["train", "--resume", *more]) == 0
     grpo = _rows(run, "grpo")
     assert sorted(grpo) == [0, 1, 2, 3, 4]
-    assert (run / "checkpoints" / "grpo-000004").is_dir()
+    # the ranks continued from the checkpoint's weights (pushed to them), not from the initial ones
+    init = load_policy(load_config(overrides=SMALL).model, seed=3)[0].state_dict()
+    w3, w4 = _weights(run, "grpo-000003"), _weights(run, "grpo-000004")
+    step = max(float((w4[k] - w3[k]).abs().max()) for k in w3)
+    assert 0 < step < 3e-3  # one AdamW step at lr 5e-4
+    assert max(float((w3[k] - init[k]).abs().max()) for k in w3) > 10 * step
     resumed = torch.load(run / "checkpoints" / "grpo-000004" / "trainer.pt", weights_only=False)
     assert resumed["scheduler"]["last_epoch"] == 4  # the LR schedule continued from step 3
     assert len(resumed["optimizer"]["state"]) > 0  # whole optimizer state, gathered from the ranks
