@@ -61,7 +61,7 @@ class TaskConfig(Section):
     min_digits: int = Field(1, ge=1, le=9, description="Fewest digits of an operand.")
     max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand.")
     num_train: int = Field(20000, gt=0, description="Training problems generated.")
-    num_eval: int = Field(300, gt=0, description="Held-out problems, disjoint from training.")
+    num_eval: int = Field(500, gt=0, description="Held-out problems, disjoint from training.")
 
     @model_validator(mode="after")
     def _digits_order(self) -> TaskConfig:
@@ -111,18 +111,18 @@ class OptimConfig(Section):
 class SFTConfig(Section):
     """Supervised warm start (prompt-masked next-token loss)."""
 
-    steps: int = Field(600, ge=0, description="Optimizer steps; 0 skips SFT.")
+    steps: int = Field(200, ge=0, description="Optimizer steps; 0 skips SFT.")
     batch_size: int = Field(64, gt=0, description="Sequences per step.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=30))
-    eval_every: int = Field(200, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=30))
+    eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
 
 
 class GRPOConfig(Section):
     """Group-relative policy optimisation."""
 
-    steps: int = Field(120, ge=0, description="RL steps (one rollout + update each).")
-    prompts_per_step: int = Field(32, gt=0, description="Prompts sampled per step.")
+    steps: int = Field(250, ge=0, description="RL steps (one rollout + update each).")
+    prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
     epochs_per_step: int = Field(1, gt=0, description="Passes over each rollout batch.")
@@ -138,16 +138,16 @@ class GRPOConfig(Section):
     kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss term; 0 = no ref model.")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is logged regardless).")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4, warmup_steps=5))
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    eval_every: int = Field(20, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+    eval_every: int = Field(25, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
 
 
 class EvalConfig(Section):
     """Held-out evaluation."""
 
-    num_prompts: int = Field(300, gt=0, description="Held-out prompts scored (at most the split size).")
-    batch_size: int = Field(300, gt=0, description="Prompts per generate call.")
+    num_prompts: int = Field(500, gt=0, description="Held-out prompts scored (at most the split size).")
+    batch_size: int = Field(500, gt=0, description="Prompts per generate call.")
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Greedy by default."
     )
