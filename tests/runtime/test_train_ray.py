@@ -38,6 +38,8 @@ SMALL = [
     "eval.num_prompts=16", "eval.batch_size=16",
     "checkpoint_every=2", "progress=false", "tensorboard=false", "threads=1", "seed=3",
 ]  # fmt: skip
+pytestmark = pytest.mark.slow
+
 RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
     "runtime.call_timeout_s=90",
