@@ -141,6 +141,75 @@ class GRPOConfig(Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval_every: int = Field(25, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(
+        "grpo",
+        description="Advantage estimator: grpo (group-normalised), dr_grpo (group mean only), rloo (leave-one-out), "
+        "reinforce_pp / reinforce_pp_baseline (token-level, batch-whitened), gae (PPO: a critic, see `critic`).",
+    )
+    policy_loss: Literal["clip", "gspo"] = Field(
+        "clip", description="clip: PPO token-ratio clip; gspo: sequence-ratio clip (clip_low/high ~3e-4)."
+    )
+    dual_clip: float | None = Field(
+        None, gt=1.0, description="Dual clip c > 1: caps the loss of tokens with A < 0 at -c A; None = off."
+    )
+    minibatches: int = Field(
+        1, gt=0, description="Optimizer steps per epoch, each on a shuffled slice of the rollout (PPO-style)."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount over response tokens.")
+    gae_lambda: float = Field(0.95, ge=0.0, le=1.0, description="GAE lambda (advantage=gae).")
+    kl_in: Literal["loss", "reward"] = Field(
+        "loss", description="Where the KL to the reference goes: a loss term, or a per-token reward penalty."
+    )
+    kl_controller: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: kl_coef throughout; adaptive: from kl_coef, steer the KL to kl_target."
+    )
+    kl_target: float = Field(0.01, gt=0.0, description="Per-token KL the adaptive controller aims for.")
+    kl_horizon: int = Field(10000, gt=0, description="Adaptive controller horizon, in samples.")
+    dynamic_sampling: bool = Field(
+        False, description="DAPO: drop groups whose scores are all equal; sample more prompts to refill."
+    )
+    max_sampling_rounds: int = Field(
+        4, gt=0, description="Most generate calls per step (dynamic_sampling); then equal groups fill in."
+    )
+    overlong_buffer: int = Field(
+        0, ge=0, description="DAPO soft overlong penalty over the last N tokens to max_new_tokens; 0 = off."
+    )
+    overlong_penalty: float = Field(1.0, ge=0.0, description="Penalty reached at max_new_tokens.")
+    mask_truncated: bool = Field(
+        False, description="DAPO overlong filtering: completions cut at max_new_tokens get no loss."
+    )
+
+    @model_validator(mode="after")
+    def _variants_fit(self) -> GRPOConfig:
+        if self.policy_loss == "gspo" and self.advantage in ("reinforce_pp", "reinforce_pp_baseline", "gae"):
+            raise ValueError(
+                f"policy_loss 'gspo' needs one advantage per sequence; advantage '{self.advantage}' is per token "
+                "(use grpo, dr_grpo or rloo)"
+            )
+        if self.policy_loss == "gspo" and self.dual_clip is not None:
+            raise ValueError("dual_clip applies to policy_loss 'clip' only")
+        if self.overlong_buffer > self.sampling.max_new_tokens:
+            raise ValueError(
+                f"overlong_buffer ({self.overlong_buffer}) must be <= sampling.max_new_tokens "
+                f"({self.sampling.max_new_tokens})"
+            )
+        if (self.kl_controller == "adaptive" or self.kl_in == "reward") and self.kl_coef == 0:
+            raise ValueError(
+                f"kl_controller={self.kl_controller!r}, kl_in={self.kl_in!r} needs kl_coef > 0 (the initial coefficient)"
+            )
+        return self
+
+
+class CriticConfig(Section):
+    """The value model of PPO (grpo.advantage=gae): the policy's transformer body, copied, plus a linear head."""
+
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10), description="Critic optimizer."
+    )
+    value_clip: float | None = Field(
+        0.2, gt=0.0, description="Clip of V - V_old in the value loss; None = plain squared error."
+    )
+    micro_batch_size: int = Field(64, gt=0, description="Sequences per critic forward/backward.")
 
 
 class EvalConfig(Section):
@@ -227,6 +296,7 @@ class RunConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (advantage=gae).")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
 
@@ -240,6 +310,13 @@ class RunConfig(Section):
                 f"grpo.prompts_per_step * grpo.group_size ({rollout}) must be a multiple of "
                 f"runtime.trainer_ranks ({n})"
             )
+        if rollout % (n * self.grpo.minibatches):
+            raise ValueError(
+                f"grpo.prompts_per_step * grpo.group_size ({rollout}) must split into grpo.minibatches "
+                f"({self.grpo.minibatches}) of a multiple of runtime.trainer_ranks ({n}) rows each"
+            )
+        if self.grpo.advantage == "gae" and self.runtime.backend != "local":
+            raise ValueError("grpo.advantage 'gae' (a critic) runs on runtime.backend 'local' only for now")
         if self.sft.batch_size % n:
             raise ValueError(
                 f"sft.batch_size ({self.sft.batch_size}) must be a multiple of runtime.trainer_ranks ({n})"

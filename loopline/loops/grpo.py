@@ -1,17 +1,38 @@
-"""GRPO, synchronous: rollout -> score -> advantages -> update -> weight sync -> log, one step at a time."""
+"""GRPO-family RL, synchronous: rollout -> score -> advantages -> update -> weight sync -> log, one step at a time.
+
+One loop runs the family; the config picks the parts once, up front:
+- grpo.advantage: the estimator (loops.estimators.ESTIMATORS); `gae` adds a critic, which makes it PPO.
+- grpo.policy_loss: the surrogate (training.policy.POLICY_LOSSES), with clip-higher and dual clip.
+- grpo.kl_in / kl_controller: KL to the reference as a loss term or a reward penalty; fixed or adaptive.
+- DAPO extras: dynamic sampling (collect), overlong shaping and truncated-completion masking.
+
+Simplified: resuming a run with a reference model, a critic or an adaptive KL coefficient is not
+supported yet (the checkpoint holds the policy only).
+"""
 
 from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
+import torch
 from tqdm import tqdm
 
-from loopline.algorithms.advantages import group_advantages
+from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
+from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
+from loopline.algorithms.losses import kl_estimate
 from loopline.checkpoint.state import RunState, save_checkpoint
-from loopline.data.batches import RolloutBatch, collate
+from loopline.config import GRPOConfig
+from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
+from loopline.loops.estimators import ESTIMATORS, Signals
+from loopline.rollout.engine import Completion, SamplingParams
+from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
+
+B = TypeVar("B", bound=TokenBatch)
 
 
 class StageTimer:
@@ -27,17 +48,102 @@ class StageTimer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
 
 
+@dataclass
+class Scored:
+    """One step's scored completions: group_size per prompt, the samples of a prompt contiguous."""
+
+    prompts: list[list[int]]  # (B) prompt token ids of each completion
+    completions: list[Completion]  # (B)
+    scores: torch.Tensor  # (B,) task scores from the verifier
+    rounds: int  # generate calls it took
+    informative_fraction: float  # of all groups generated, those whose scores were not all equal
+
+
+def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: StageTimer) -> Scored:
+    """Sample and score prompts_per_step groups. With dynamic_sampling, groups whose scores are all equal
+    (no gradient) are set aside and more prompts sampled, for at most max_sampling_rounds generate calls;
+    if the batch is still short, set-aside groups fill it, so every step trains on the same number of rows."""
+    cfg = ctx.cfg.grpo
+    kept: list[tuple[list[int], list[Completion], torch.Tensor]] = []
+    spare: list[tuple[list[int], list[Completion], torch.Tensor]] = []
+    generated, rounds = 0, 0
+    while len(kept) < cfg.prompts_per_step and rounds < (
+        cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
+    ):
+        rounds += 1
+        with timer("rollout"):
+            rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.prompts_per_step)]
+            prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
+            completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
+        with timer("score"):
+            answers = [rows[c.prompt_index].answer for c in completions]
+            scores = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
+        n = cfg.group_size
+        informative = (
+            informative_groups(scores, n)
+            if cfg.dynamic_sampling
+            else torch.ones(len(prompts), dtype=torch.bool)
+        )
+        for g, useful in enumerate(informative.tolist()):
+            group = (prompts[g], completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
+            (kept if useful else spare).append(group)
+        generated += len(prompts)
+    groups = (kept + spare)[: cfg.prompts_per_step]
+    return Scored(
+        prompts=[p for p, cs, _ in groups for _ in cs],
+        completions=[c for _, cs, _ in groups for c in cs],
+        scores=torch.cat([s for _, _, s in groups]),
+        rounds=rounds,
+        informative_fraction=len(kept) / generated,
+    )
+
+
+def _kl_controller(cfg: GRPOConfig) -> FixedKLController | AdaptiveKLController:
+    if cfg.kl_controller == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    return FixedKLController(cfg.kl_coef)
+
+
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1.0))
+
+
+def _take(batch: B, rows: torch.Tensor) -> B:
+    """The batch's rows at `rows` (every tensor field indexed along dim 0)."""
+    picked = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in picked.items()})
+
+
+def minibatch_rows(size: int, minibatches: int) -> list[torch.Tensor]:
+    """Row indices of `minibatches` equal slices of a shuffled batch; in order (no RNG drawn) for one."""
+    order = torch.randperm(size) if minibatches > 1 else torch.arange(size)
+    return list(order.chunk(minibatches))
+
+
 def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
-    """Run GRPO from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state."""
+    """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state."""
     cfg = ctx.cfg.grpo
     params = sampling_params(cfg.sampling)
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed + 1)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    if cfg.kl_coef > 0 and state.step > 0:
-        raise NotImplementedError("resuming GRPO with kl_coef > 0 needs the reference weights in the checkpoint")
+    if (cfg.kl_coef > 0 or cfg.advantage == "gae") and state.step > 0:
+        raise NotImplementedError(
+            "resuming GRPO with kl_coef > 0 or advantage 'gae' needs the reference/critic in the checkpoint"
+        )
     # The reference policy is the policy as RL starts (after SFT), frozen.
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
+    estimate = ESTIMATORS[cfg.advantage]
+    kl_control = _kl_controller(cfg)
+    updates = cfg.steps * cfg.epochs_per_step * cfg.minibatches
+    # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
+    critic = (
+        CriticTrainer(ScalarModel.from_policy(ctx.model), ctx.cfg.critic, updates)
+        if cfg.advantage == "gae"
+        else None
+    )
+    # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
+    need_old = cfg.epochs_per_step * cfg.minibatches > 1 or cfg.kl_in == "reward"
     sync_engine(ctx, version=state.step)
     pad_id = ctx.tokenizer.pad_token_id
 
@@ -45,33 +151,53 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     while state.step < cfg.steps:
         timer = StageTimer()
 
-        # 1. Rollout: group_size samples of each prompt from the engine's current policy.
-        with timer("rollout"):
-            rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.prompts_per_step)]
-            prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
-            completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
+        # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
+        scored = collect(ctx, sampler, params, timer)
+        completions = scored.completions
 
-        # 2. Score: verifier reward per completion.
-        with timer("score"):
-            answers = [rows[c.prompt_index].answer for c in completions]
-            rewards = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
-
-        # 3. Experience: tokens, masks, advantages, reference (and, for several epochs, old) log-probs.
+        # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
         with timer("experience"):
-            tokens = collate([prompts[c.prompt_index] for c in completions], [c.token_ids for c in completions], pad_id)
-            advantages = group_advantages(rewards, cfg.group_size, cfg.adv_scale, cfg.adv_eps)  # (B,)
+            tokens = collate(scored.prompts, [c.token_ids for c in completions], pad_id)
+            lengths = tokens.response_mask.sum(dim=1)  # (B,)
+            truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
+            rewards = scored.scores  # (B,)
+            if cfg.overlong_buffer:
+                rewards = rewards + overlong_penalty(
+                    lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+                )
+            mask = (
+                mask_truncated(tokens.response_mask, truncated)
+                if cfg.mask_truncated
+                else tokens.response_mask
+            )
+            tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
             ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-            # one update per rollout is on-policy: the trainer's own log-probs are the behaviour's
-            old_logprobs = ctx.actor.logprobs(tokens) if cfg.epochs_per_step > 1 else None
+            old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+            reward_kl = (
+                kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
+            )
+            values = critic.values(tokens) if critic else None
+            signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
+            advantages, returns = estimate(signals, cfg)  # (B,) or (B, C); returns (B, C) for the critic
             batch = RolloutBatch(
-                tokens.input_ids, tokens.attention_mask, tokens.response_mask,
-                old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, advantages=advantages, rewards=rewards,
+                tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
+                ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
             )  # fmt: skip
 
-        # 4. Train: epochs_per_step optimizer steps over micro-batches with gradient accumulation.
+        # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
         with timer("train"):
+            step_cfg = cfg.model_copy(update={"kl_coef": kl_control.value if cfg.kl_in == "loss" else 0.0})
             for _ in range(cfg.epochs_per_step):
-                stats = ctx.actor.grpo_step(batch, cfg)
+                for rows in minibatch_rows(len(batch), cfg.minibatches):
+                    stats = ctx.actor.grpo_step(_take(batch, rows), step_cfg)
+                    if critic is not None and values is not None and returns is not None:
+                        value_batch = ValueBatch(
+                            tokens.input_ids, tokens.attention_mask, mask, values, returns
+                        )
+                        critic_stats = critic.step(_take(value_batch, rows))
+            measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.extra["kl"]
+            kl_coef = kl_control.value
+            kl_control.update(measured_kl, len(batch))
 
         # 5. Weight sync: the engine samples the next step from the updated policy.
         with timer("sync"):
@@ -80,25 +206,33 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         state.sampler = sampler.state_dict()
 
         # 6. Metrics, held-out eval, checkpoint.
-        lengths = tokens.response_mask.sum(dim=1)
         row = {
             "phase": "grpo",
             "step": state.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((rewards > 0).float().mean()),
+            "accuracy": float((scored.scores > 0).float().mean()),
             "loss": stats.loss,
             **stats.extra,
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
             "response_len_mean": float(lengths.mean()),
             "response_len_max": int(lengths.max()),
-            "truncated_fraction": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            "truncated_fraction": float(truncated.float().mean()),
             "rollout_tokens_per_s": float(lengths.sum()) / max(timer.seconds["rollout"], 1e-9),
-            "train_tokens_per_s": float(tokens.attention_mask.sum()) * cfg.epochs_per_step
+            "train_tokens_per_s": float(tokens.attention_mask.sum())
+            * cfg.epochs_per_step
             / max(timer.seconds["train"], 1e-9),
             **{f"time_{k}": v for k, v in timer.seconds.items()},
         }
+        if cfg.kl_coef > 0:
+            row.update(kl_coef=kl_coef, measured_kl=measured_kl)
+        if cfg.dynamic_sampling:
+            row.update(sampling_rounds=scored.rounds, informative_fraction=scored.informative_fraction)
+        if critic is not None:
+            row.update(
+                critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm
+            )
         last = state.step == cfg.steps
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
             row.update(evaluate(ctx))

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from loopline.algorithms.losses import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate
+from loopline.algorithms.losses import (
+    PolicyLossOutput,
+    aggregate,
+    clipped_policy_loss,
+    entropy_from_logits,
+    gspo_policy_loss,
+    kl_estimate,
+)
 from loopline.config import GRPOConfig, OptimConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.training.parallel import all_reduce_sum, full_optimizer_state, load_full_optimizer_state
@@ -35,6 +43,45 @@ def build_optimizer(
         return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    grad_clip: float,
+) -> tuple[float, float]:
+    """Clip the global grad norm, step (skipped when the norm is not finite), zero grads; (grad_norm, lr)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    lr = scheduler.get_last_lr()[0]
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        scheduler.step()
+    # else: a non-finite gradient would poison the weights and AdamW moments: skip this update
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm), lr
+
+
+def _clip_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig
+) -> PolicyLossOutput:
+    """PPO/GRPO token-ratio clip (clip-higher when clip_high > clip_low; dual clip when set)."""
+    return clipped_policy_loss(
+        logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, cfg.sampling.max_new_tokens,
+        dual_clip=cfg.dual_clip,
+    )  # fmt: skip
+
+
+def _gspo_loss(
+    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig
+) -> PolicyLossOutput:
+    """GSPO: clip on the length-normalised sequence ratio."""
+    max_len = cfg.sampling.max_new_tokens
+    return gspo_policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, max_len)
+
+
+# grpo.policy_loss -> the surrogate; each takes (logp, old_logp, advantages, mask, cfg)
+POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {"clip": _clip_loss, "gspo": _gspo_loss}
 
 
 def response_logprobs(
@@ -105,16 +152,7 @@ class PolicyTrainer:
         return dict(zip(sums, total.tolist()))
 
     def _step(self) -> tuple[float, float]:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        if not torch.isfinite(grad_norm):
-            # a non-finite gradient would poison the weights and AdamW moments: skip this update
-            self.optimizer.zero_grad(set_to_none=True)
-            return float(grad_norm), self.scheduler.get_last_lr()[0]
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(grad_norm), lr
+        return optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked)."""
@@ -132,8 +170,9 @@ class PolicyTrainer:
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra={})
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
-        """One optimizer step of the clipped GRPO objective (+ KL to ref, + entropy bonus)."""
+        """One optimizer step of the grpo.policy_loss objective (+ KL to ref, + entropy bonus)."""
         self.model.train()
+        policy_loss = POLICY_LOSSES[cfg.policy_loss]
         sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
         max_len = cfg.sampling.max_new_tokens
         totals = self._totals(batch)
@@ -144,9 +183,7 @@ class PolicyTrainer:
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
-            pg = clipped_policy_loss(
-                logp, old, micro.advantages, micro.response_mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, max_len
-            )
+            pg = policy_loss(logp, old, micro.advantages, micro.response_mask, cfg)
             loss = pg.loss
             ent = _masked_mean(entropy, micro.response_mask)
             if cfg.entropy_coef:
