@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, eval, generate, plot, config, sandbox, bench."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, bench."""
 
 from __future__ import annotations
 
@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sft", help="supervised fine-tuning only")
     _add_config_args(p)
 
+    p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
+    _add_config_args(p)
+
+    p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
+    _add_config_args(p)
+
     p = sub.add_parser("eval", help="held-out accuracy of a model directory or checkpoint")
     _add_config_args(p)
 
@@ -41,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument("-n", type=int, default=1, help="samples per prompt")
+
+    p = sub.add_parser("export", help="write a checkpoint (or a run's newest) as a Hugging Face model")
+    p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
+    p.add_argument("out", help="directory to write the model to")
 
     p = sub.add_parser("plot", help="write PNG curves for a run directory")
     p.add_argument("run_dir")
@@ -67,12 +77,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     try:
-        if args.command in ("train", "sft", "eval", "generate", "config"):
+        if args.command in ("train", "sft", "dpo", "rm", "eval", "generate", "config"):
             config, overrides = _split_config(args)
             load_config(config, overrides)  # a bad config fails in a second, before torch is imported
             from loopline import commands
 
             return getattr(commands, args.command)(config, overrides, args)
+        if args.command == "export":
+            from loopline.checkpoint.export import main as export_main
+
+            return export_main([args.checkpoint, args.out])
         if args.command == "plot":
             from loopline.metrics.plot import plot_run
 

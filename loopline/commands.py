@@ -6,52 +6,55 @@ import argparse
 import json
 import time
 
-from loopline.checkpoint.state import RunState, latest_checkpoint, load_checkpoint, set_rng_state
-from loopline.config import describe, load_config
+from loopline.checkpoint.state import RunState
+from loopline.config import ConfigError, RunConfig, describe, load_config
 from loopline.loops.context import RunContext, build_context, encode_prompt, evaluate, sampling_params, sync_engine
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
+from loopline.runtime.workers import WorkerDiedError
+
+
+def _start_fresh(ctx: RunContext) -> None:
+    """A new run: without this, an earlier run's metrics and ledger lines would be read as this one's."""
+    ctx.logger.clear()
+    ctx.ledger.clear()
 
 
 def _resume(ctx: RunContext) -> tuple[RunState, dict | None]:
-    """State and trainer state of the newest checkpoint (weights and RNG restored), or a fresh start."""
-    path = latest_checkpoint(ctx.run_dir)
-    if path is None:
+    """State and trainer state of the newest whole checkpoint (weights on the trainer ranks, RNG, metrics and
+    ledger cut back to it), or a fresh start."""
+    found = ctx.checkpoints.resume()
+    if found is None:
         print(f"no checkpoint in {ctx.run_dir}: starting fresh")
-        ctx.logger.clear()
+        _start_fresh(ctx)
         return RunState(), None
-    state, trainer_state, rng = load_checkpoint(path, ctx.model)
-    ctx.actor.load_weights(ctx.model.state_dict())  # on Ray: to the trainer ranks (the engines get them at sync)
-    set_rng_state(rng)
-    ctx.logger.truncate_after(state.phase, state.step)
-    print(f"resumed from {path} ({state.phase} step {state.step})")
+    state, trainer_state = found
+    print(f"resumed from {ctx.checkpoints.resumed_from} ({state.phase} step {state.step})")
     return state, trainer_state
 
 
 def train(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT warm start then GRPO; prints held-out accuracy before and after RL."""
+    """SFT warm start then GRPO; prints held-out accuracy before and after RL.
+
+    A worker process that dies (ray) restarts the roles from the newest checkpoint, at most
+    runtime.max_restarts times; the time from the failure to the resumed run is printed.
+    """
     cfg = load_config(config, overrides)
     t0 = time.perf_counter()
-    ctx = build_context(cfg)
-    try:
-        if args.resume:
-            state, trainer_state = _resume(ctx)
-        else:
-            ctx.logger.clear()  # a new run; without this, an earlier run's rows would be read as this one's
-            state, trainer_state = RunState(), None
-
-        if state.phase == "sft":
-            sync_engine(ctx, version=0)
-            if state.step == 0 and trainer_state is None:
-                ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-            state = train_sft(ctx, state, trainer_state)
-            state, trainer_state = RunState(phase="grpo", step=0), None
-        sync_engine(ctx, version=state.step)
-        if state.step == 0:
-            ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
-        state = train_grpo(ctx, state, trainer_state)
-    finally:
-        ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
+    resume, failed_at = args.resume, None
+    for attempt in range(cfg.runtime.max_restarts + 1):
+        ctx = build_context(cfg)
+        try:
+            state = _train(ctx, resume, failed_at)
+            break
+        except WorkerDiedError as e:
+            if attempt == cfg.runtime.max_restarts:
+                raise
+            restarts = cfg.runtime.max_restarts
+            print(f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
+            resume, failed_at = True, time.perf_counter()
+        finally:
+            ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
     before = _accuracy_at(ctx, "grpo", 0)
     after = _accuracy_at(ctx, "grpo", state.step)
 
@@ -65,12 +68,35 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     return 0
 
 
-def _accuracy_at(ctx: RunContext, phase: str, step: int) -> float | None:
+def _train(ctx: RunContext, resume: bool, failed_at: float | None) -> RunState:
+    """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state."""
+    if resume:
+        state, trainer_state = _resume(ctx)
+        if failed_at is not None:
+            print(f"recovered in {time.perf_counter() - failed_at:.1f}s (roles restarted, checkpoint loaded)")
+    else:
+        _start_fresh(ctx)
+        state, trainer_state = RunState(), None
+
+    if state.phase == "sft":
+        sync_engine(ctx, version=0)
+        if state.step == 0 and trainer_state is None:
+            ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+        state = train_sft(ctx, state, trainer_state)
+        state, trainer_state = RunState(phase="grpo", step=0), None
+    sync_engine(ctx, version=state.step)
+    if state.step == 0:
+        ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
+    state = train_grpo(ctx, state, trainer_state)
+    return state
+
+
+def _accuracy_at(ctx: RunContext, phase: str, step: int, key: str = "eval_accuracy") -> float | None:
     from loopline.metrics.logger import read_metrics
 
     for row in read_metrics(ctx.run_dir):
-        if row.get("phase") == phase and row.get("step") == step and "eval_accuracy" in row:
-            return row["eval_accuracy"]
+        if row.get("phase") == phase and row.get("step") == step and key in row:
+            return row[key]
     return None
 
 
@@ -130,4 +156,72 @@ def generate(config: str | None, overrides: list[str], args: argparse.Namespace)
 def config(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """Print every field: dotted key = value  # description."""
     print("\n".join(describe(load_config(config, overrides))))
+    return 0
+
+
+def _preference_run(cfg: RunConfig, command: str) -> None:
+    """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
+    if cfg.runtime.backend != "local":
+        raise ConfigError(f"runtime.backend: `loopline {command}` runs on 'local' only for now")
+    if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
+        raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
+
+
+def _warm_start(ctx: RunContext) -> None:
+    """The SFT warm start before preference training (sft.steps; 0 = start from model.path as it is)."""
+    sync_engine(ctx, version=0)
+    if ctx.cfg.sft.steps:
+        ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+        train_sft(ctx, RunState(), None)
+
+
+def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """SFT warm start then DPO on preference pairs; the result is out_dir/model."""
+    from loopline.data.preference import load_pair_splits
+    from loopline.loops.preference import train_dpo
+
+    cfg = load_config(config, overrides)
+    _preference_run(cfg, "dpo")
+    ctx = build_context(cfg)
+    try:
+        ctx.logger.clear()
+        _warm_start(ctx)
+        train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
+        steps = train_dpo(ctx, train_pairs, eval_pairs)
+        ctx.model.save_pretrained(ctx.run_dir / "model")
+        ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+    finally:
+        ctx.close()
+    for key, what in (
+        ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
+        ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),
+        ("eval_accuracy", "held-out task accuracy"),
+    ):
+        before, after = _accuracy_at(ctx, "dpo", 0, key), _accuracy_at(ctx, "dpo", steps, key)
+        print(f"{what}: before DPO {_pct(before)}, after DPO {_pct(after)}")
+    print(f"saved {ctx.run_dir / 'model'}")
+    return 0
+
+
+def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """SFT warm start then a Bradley-Terry reward model on pairs; the result is out_dir/reward_model."""
+    from loopline.data.preference import load_pair_splits
+    from loopline.loops.preference import train_rm
+
+    cfg = load_config(config, overrides)
+    _preference_run(cfg, "rm")
+    ctx = build_context(cfg)
+    try:
+        ctx.logger.clear()
+        _warm_start(ctx)
+        train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
+        model = train_rm(ctx, train_pairs, eval_pairs)
+        model.save(ctx.run_dir / "reward_model")
+        ctx.tokenizer.save_pretrained(ctx.run_dir / "reward_model")
+    finally:
+        ctx.close()
+    before = _accuracy_at(ctx, "rm", 0, "eval_pair_accuracy")
+    after = _accuracy_at(ctx, "rm", cfg.rm.steps, "eval_pair_accuracy")
+    print(f"held-out pairwise accuracy: before {_pct(before)}, after {_pct(after)}")
+    print(f"saved {ctx.run_dir / 'reward_model'}")
     return 0

@@ -212,6 +212,65 @@ class CriticConfig(Section):
     micro_batch_size: int = Field(64, gt=0, description="Sequences per critic forward/backward.")
 
 
+class PreferenceDataConfig(Section):
+    """Preference pairs for DPO and reward models (loopline.data.preference describes the row formats)."""
+
+    source: Literal["builtin", "jsonl"] = Field(
+        "builtin", description="builtin: pairs from the task (correct vs a wrong sum); jsonl: files."
+    )
+    train_path: str = Field("", description="Training pairs (jsonl).")
+    eval_path: str = Field("", description="Held-out pairs (jsonl); empty = no held-out metrics.")
+    prompt_field: str = Field("prompt", description="Row field holding the prompt (text or messages).")
+    chosen_field: str = Field("chosen", description="Row field holding the preferred completion.")
+    rejected_field: str = Field("rejected", description="Row field holding the dispreferred completion.")
+    margin_field: str = Field("margin", description="Optional row field with a Bradley-Terry margin.")
+    num_train: int = Field(4096, gt=0, description="Built-in pairs made from the first N training prompts.")
+    num_eval: int = Field(500, gt=0, description="Held-out pairs scored (at most the split size).")
+
+    @model_validator(mode="after")
+    def _paths_given(self) -> PreferenceDataConfig:
+        if self.source == "jsonl" and not self.train_path:
+            raise ValueError("source 'jsonl' needs train_path")
+        return self
+
+
+class DPOConfig(Section):
+    """Direct preference optimisation on pairs, against the policy as DPO starts (after SFT), frozen."""
+
+    steps: int = Field(150, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(32, gt=0, description="Pairs per step.")
+    micro_batch_size: int = Field(32, gt=0, description="Pairs per forward/backward.")
+    loss: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
+        "sigmoid", description="sigmoid (DPO), ipo, hinge (SLiC) or robust (label noise label_smoothing)."
+    )
+    beta: float = Field(0.1, gt=0.0, description="Strength of the implicit KL constraint.")
+    label_smoothing: float = Field(
+        0.0, ge=0.0, lt=0.5, description="Assumed label-flip rate (sigmoid: cDPO, robust: rDPO)."
+    )
+    reference: Literal["precomputed", "online"] = Field(
+        "precomputed",
+        description="precomputed: reference log-probs of every pair once, up front; online: a frozen copy.",
+    )
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10), description="DPO optimizer."
+    )
+    eval_every: int = Field(50, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+
+
+class RewardModelConfig(Section):
+    """Bradley-Terry reward model: the policy's body (after SFT) with a scalar head at the last token."""
+
+    steps: int = Field(300, ge=0, description="Optimizer steps.")
+    batch_size: int = Field(32, gt=0, description="Pairs per step.")
+    micro_batch_size: int = Field(32, gt=0, description="Pairs per forward/backward.")
+    margin: float = Field(0.0, description="Margin added to every pair's own (data) margin in the loss.")
+    center_coef: float = Field(0.01, ge=0.0, description="Weight of mean((r_c + r_r)^2), centring the rewards.")
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=10), description="RM optimizer."
+    )
+    eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+
+
 class EvalConfig(Section):
     """Held-out evaluation."""
 
@@ -244,6 +303,18 @@ class RuntimeConfig(Section):
         600.0,
         gt=0,
         description="Longest wait for a call on a worker group, and for the trainer's collectives.",
+    )
+    stage_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        description="Watchdog: a loop stage (rollout, score, train, sync, eval, checkpoint) running longer "
+        "than this fails the run with an error naming role, rank and stage; 0 = off.",
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="When a worker process dies (ray), restart the roles from the last checkpoint, at most "
+        "this many times.",
     )
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig, description="Which Ray: a local one or an address."
@@ -283,13 +354,38 @@ class RuntimeConfig(Section):
         return {"actor": self.trainer_ranks, "rollout": self.engines, "env": self.env_workers}
 
 
+class CheckpointConfig(Section):
+    """Checkpoints: what they hold, how they are written, how many are kept."""
+
+    keep_last: int = Field(3, ge=0, description="Whole checkpoints kept, the newest; 0 = keep all.")
+    async_save: bool = Field(
+        False,
+        description="Copy the state at the save and write it in a background thread while training goes on; "
+        "it becomes `latest` only once whole.",
+    )
+    hf_model: bool = Field(
+        True,
+        description="Also write the weights as model/model.safetensors (a Hugging Face directory) in each "
+        "checkpoint; on ray this gathers the whole model on trainer rank 0. `loopline export` makes one "
+        "from any checkpoint.",
+    )
+    save_timeout_s: float = Field(600.0, gt=0, description="Longest wait for a checkpoint write to finish.")
+
+
 class RunConfig(Section):
     """A whole run: model, data, SFT warm start, GRPO, eval, outputs."""
 
     out_dir: str = Field("runs/default", description="Run directory (config, metrics, checkpoints, plots).")
     seed: int = Field(0, description="Seed for data, init, sampling.")
     threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default.")
-    checkpoint_every: int = Field(50, ge=0, description="Save every N RL steps; 0 = only at the end.")
+    deterministic: bool = Field(
+        False,
+        description="torch.use_deterministic_algorithms(True); with fixed threads a run killed and resumed "
+        "on CPU ends bitwise equal to one never interrupted.",
+    )
+    checkpoint_every: int = Field(
+        50, ge=0, description="Save every N optimizer steps (SFT and RL); 0 = only at the end of each phase."
+    )
     progress: bool = Field(True, description="Show a progress bar.")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -297,8 +393,12 @@ class RunConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (advantage=gae).")
+    preference: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig, description="DPO/RM pairs.")
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="`loopline dpo`, after the SFT warm start.")
+    rm: RewardModelConfig = Field(default_factory=RewardModelConfig, description="`loopline rm`.")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
 
     @model_validator(mode="after")
     def _batches_split_evenly(self) -> RunConfig:

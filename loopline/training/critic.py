@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModel, PreTrainedModel
 
 from loopline.algorithms.losses import clipped_value_loss
-from loopline.config import CriticConfig
+from loopline.algorithms.preference import bradley_terry_loss
+from loopline.config import CriticConfig, RewardModelConfig
 from loopline.data.batches import TokenBatch, split_rows
+from loopline.data.preference import PairBatch
 from loopline.training.policy import StepStats, build_optimizer, optimizer_step
 
 
@@ -36,6 +40,23 @@ class ScalarModel(nn.Module):
         """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head."""
         body = copy.deepcopy(policy.base_model).requires_grad_(True)
         return cls(body, policy.config.hidden_size)
+
+    def save(self, path: str | Path) -> None:
+        """The body as a Hugging Face directory (transformers' AutoModel loads it) plus head.safetensors."""
+        path = Path(path)
+        self.body.save_pretrained(path)
+        save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, path / "head.safetensors")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ScalarModel:
+        """A model written by save()."""
+        path = Path(path)
+        if not (path / "head.safetensors").is_file():
+            raise ValueError(f"'{path}' is not a saved scalar model (no head.safetensors)")
+        body = AutoModel.from_pretrained(path)
+        model = cls(body, body.config.hidden_size)
+        model.head.load_state_dict(load_file(path / "head.safetensors"))
+        return model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Scalar at every position, (B, L) float32."""
@@ -98,4 +119,44 @@ class CriticTrainer:
             sums["value_mean"] += float(mean) * share
         grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
         loss = sums.pop("value_loss")
+        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+
+
+def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
+    """Fraction of pairs scored chosen > rejected, a tie counting half (an untrained head scores 50%)."""
+    return float((chosen > rejected).float().mean() + 0.5 * (chosen == rejected).float().mean())
+
+
+class RewardTrainer:
+    """Owns a reward model (ScalarModel) and its optimizer: Bradley-Terry steps on preference pairs."""
+
+    def __init__(self, model: ScalarModel, cfg: RewardModelConfig, total_steps: int) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, total_steps)
+
+    def scores(self, batch: TokenBatch) -> torch.Tensor:
+        """Reward of each sequence (its last token), (B,), without gradients."""
+        self.model.eval()
+        with torch.no_grad():
+            parts = split_rows(batch, self.cfg.micro_batch_size)
+            return torch.cat([self.model.last_token_scores(m) for m in parts])
+
+    def step(self, pairs: PairBatch) -> StepStats:
+        """One optimizer step of the Bradley-Terry loss (margin = the pair's + rm.margin, centring)."""
+        self.model.train()
+        sums = {"loss": 0.0, "pair_accuracy": 0.0, "reward_margin": 0.0, "reward_mean": 0.0}
+        for micro in pairs.micro_batches(self.cfg.micro_batch_size):
+            share = len(micro) / len(pairs)  # the loss is a mean over pairs
+            chosen = self.model.last_token_scores(micro.chosen)  # (b,)
+            rejected = self.model.last_token_scores(micro.rejected)  # (b,)
+            loss = bradley_terry_loss(chosen, rejected, micro.margin + self.cfg.margin, self.cfg.center_coef)
+            (loss * share).backward()
+            chosen, rejected = chosen.detach(), rejected.detach()
+            sums["loss"] += float(loss.detach()) * share
+            sums["pair_accuracy"] += pairwise_accuracy(chosen, rejected) * share
+            sums["reward_margin"] += float((chosen - rejected).mean()) * share
+            sums["reward_mean"] += float((chosen + rejected).mean() / 2) * share
+        grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
+        loss = sums.pop("loss")
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)

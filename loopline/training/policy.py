@@ -18,8 +18,16 @@ from loopline.algorithms.losses import (
     gspo_policy_loss,
     kl_estimate,
 )
-from loopline.config import GRPOConfig, OptimConfig
+from loopline.algorithms.preference import (
+    PreferenceLossOutput,
+    dpo_hinge_loss,
+    dpo_ipo_loss,
+    dpo_robust_loss,
+    dpo_sigmoid_loss,
+)
+from loopline.config import DPOConfig, GRPOConfig, OptimConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
+from loopline.data.preference import PairBatch
 from loopline.training.parallel import all_reduce_sum, full_optimizer_state, load_full_optimizer_state
 
 
@@ -82,6 +90,46 @@ def _gspo_loss(
 
 # grpo.policy_loss -> the surrogate; each takes (logp, old_logp, advantages, mask, cfg)
 POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {"clip": _clip_loss, "gspo": _gspo_loss}
+
+
+def _dpo_sigmoid(
+    pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, pairs: PairBatch, cfg: DPOConfig
+) -> PreferenceLossOutput:
+    return dpo_sigmoid_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing)
+
+
+def _dpo_robust(
+    pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, pairs: PairBatch, cfg: DPOConfig
+) -> PreferenceLossOutput:
+    return dpo_robust_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing)
+
+
+def _dpo_hinge(
+    pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, pairs: PairBatch, cfg: DPOConfig
+) -> PreferenceLossOutput:
+    return dpo_hinge_loss(pc, pr, rc, rr, cfg.beta)
+
+
+def _dpo_ipo(
+    pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, pairs: PairBatch, cfg: DPOConfig
+) -> PreferenceLossOutput:
+    lengths_c, lengths_r = pairs.chosen.response_mask.sum(1), pairs.rejected.response_mask.sum(1)
+    return dpo_ipo_loss(pc, pr, rc, rr, lengths_c, lengths_r, cfg.beta)
+
+
+# dpo.loss -> the loss; each takes (policy chosen, policy rejected, ref chosen, ref rejected, pairs, cfg)
+DPO_LOSSES: dict[str, Callable[..., PreferenceLossOutput]] = {
+    "sigmoid": _dpo_sigmoid,
+    "robust": _dpo_robust,
+    "hinge": _dpo_hinge,
+    "ipo": _dpo_ipo,
+}
+
+
+def sequence_logprobs(model: PreTrainedModel, batch: TokenBatch) -> torch.Tensor:
+    """Summed log-prob of each row's response tokens under `model`, (B,)."""
+    logp, _ = response_logprobs(model, batch)
+    return (logp * batch.response_mask).sum(dim=1)
 
 
 def response_logprobs(
@@ -205,6 +253,33 @@ class PolicyTrainer:
                 ("approx_kl", pg.approx_kl, token_share),
             ):
                 sums[key] += float(value.detach()) * weight
+        grad_norm, lr = self._step()
+        sums = self._global_sums(sums)
+        loss = sums.pop("loss")
+        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+        """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""
+        if pairs.ref_chosen is None or pairs.ref_rejected is None:
+            raise ValueError("dpo_step needs the pairs' reference log-probs (ref_chosen, ref_rejected)")
+        self.model.train()
+        dpo_loss = DPO_LOSSES[cfg.loss]
+        keys = ("loss", "pref_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
+        sums = dict.fromkeys(keys, 0.0)
+        for micro in pairs.micro_batches(cfg.micro_batch_size):
+            share = len(micro) / len(pairs)  # every loss is a mean over pairs
+            chosen = sequence_logprobs(self.model, micro.chosen)  # (b,)
+            rejected = sequence_logprobs(self.model, micro.rejected)  # (b,)
+            out = dpo_loss(chosen, rejected, micro.ref_chosen, micro.ref_rejected, micro, cfg)
+            (out.loss * share).backward()
+            for key, value in (
+                ("loss", out.loss.detach()),
+                ("pref_accuracy", (out.chosen_rewards > out.rejected_rewards).float().mean()),
+                ("reward_margin", (out.chosen_rewards - out.rejected_rewards).mean()),
+                ("chosen_reward", out.chosen_rewards.mean()),
+                ("rejected_reward", out.rejected_rewards.mean()),
+            ):
+                sums[key] += float(value) * share
         grad_norm, lr = self._step()
         sums = self._global_sums(sums)
         loss = sums.pop("loss")

@@ -1,0 +1,153 @@
+"""Offline preference training: DPO on the policy, and a Bradley-Terry reward model on its body.
+
+Both read pairs (loopline.data.preference), step over shuffled batches of them and report held-out
+pairwise metrics. DPO's reference is the policy as DPO starts (after the SFT warm start): its summed
+log-probs of every pair are computed once up front (dpo.reference=precomputed), or by a frozen copy for
+each batch (online). DPO reports the implicit-reward preference accuracy (TRL's rewards/accuracies: 0 at
+the start, where policy = reference) and the policy's own preference, log p(chosen) > log p(rejected).
+
+Simplified: these run on the local backend, and write their final model (no mid-run checkpoints).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import PreTrainedModel
+
+from loopline.data.batches import collate
+from loopline.data.datasets import PromptRow
+from loopline.data.preference import PairBatch, PreferencePair
+from loopline.data.sampler import Sampler
+from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine
+from loopline.training.critic import RewardTrainer, ScalarModel, pairwise_accuracy
+from loopline.training.policy import PolicyTrainer, sequence_logprobs
+
+# pairs per forward outside training (reference log-probs, held-out metrics)
+_EVAL_CHUNK = 256
+
+
+def encode_pairs(ctx: RunContext, pairs: list[PreferencePair]) -> PairBatch:
+    """Token batches of prompt + chosen and prompt + rejected; completions end with EOS, as SFT targets do."""
+    tok = ctx.tokenizer
+    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    prompts = [
+        encode_prompt(tok, PromptRow(p.index, p.prompt, messages=p.messages), ctx.cfg.model.use_chat_template)
+        for p in pairs
+    ]
+
+    def target(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"] + eos
+
+    chosen = collate(prompts, [target(p.chosen) for p in pairs], tok.pad_token_id)
+    rejected = collate(prompts, [target(p.rejected) for p in pairs], tok.pad_token_id)
+    return PairBatch(chosen, rejected, torch.tensor([p.margin for p in pairs], dtype=torch.float32))
+
+
+def pair_logprobs(ctx: RunContext, model: PreTrainedModel, pairs: list[PreferencePair]) -> torch.Tensor:
+    """Summed log-probs of (chosen, rejected) completions under `model`, (N, 2), without gradients."""
+    out = []
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(pairs), _EVAL_CHUNK):
+            batch = encode_pairs(ctx, pairs[start : start + _EVAL_CHUNK])
+            out.append(
+                torch.stack(
+                    [sequence_logprobs(model, batch.chosen), sequence_logprobs(model, batch.rejected)], 1
+                )
+            )
+    return torch.cat(out) if out else torch.zeros(0, 2)
+
+
+def dpo_eval(ctx: RunContext, pairs: list[PreferencePair], ref: torch.Tensor) -> dict[str, float]:
+    """Held-out DPO metrics; `ref` holds the reference's (chosen, rejected) log-probs of `pairs`."""
+    if not pairs:
+        return {}
+    logp = pair_logprobs(ctx, ctx.model, pairs)  # (N, 2)
+    beta = ctx.cfg.dpo.beta
+    rewards = beta * (logp - ref)  # (N, 2) implicit rewards
+    return {
+        "eval_pref_accuracy": float((rewards[:, 0] > rewards[:, 1]).float().mean()),
+        "eval_reward_margin": float((rewards[:, 0] - rewards[:, 1]).mean()),
+        "eval_logp_accuracy": float((logp[:, 0] > logp[:, 1]).float().mean()),
+    }
+
+
+def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]) -> int:
+    """DPO from the current policy for cfg.dpo.steps; logs phase 'dpo' rows; returns the steps run."""
+    cfg = ctx.cfg.dpo
+    eval_pairs = eval_pairs[: ctx.cfg.preference.num_eval]
+    trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
+    # The reference is the policy as DPO starts, frozen: its log-probs up front, or a copy asked per batch.
+    eval_ref = pair_logprobs(ctx, ctx.model, eval_pairs)  # (N_eval, 2)
+    train_ref = pair_logprobs(ctx, ctx.model, train_pairs) if cfg.reference == "precomputed" else None
+    reference = copy.deepcopy(ctx.model).eval().requires_grad_(False) if cfg.reference == "online" else None
+    sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 2)
+    sync_engine(ctx, version=0)
+    ctx.logger.log({"phase": "dpo", "step": 0, **evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref)})
+
+    bar = tqdm(total=cfg.steps, desc="dpo", disable=not ctx.cfg.progress, leave=False)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        rows = [ref.index for ref in sampler.next_batch(cfg.batch_size)]
+        batch = encode_pairs(ctx, [train_pairs[i] for i in rows])
+        if train_ref is not None:
+            batch.ref_chosen, batch.ref_rejected = train_ref[rows, 0], train_ref[rows, 1]
+        else:
+            assert reference is not None
+            with torch.no_grad():
+                batch.ref_chosen = sequence_logprobs(reference, batch.chosen)
+                batch.ref_rejected = sequence_logprobs(reference, batch.rejected)
+        stats = trainer.dpo_step(batch, cfg)
+        row = {"phase": "dpo", "step": step, "loss": stats.loss, **stats.extra, "grad_norm": stats.grad_norm}
+        row.update(lr=stats.lr, time_train=time.perf_counter() - t0)
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            sync_engine(ctx, version=step)
+            row.update(evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref))
+        ctx.logger.log(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pref_accuracy", "-"))
+    bar.close()
+    return cfg.steps
+
+
+def rm_eval(ctx: RunContext, trainer: RewardTrainer, pairs: list[PreferencePair]) -> dict[str, float]:
+    """Held-out pairwise accuracy and mean reward margin of the reward model."""
+    if not pairs:
+        return {}
+    chosen, rejected = [], []
+    for start in range(0, len(pairs), _EVAL_CHUNK):
+        batch = encode_pairs(ctx, pairs[start : start + _EVAL_CHUNK])
+        chosen.append(trainer.scores(batch.chosen))
+        rejected.append(trainer.scores(batch.rejected))
+    c, r = torch.cat(chosen), torch.cat(rejected)
+    return {"eval_pair_accuracy": pairwise_accuracy(c, r), "eval_reward_margin": float((c - r).mean())}
+
+
+def train_rm(
+    ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]
+) -> ScalarModel:
+    """Fit a reward model (the policy's body, copied, + a scalar head) for cfg.rm.steps; returns it."""
+    cfg = ctx.cfg.rm
+    eval_pairs = eval_pairs[: ctx.cfg.preference.num_eval]
+    trainer = RewardTrainer(ScalarModel.from_policy(ctx.model), cfg, cfg.steps)
+    sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 3)
+    ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, trainer, eval_pairs)})
+
+    bar = tqdm(total=cfg.steps, desc="rm", disable=not ctx.cfg.progress, leave=False)
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        batch = encode_pairs(ctx, [train_pairs[ref.index] for ref in sampler.next_batch(cfg.batch_size)])
+        stats = trainer.step(batch)
+        row = {"phase": "rm", "step": step, "loss": stats.loss, **stats.extra, "grad_norm": stats.grad_norm}
+        row.update(lr=stats.lr, time_train=time.perf_counter() - t0)
+        if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
+            row.update(rm_eval(ctx, trainer, eval_pairs))
+        ctx.logger.log(row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pair_accuracy", "-"))
+    bar.close()
+    return trainer.model
