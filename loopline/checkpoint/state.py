@@ -1,11 +1,19 @@
 """Checkpoints: everything a run needs to continue, written atomically (tmp dir, then rename).
 
 Layout of RUN_DIR/checkpoints/<phase>-<step>/:
-  model/       the policy as a Hugging Face directory (safetensors; transformers loads it)
-  trainer.pt   optimizer and LR-scheduler state
-  state.json   phase, step, sampler position
-  rng.pt       python, numpy and torch RNG states (engine sampling draws from torch's)
+  dcp/          model, optimizer and LR schedule: torch.distributed.checkpoint, one shard file per trainer rank
+  model/        config and tokenizer of the policy, and (checkpoint.hf_model) its weights as model.safetensors:
+                a Hugging Face directory; `loopline export` makes one from any checkpoint
+  state.json    RunState: phase, step, policy version, sampler position
+  rng.pt        python, numpy and torch RNG states (the local engine samples from torch's)
+  cursors.json  byte lengths of metrics.jsonl and ledger.jsonl when it was taken; a resume cuts them back
 RUN_DIR/checkpoints/latest names the newest whole checkpoint.
+
+A checkpoint is written under `.tmp-<name>` and renamed when whole, then `latest` is replaced (a rename
+too), so a checkpoint that exists is complete and `latest` never names a partial one: a process killed
+at any moment leaves the previous checkpoint as the newest. With checkpoint.async_save the state is
+copied at the save call and written by a background thread while training continues; the next save (and
+the end of the run) waits for it, and it becomes `latest` only once whole.
 """
 
 from __future__ import annotations
@@ -14,14 +22,23 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from loopline.checkpoint.dcp import ShardWriter, read_model_weights, shard_state
+from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.ledger import LEDGER_FILE
+from loopline.config import CheckpointConfig
+
+# Append-only run files that a checkpoint records the length of, and a resume cuts back to that length.
+RUN_FILES = ("metrics.jsonl", LEDGER_FILE)
 
 
 @dataclass
@@ -31,6 +48,17 @@ class RunState:
     phase: str = "sft"  # "sft" or "grpo": the phase this state belongs to
     step: int = 0  # optimizer steps completed in this phase
     sampler: dict[str, int] = field(default_factory=dict)
+    policy_version: int = 0  # the version of the weights the engines hold (RL: one per step)
+
+
+class CheckpointActor(Protocol):
+    """What checkpoints need from the actor role (runtime.roles.Actor): every trainer rank saves its own shards."""
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None: ...
+
+    def wait_saved(self, timeout_s: float) -> None: ...
+
+    def load_state(self, path: str) -> None: ...
 
 
 def rng_state() -> dict[str, Any]:
@@ -47,42 +75,8 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    state: RunState,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    trainer_state: dict[str, Any],
-    keep_last: int = 3,
-) -> Path:
-    """Write a whole checkpoint under a temporary name, rename it, then point `latest` at it."""
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    name = f"{state.phase}-{state.step:06d}"
-    final, tmp = root / name, root / f".tmp-{name}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps(asdict(state)))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(name)
-    os.replace(latest_tmp, root / "latest")
-    whole = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=_age_key)
-    for old in whole[:-keep_last] if keep_last > 0 else []:
-        if old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def _age_key(path: Path) -> tuple[int, str]:
-    """Oldest first: SFT checkpoints precede RL ones (by name alone 'grpo-*' would sort before 'sft-*')."""
-    phase = path.name.split("-", 1)[0]
-    return ({"sft": 0, "grpo": 1}.get(phase, 2), path.name)
+def checkpoint_name(state: RunState) -> str:
+    return f"{state.phase}-{state.step:06d}"
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -94,15 +88,204 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def _age_key(path: Path) -> tuple[int, str]:
+    """Oldest first: SFT checkpoints precede RL ones (by name alone 'grpo-*' would sort before 'sft-*')."""
+    phase = path.name.split("-", 1)[0]
+    return ({"sft": 0, "grpo": 1}.get(phase, 2), path.name)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: str) -> None:
+    with path.open("w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _begin(root: Path, name: str) -> Path:
+    """A clean `.tmp-<name>` directory to write checkpoint <name> into."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def _write_small_files(tmp: Path, state: RunState, run_dir: Path) -> None:
+    """state.json, rng.pt and cursors.json: taken now, at the save call (before any background write)."""
+    torch.save(rng_state(), tmp / "rng.pt")
+    _write_file(tmp / "state.json", json.dumps(asdict(state)))
+    cursors = {name: (run_dir / name).stat().st_size for name in RUN_FILES if (run_dir / name).exists()}
+    _write_file(tmp / "cursors.json", json.dumps(cursors))
+
+
+def _write_model_dir(tmp: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
+    """model/: the policy's config, generation config and tokenizer (the weights come from the actor)."""
+    out = tmp / "model"
+    model.config.save_pretrained(out)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _commit(root: Path, tmp: Path, name: str, keep_last: int) -> Path:
+    """Rename the whole checkpoint into place, point `latest` at it, prune to keep_last."""
+    final, trash = root / name, root / f".trash-{name}"
+    if final.exists():  # a stale copy of this step from a run that was killed before naming it latest
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(final, trash)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    pointer_tmp = root / ".latest.tmp"
+    _write_file(pointer_tmp, name)
+    os.replace(pointer_tmp, root / "latest")
+    _fsync_dir(root)
+    shutil.rmtree(trash, ignore_errors=True)
+    whole = sorted((p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")), key=_age_key)
+    for old in whole[:-keep_last] if keep_last > 0 else []:
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    pause_point(f"saved:{name}")  # test hook: a kill right after a save
+    return final
+
+
+def truncate_run_files(run_dir: Path, cursors: dict[str, int]) -> None:
+    """Cut each append-only run file back to its length at the checkpoint: rows of later steps go."""
+    for name in RUN_FILES:
+        path = run_dir / name
+        if not path.exists():
+            continue
+        keep = cursors.get(name, 0)
+        if path.stat().st_size > keep:
+            with path.open("r+b") as f:
+                f.truncate(keep)
+
+
+class Checkpointer:
+    """Saves a run's checkpoints through its actor (each trainer rank writes its own shards) and resumes from them."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        cfg: CheckpointConfig,
+        actor: CheckpointActor,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+    ) -> None:
+        self.run_dir, self.cfg, self.actor = Path(run_dir), cfg, actor
+        self.model, self.tokenizer = model, tokenizer  # for the config and tokenizer files only
+        self.root = checkpoint_root(run_dir)
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_save_s = 0.0  # wall time the last save() blocked the caller
+        self.resumed_from: Path | None = None
+
+    def save(self, state: RunState) -> None:
+        """Checkpoint `state` and the actor's model, optimizer and LR schedule: blocking, or in the background."""
+        t0 = time.perf_counter()
+        self.wait()  # at most one save in flight
+        name = checkpoint_name(state)
+        tmp = _begin(self.root, name)
+        _write_small_files(tmp, state, self.run_dir)
+        model_dir = _write_model_dir(tmp, self.model, self.tokenizer)
+        hf_dir = str(model_dir) if self.cfg.hf_model else None
+        self.actor.save_state(str(tmp / "dcp"), hf_dir, blocking=not self.cfg.async_save)
+        if self.cfg.async_save:
+            self._pending = threading.Thread(
+                target=self._finish, args=(tmp, name), name=f"checkpoint-{name}", daemon=True
+            )
+            self._pending.start()
+        else:
+            self._finish(tmp, name)
+            self._raise()
+        self.last_save_s = time.perf_counter() - t0
+
+    def _finish(self, tmp: Path, name: str) -> None:
+        try:
+            self.actor.wait_saved(self.cfg.save_timeout_s)
+            _commit(self.root, tmp, name, self.cfg.keep_last)
+        except BaseException as e:  # raised by the next save() or wait() in the loop's thread
+            self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint failed: {type(error).__name__}: {error}") from error
+
+    def wait(self) -> None:
+        """Wait (at most checkpoint.save_timeout_s) for the save in flight to become `latest`; raise if it failed."""
+        pending = self._pending
+        if pending is not None:
+            pending.join(self.cfg.save_timeout_s + 5.0)  # _finish itself waits at most save_timeout_s
+            if pending.is_alive():
+                raise TimeoutError(
+                    f"stage 'checkpoint': the save did not finish within {self.cfg.save_timeout_s:g}s"
+                )
+            self._pending = None
+        self._raise()
+
+    def resume(self) -> tuple[RunState, dict[str, Any]] | None:
+        """Restore the newest whole checkpoint: weights on every trainer rank, RNG, run files cut back.
+
+        Returns (run state, trainer state for Actor.start_phase), or None when there is no checkpoint.
+        """
+        for pattern in (".tmp-*", ".trash-*"):  # what killed saves left behind
+            for leftover in self.root.glob(pattern):
+                shutil.rmtree(leftover, ignore_errors=True)
+        path = latest_checkpoint(self.run_dir)
+        if path is None:
+            return None
+        state = RunState(**json.loads((path / "state.json").read_text()))
+        self.actor.load_state(str(path / "dcp"))
+        set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+        truncate_run_files(self.run_dir, json.loads((path / "cursors.json").read_text()))
+        self.resumed_from = path
+        return state, _trainer_state(path)
+
+
+def load_weights(path: str | Path, model: PreTrainedModel) -> None:
+    """Load the weights of checkpoint `path` (written by any number of trainer ranks) into `model`."""
+    read_model_weights(Path(path) / "dcp", model)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    state: RunState,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    trainer_state: dict[str, Any],
+    keep_last: int = 3,
+) -> Path:
+    """Checkpoint a model trained in this process, with `trainer_state` (a whole PolicyTrainer.state_dict())."""
+    name = checkpoint_name(state)
+    root = checkpoint_root(run_dir)
+    tmp = _begin(root, name)
+    _write_small_files(tmp, state, Path(run_dir))
+    model_dir = _write_model_dir(tmp, model, tokenizer)
+    ShardWriter().save(tmp / "dcp", shard_state(model, None), hf=(model, model.state_dict(), str(model_dir)))
+    torch.save(trainer_state, tmp / "trainer.pt")
+    return _commit(root, tmp, name, keep_last)
+
+
 def load_checkpoint(path: Path, model: PreTrainedModel) -> tuple[RunState, dict[str, Any], dict[str, Any]]:
-    """Load weights into `model`; return (run state, trainer state, rng state)."""
-    weights = load_file(str(path / "model" / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    # tied embeddings are saved once; anything else missing means a mismatched model
-    missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the model: missing {missing}, unexpected {unexpected}")
+    """Load the weights of `path` into `model`; return (run state, trainer state, rng state)."""
+    load_weights(path, model)
     state = RunState(**json.loads((path / "state.json").read_text()))
-    trainer_state = torch.load(path / "trainer.pt", weights_only=False)
     rng = torch.load(path / "rng.pt", weights_only=False)
-    return state, trainer_state, rng
+    return state, _trainer_state(path), rng
+
+
+def _trainer_state(path: Path) -> dict[str, Any]:
+    """For Actor.start_phase: the DCP optimizer shards, or trainer.pt when an in-process save_checkpoint wrote it."""
+    trainer_pt = path / "trainer.pt"
+    if trainer_pt.exists():
+        return torch.load(trainer_pt, weights_only=False)
+    return {"dcp": str(path / "dcp")}

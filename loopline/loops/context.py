@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline.checkpoint.ledger import Ledger
+from loopline.checkpoint.state import Checkpointer
 from loopline.config import RunConfig, SamplingConfig, save_config
 from loopline.data.datasets import PromptRow, load_splits
 from loopline.data.tasks import exact_match
@@ -18,6 +20,7 @@ from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
 from loopline.rollout.engine import SamplingParams
 from loopline.runtime.roles import Actor, Rollout, Scorer, build_roles
+from loopline.runtime.watchdog import Watchdog
 
 
 @dataclass
@@ -35,11 +38,18 @@ class RunContext:
     eval_rows: list[PromptRow]
     logger: MetricsLogger
     stop_roles: Callable[[], None]
+    checkpoints: Checkpointer  # saves through the actor (every trainer rank writes its shards); resumes
+    ledger: Ledger  # which samples each step trained (ledger.jsonl)
+    watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
 
     def close(self) -> None:
-        """Flush the logger; stop the roles' workers (and Ray, if this run started it)."""
-        self.logger.close()
-        self.stop_roles()
+        """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""
+        try:
+            self.checkpoints.wait()
+        finally:
+            self.watchdog.close()
+            self.logger.close()
+            self.stop_roles()
 
 
 def seed_everything(seed: int) -> None:
@@ -52,6 +62,8 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     """Seed, load model and data, start the roles (the engines hold their own weights), open the logger."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,9 +72,13 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     train_rows, eval_rows = load_splits(cfg.data, cfg.seed, need_answer=need_answer)
     roles = build_roles(cfg, model, tokenizer)
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
+    rt = cfg.runtime
+    ranks = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
+    watchdog = Watchdog(rt.stage_timeout_s, ranks)
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
-        roles.shutdown,
+        roles.shutdown, checkpoints, Ledger(run_dir), watchdog,
     )  # fmt: skip
 
 

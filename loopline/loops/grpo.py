@@ -13,7 +13,7 @@ supported yet (the checkpoint holds the policy only).
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
@@ -23,28 +23,33 @@ from tqdm import tqdm
 from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
 from loopline.algorithms.losses import kl_estimate
-from loopline.checkpoint.state import RunState, save_checkpoint
+from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.ledger import SampleId
+from loopline.checkpoint.state import RunState
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
-from loopline.data.sampler import Sampler
+from loopline.data.sampler import Sampler, SampleRef
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
+from loopline.runtime.watchdog import Watchdog
 from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
 
 B = TypeVar("B", bound=TokenBatch)
 
 
 class StageTimer:
-    """Wall time per named stage of one step."""
+    """Wall time per named stage of one step; the run's watchdog (if given) fails a stage that hangs."""
 
-    def __init__(self) -> None:
+    def __init__(self, watchdog: Watchdog | None = None) -> None:
         self.seconds: dict[str, float] = {}
+        self.watchdog = watchdog
 
     @contextmanager
     def __call__(self, stage: str):
         t0 = time.perf_counter()
-        yield
+        with self.watchdog.stage(stage) if self.watchdog else nullcontext():
+            yield
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
 
 
@@ -54,6 +59,7 @@ class Scored:
 
     prompts: list[list[int]]  # (B) prompt token ids of each completion
     completions: list[Completion]  # (B)
+    ids: list[SampleId]  # (B) stable id of each completion: (epoch, prompt index, sample index)
     scores: torch.Tensor  # (B,) task scores from the verifier
     rounds: int  # generate calls it took
     informative_fraction: float  # of all groups generated, those whose scores were not all equal
@@ -64,15 +70,16 @@ def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: St
     (no gradient) are set aside and more prompts sampled, for at most max_sampling_rounds generate calls;
     if the batch is still short, set-aside groups fill it, so every step trains on the same number of rows."""
     cfg = ctx.cfg.grpo
-    kept: list[tuple[list[int], list[Completion], torch.Tensor]] = []
-    spare: list[tuple[list[int], list[Completion], torch.Tensor]] = []
+    kept: list[tuple[list[int], list[Completion], torch.Tensor, SampleRef]] = []
+    spare: list[tuple[list[int], list[Completion], torch.Tensor, SampleRef]] = []
     generated, rounds = 0, 0
     while len(kept) < cfg.prompts_per_step and rounds < (
         cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     ):
         rounds += 1
         with timer("rollout"):
-            rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.prompts_per_step)]
+            refs = sampler.next_batch(cfg.prompts_per_step)
+            rows = [ctx.train_rows[ref.index] for ref in refs]
             prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
             completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
         with timer("score"):
@@ -85,14 +92,15 @@ def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: St
             else torch.ones(len(prompts), dtype=torch.bool)
         )
         for g, useful in enumerate(informative.tolist()):
-            group = (prompts[g], completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n])
+            group = (prompts[g], completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n], refs[g])
             (kept if useful else spare).append(group)
         generated += len(prompts)
     groups = (kept + spare)[: cfg.prompts_per_step]
     return Scored(
-        prompts=[p for p, cs, _ in groups for _ in cs],
-        completions=[c for _, cs, _ in groups for c in cs],
-        scores=torch.cat([s for _, _, s in groups]),
+        prompts=[p for p, cs, _, _ in groups for _ in cs],
+        completions=[c for _, cs, _, _ in groups for c in cs],
+        ids=[(ref.epoch, ref.index, c.sample_index) for _, cs, _, ref in groups for c in cs],
+        scores=torch.cat([s for _, _, s, _ in groups]),
         rounds=rounds,
         informative_fraction=len(kept) / generated,
     )
@@ -149,7 +157,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
 
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps:
-        timer = StageTimer()
+        timer = StageTimer(ctx.watchdog)
 
         # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
         scored = collect(ctx, sampler, params, timer)
@@ -202,7 +210,9 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         # 5. Weight sync: the engine samples the next step from the updated policy.
         with timer("sync"):
             state.step += 1
+            ctx.ledger.record("grpo", state.step, scored.ids)
             sync_engine(ctx, version=state.step)
+            state.policy_version = state.step
         state.sampler = sampler.state_dict()
 
         # 6. Metrics, held-out eval, checkpoint.
@@ -235,11 +245,13 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
             )
         last = state.step == cfg.steps
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            row.update(evaluate(ctx))
+            with ctx.watchdog.stage("eval"):
+                row.update(evaluate(ctx))
         ctx.logger.log(row)
+        pause_point(f"step:grpo:{state.step}")  # test hook: a kill between a step's row and its checkpoint
         if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
-            model, trainer_state = ctx.actor.state()
-            save_checkpoint(ctx.run_dir, state, model, ctx.tokenizer, trainer_state)
+            with ctx.watchdog.stage("checkpoint"):
+                ctx.checkpoints.save(state)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
     bar.close()

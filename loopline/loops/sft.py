@@ -6,7 +6,8 @@ import time
 
 from tqdm import tqdm
 
-from loopline.checkpoint.state import RunState, save_checkpoint
+from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.state import RunState
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
@@ -38,11 +39,14 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
     bar = tqdm(total=cfg.steps, initial=state.step, desc="sft", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps:
         t0 = time.perf_counter()
-        rows = [ctx.train_rows[ref.index] for ref in sampler.next_batch(cfg.batch_size)]
+        refs = sampler.next_batch(cfg.batch_size)
+        rows = [ctx.train_rows[ref.index] for ref in refs]
         pairs = [sft_pair(ctx, row) for row in rows]
         batch = collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
-        stats = ctx.actor.sft_step(batch, cfg.micro_batch_size)
+        with ctx.watchdog.stage("train"):
+            stats = ctx.actor.sft_step(batch, cfg.micro_batch_size)
         state.step += 1
+        ctx.ledger.record("sft", state.step, [(ref.epoch, ref.index, 0) for ref in refs])
         state.sampler = sampler.state_dict()
         elapsed = time.perf_counter() - t0
         row = {"phase": "sft", "step": state.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
@@ -50,13 +54,15 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         row["time_train"] = elapsed
         last = state.step == cfg.steps
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            sync_engine(ctx, version=0)
-            row.update(evaluate(ctx))
+            with ctx.watchdog.stage("eval"):
+                sync_engine(ctx, version=0)
+                row.update(evaluate(ctx))
         ctx.logger.log(row)
+        pause_point(f"step:sft:{state.step}")  # test hook: a kill between a step's row and its checkpoint
+        if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
+            with ctx.watchdog.stage("checkpoint"):
+                ctx.checkpoints.save(state)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_accuracy", "-"))
     bar.close()
-    if cfg.steps:
-        model, trainer_state = ctx.actor.state()
-        save_checkpoint(ctx.run_dir, state, model, ctx.tokenizer, trainer_state)
     return state

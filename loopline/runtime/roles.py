@@ -11,8 +11,9 @@
 Weight sync on ray: the trainer ranks (global ranks 0..n-1) and the engines (n..n+m-1) form one
 torch.distributed world, and each step runs the planned transfer of runtime.weight_sync: every trainer
 rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers the model.
-Checkpoints gather the whole model and optimizer state on trainer rank 0 and hand them to the driver
-through the Ray object store; a resumed run pushes the checkpoint's weights back to the ranks the same way.
+Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
+(`save_state`) into the checkpoint directory (a filesystem all ranks and the driver share), and reads them
+back (`load_state`) into however many ranks the resumed run has: DCP reshards.
 
 Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine does not yet); the
 engines' sampling RNG is seeded per engine but not checkpointed, so a resumed ray run continues with
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
 from loopline.config import ClusterConfig, GRPOConfig, OptimConfig, PlacementConfig, RunConfig, RuntimeConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.models import load_policy
@@ -70,6 +72,19 @@ class Actor(Protocol):
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Set the policy's weights (e.g. from a checkpoint)."""
+        ...
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
+        """Every rank writes its model, optimizer and LR-schedule shards to `path` (DCP); with hf_dir also the
+        whole weights as hf_dir/model.safetensors. blocking=False: copied now, written in the background."""
+        ...
+
+    def wait_saved(self, timeout_s: float) -> None:
+        """Wait until the ranks' save in flight is written (raise its error, or on timeout)."""
+        ...
+
+    def load_state(self, path: str) -> None:
+        """Read the weights (and, once a phase started, optimizer and LR schedule) of `path` on every rank."""
         ...
 
 
@@ -118,13 +133,14 @@ class LocalActor:
         self.model = model
         self.trainer: PolicyTrainer | None = None
         self.reference: PreTrainedModel | None = None
+        self.writer = ShardWriter()
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
     ) -> None:
         self.trainer = PolicyTrainer(self.model, optim, total_steps)
         if trainer_state:
-            self.trainer.load_state_dict(trainer_state)
+            restore_trainer(self.trainer, trainer_state, group=None)
         # The reference policy is the policy as the phase starts (after SFT), frozen.
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if reference else None
 
@@ -142,6 +158,17 @@ class LocalActor:
 
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(weights))
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
+        state = shard_state(self.model, self.trainer)
+        hf = (self.model, state["model"], hf_dir) if hf_dir else None  # unsharded: the model part is whole
+        self.writer.save(path, state, group=None, hf=hf, blocking=blocking)
+
+    def wait_saved(self, timeout_s: float) -> None:
+        self.writer.wait(timeout_s)
+
+    def load_state(self, path: str) -> None:
+        load_shards(path, self.model, self.trainer)
 
 
 class LocalRollout:
@@ -215,6 +242,8 @@ class ActorWorker:
         self.plan: Any = None  # the weight-sync TransferPlan, once joined
         self.trainer: PolicyTrainer | None = None
         self.reference: PreTrainedModel | None = None
+        self.writer = ShardWriter()
+        self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
 
     def rendezvous(self) -> str:
         """Address of the world's TCP store: rank 0's node and a port that was free there (WorkerGroup)."""
@@ -230,6 +259,10 @@ class ActorWorker:
         self.mesh = trainer_mesh(self.ranks, device.type)
         self.model = shard_model(self.model, self.mesh)
         self.plan = plan_transfers(param_specs(self.model), TrainerLayout(self.ranks), EngineLayout(engines))
+        # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
+        self.checkpoint_group = torch.distributed.new_group(
+            list(range(self.ranks)), backend="gloo", use_local_synchronization=True
+        )
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool
@@ -241,7 +274,7 @@ class ActorWorker:
 
         self.trainer = PolicyTrainer(self.model, optim, total_steps, group=self.mesh.get_group())
         if trainer_state:
-            self.trainer.load_state_dict(trainer_state)
+            restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
         self.reference = None
         if reference:  # a second model sharded alike, holding a copy of this rank's shards
             frozen = shard_model(load_policy(self.cfg.model, seed=self.cfg.seed)[0].to(_device()), self.mesh)
@@ -277,6 +310,22 @@ class ActorWorker:
         from loopline.training.parallel import load_full_model_state
 
         load_full_model_state(self.model, weights)
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
+        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (gathered from all)."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(self.model) if hf_dir else {}  # a collective: every rank takes part
+        hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
+        state = shard_state(self.model, self.trainer)
+        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
+
+    def wait_saved(self, timeout_s: float) -> None:
+        self.writer.wait(timeout_s)
+
+    def load_state(self, path: str) -> None:
+        """Read this rank's shards of the weights (and optimizer, once a phase started): DCP reshards."""
+        load_shards(path, self.model, self.trainer, group=self.checkpoint_group)
 
 
 class EngineWorker:
@@ -372,6 +421,15 @@ class RayActor:
         import ray
 
         self.group.call("load_weights", ray.put(dict(weights)))
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
+        self.group.call("save_state", path, hf_dir, blocking)
+
+    def wait_saved(self, timeout_s: float) -> None:
+        self.group.call("wait_saved", timeout_s, timeout_s=timeout_s + 30.0)
+
+    def load_state(self, path: str) -> None:
+        self.group.call("load_state", path)
 
 
 class RayRollout:

@@ -1,0 +1,191 @@
+"""A trainer's state as torch.distributed.checkpoint (DCP) shards: model, optimizer, LR schedule.
+
+Every trainer rank writes its own shards (`__<rank>_0.distcp`) and rank 0 the shared `.metadata`; on
+the local backend that is one rank and no process group. DCP records each tensor's global shape and
+offsets, so a checkpoint written by N ranks loads into M ranks (resharding) or into one process
+(`loopline export`). A rank may also write the whole weights as a Hugging Face `model.safetensors`.
+
+An asynchronous save copies the state first (that copy is what gets written), then writes it in a
+thread: the caller may update the weights at once. Every rank keeps at most one save in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from loopline.checkpoint.faults import pause_point
+
+if TYPE_CHECKING:
+    from loopline.training.policy import PolicyTrainer
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    # without a process group DCP warns that it assumes one process: that is the local backend's intent
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def shard_state(model: nn.Module, trainer: PolicyTrainer | None) -> dict[str, Any]:
+    """What DCP saves: this rank's model shards and, with a trainer, its optimizer state and LR schedule."""
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if trainer is not None:
+        state["optim"] = get_optimizer_state_dict(model, trainer.optimizer)
+        state["scheduler"] = trainer.scheduler.state_dict()
+    return state
+
+
+def load_shards(
+    path: str | Path,
+    model: nn.Module,
+    trainer: PolicyTrainer | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Load a DCP checkpoint into `model` (this rank's shards) and, when given, `trainer`'s optimizer and LR schedule.
+
+    `group`: the trainer ranks' process group (None on the local backend); every rank of it must call this.
+    """
+    state = shard_state(model, trainer)  # the layout to load into: DCP reshards to it
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+    set_model_state_dict(model, state["model"])
+    if trainer is not None:
+        set_optimizer_state_dict(model, trainer.optimizer, state["optim"])
+        trainer.scheduler.load_state_dict(state["scheduler"])
+
+
+def restore_trainer(
+    trainer: PolicyTrainer, trainer_state: Mapping[str, Any], group: dist.ProcessGroup | None
+) -> None:
+    """Optimizer and LR schedule from `trainer_state`: {"dcp": dir} of a checkpoint, or a whole trainer.state_dict()."""
+    if "dcp" in trainer_state:
+        load_shards(trainer_state["dcp"], trainer.model, trainer, group)
+    else:
+        trainer.load_state_dict(dict(trainer_state))
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """Names of parameters that are another parameter (tied embeddings): saved once, under the first name."""
+    seen: set[int] = set()
+    aliases = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            aliases.add(name)
+        seen.add(id(param))
+    return aliases
+
+
+def write_hf_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], directory: str | Path) -> None:
+    """`weights` (whole tensors) as DIRECTORY/model.safetensors, tied aliases left out, as transformers saves them."""
+    aliases = tied_aliases(model)
+    tensors = {k: v.detach().contiguous() for k, v in weights.items() if k not in aliases}
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of a state tree; tensors are cloned (to CPU memory where they are not there already)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+class ShardWriter:
+    """Writes one rank's part of a checkpoint: DCP shards and, optionally, the whole weights as safetensors."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(
+        self,
+        path: str | Path,
+        state: dict[str, Any],
+        group: dist.ProcessGroup | None = None,
+        hf: tuple[nn.Module, Mapping[str, torch.Tensor], str] | None = None,
+        blocking: bool = True,
+    ) -> None:
+        """Write `state` (from shard_state) to `path` with DCP, then `hf` = (model, whole weights, dir) if given.
+
+        blocking=False: copy `state` and the weights now, write them in a thread; wait() for it to end.
+        An async save needs `group` to be a process group used by nothing else while it runs (its collectives
+        run in the thread).
+        """
+        self.wait(None)
+        if blocking:
+            self._write(path, state, group, hf)
+            return
+        staged = _copy(state)
+        staged_hf = None
+        if hf is not None:  # unsharded, the whole weights are the model part of `state`: copy them once
+            weights = staged["model"] if hf[1] is state["model"] else _copy(dict(hf[1]))
+            staged_hf = (hf[0], weights, hf[2])
+        self._error = None
+        self._thread = threading.Thread(
+            target=self._write_catching,
+            args=(path, staged, group, staged_hf),
+            name="checkpoint-writer",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None) -> None:
+        """Block until the save in flight (if any) is written; raise its error, or TimeoutError after timeout_s."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise TimeoutError(f"checkpoint write did not finish within {timeout_s:g}s")
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint write failed: {type(error).__name__}: {error}") from error
+
+    def _write_catching(self, *args: Any) -> None:
+        try:
+            self._write(*args)
+        except BaseException as e:  # reported by wait() in the caller's thread
+            self._error = e
+
+    @staticmethod
+    def _write(
+        path: str | Path,
+        state: dict[str, Any],
+        group: dist.ProcessGroup | None,
+        hf: tuple[nn.Module, Mapping[str, torch.Tensor], str] | None,
+    ) -> None:
+        with _quiet():
+            dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
+        pause_point(f"save:mid:{Path(path).parent.name.removeprefix('.tmp-')}")  # test hook: a kill half-way
+        if hf is not None:
+            write_hf_weights(*hf)
+
+
+def read_model_weights(path: str | Path, model: nn.Module) -> None:
+    """Load the model part of a DCP checkpoint (written by any number of ranks) into one unsharded `model`."""
+    state = {"model": get_model_state_dict(model)}
+    with _quiet():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_model_state_dict(model, state["model"])

@@ -1,0 +1,50 @@
+"""`loopline export CKPT OUT`: any checkpoint as a Hugging Face model directory (safetensors).
+
+CKPT is a checkpoint directory (RUN_DIR/checkpoints/<phase>-<step>) or a run directory (its newest
+checkpoint). The weights come from the checkpoint's DCP shards, whatever number of trainer ranks wrote
+them, so this works whether or not the checkpoint kept model/model.safetensors (checkpoint.hf_model).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from loopline.checkpoint.state import latest_checkpoint, load_weights
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory `path` names: itself, or the newest whole checkpoint of a run directory."""
+    path = Path(path)
+    if (path / "dcp").is_dir():
+        return path
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise ValueError(f"'{path}' is neither a checkpoint (no dcp/ inside) nor a run directory with one")
+    return newest
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer); returns `out`."""
+    ckpt = resolve_checkpoint(checkpoint)
+    config = AutoConfig.from_pretrained(ckpt / "model")
+    dtype = getattr(config, "dtype", None) or torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    load_weights(ckpt, model)
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: loopline export CKPT OUT."""
+    parser = argparse.ArgumentParser(prog="loopline export", description=__doc__)
+    parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
+    parser.add_argument("out", help="directory to write the Hugging Face model to")
+    args = parser.parse_args(argv)
+    print(f"exported {resolve_checkpoint(args.checkpoint)} to {export(args.checkpoint, args.out)}")
+    return 0

@@ -1,0 +1,34 @@
+"""Test hooks for fault injection: named points where a run can be held so a test kills it there.
+
+LOOPLINE_PAUSE_AT holds comma-separated point names. When a run reaches one, it writes
+`<LOOPLINE_PAUSE_DIR>/<name>.paused` (if that variable is set) and sleeps until it is killed, so a
+test can SIGKILL it at exactly that point: mid-save, right after a save, at a given step. Points:
+- `save:mid:<checkpoint>`: DCP shards written, HF weights not yet, nothing renamed (in the writer
+  thread when checkpoint.async_save is on, so the loop keeps training meanwhile);
+- `saved:<checkpoint>`: the checkpoint renamed into place and `latest` updated;
+- `step:<phase>:<step>`: the metrics row of that step logged, before its checkpoint;
+- `stage:<stage>`: at the start of a loop stage (e.g. `stage:score`), to test the watchdog.
+Unset (the normal case) they cost one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+PAUSE_ENV = "LOOPLINE_PAUSE_AT"
+PAUSE_DIR_ENV = "LOOPLINE_PAUSE_DIR"
+
+
+def pause_point(name: str) -> None:
+    """Sleep forever here when LOOPLINE_PAUSE_AT names this point (a test then kills the process)."""
+    points = os.environ.get(PAUSE_ENV)
+    if not points or name not in points.split(","):
+        return
+    marker_dir = os.environ.get(PAUSE_DIR_ENV)
+    if marker_dir:
+        Path(marker_dir).mkdir(parents=True, exist_ok=True)
+        (Path(marker_dir) / f"{name.replace(':', '_')}.paused").write_text(str(os.getpid()))
+    while True:
+        time.sleep(3600)
