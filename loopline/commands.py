@@ -11,6 +11,7 @@ from loopline.config import ConfigError, RunConfig, describe, load_config
 from loopline.loops.context import RunContext, build_context, encode_prompt, evaluate, sampling_params, sync_engine
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
+from loopline.training.lora import merged_state_dict
 from loopline.runtime.workers import WorkerDiedError
 
 
@@ -114,7 +115,7 @@ def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
         ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
         train_sft(ctx, RunState(), None)
         model, _ = ctx.actor.state()
-        model.save_pretrained(ctx.run_dir / "model")
+        model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(model))  # LoRA folded in
         ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
     finally:
         ctx.close()
@@ -188,7 +189,7 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
         _warm_start(ctx)
         train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
         steps = train_dpo(ctx, train_pairs, eval_pairs)
-        ctx.model.save_pretrained(ctx.run_dir / "model")
+        ctx.model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(ctx.model))
         ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
     finally:
         ctx.close()

@@ -44,6 +44,18 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoRAConfig(Section):
+    """LoRA adapters (peft): train low-rank updates of the target modules only; engines get merged weights."""
+
+    r: int = Field(0, ge=0, description="Adapter rank; 0 = no LoRA, train every weight.")
+    alpha: float = Field(16.0, gt=0.0, description="Scale numerator: the update is (alpha / r) * B A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names (suffixes) of the linear modules that get adapters.",
+    )
+
+
 class ModelConfig(Section):
     """Which policy model and tokenizer to train."""
 
@@ -53,6 +65,7 @@ class ModelConfig(Section):
     use_chat_template: bool = Field(
         False, description="Wrap prompts with the tokenizer's chat template when it has one."
     )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (r > 0 turns them on).")
 
 
 class TaskConfig(Section):
@@ -415,6 +428,8 @@ class RunConfig(Section):
                 f"grpo.prompts_per_step * grpo.group_size ({rollout}) must split into grpo.minibatches "
                 f"({self.grpo.minibatches}) of a multiple of runtime.trainer_ranks ({n}) rows each"
             )
+        if self.model.lora.r and self.runtime.backend != "local":
+            raise ValueError("model.lora (r > 0) runs on runtime.backend 'local' only for now")
         if self.grpo.advantage == "gae" and self.runtime.backend != "local":
             raise ValueError("grpo.advantage 'gae' (a critic) runs on runtime.backend 'local' only for now")
         if self.sft.batch_size % n:

@@ -41,6 +41,7 @@ from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.placement import PoolConfig
 from loopline.runtime.scoring import ScorerWorker, score_texts
 from loopline.runtime.workers import WorkerGroup
+from loopline.training.lora import apply_lora, merged_state_dict
 from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTok
     if cfg.runtime.backend == "local":
         # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
         engine = TorchEngine(copy.deepcopy(model), tokenizer)
+        if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
+            apply_lora(model, cfg.model.lora)
         return Roles(LocalActor(model), LocalRollout(engine), LocalScorer(), shutdown=lambda: None)
     return _ray_roles(cfg, model)
 
@@ -183,7 +186,7 @@ class LocalRollout:
     def update_weights(self, actor: Actor, version: int) -> None:
         if not isinstance(actor, LocalActor):
             raise TypeError(f"a local rollout takes weights from a local actor, not {type(actor).__name__}")
-        self.engine.update_weights(actor.model.state_dict(), version)
+        self.engine.update_weights(merged_state_dict(actor.model), version)  # = state_dict() without LoRA
 
 
 class LocalScorer:

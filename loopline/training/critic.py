@@ -37,8 +37,10 @@ class ScalarModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: PreTrainedModel) -> ScalarModel:
-        """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head."""
-        body = copy.deepcopy(policy.base_model).requires_grad_(True)
+        """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head.
+
+        The copy trains what the policy trains: every weight, or only its LoRA adapters (model.lora)."""
+        body = copy.deepcopy(policy.base_model)
         return cls(body, policy.config.hidden_size)
 
     def save(self, path: str | Path) -> None:

@@ -1,0 +1,60 @@
+"""LoRA adapters (peft) on the policy, and the merged weights the engines and exported models receive.
+
+`apply_lora` injects adapters into the model in place (it stays the same transformers class, so every
+role keeps calling it as before) and freezes everything else: the optimizers, which take the parameters
+that require grad, then train the adapters only. Engines and Hugging Face exports take
+`merged_state_dict`: the plain parameter names with W + scale * B A folded in, so an engine holds an
+ordinary model and never sees an adapter.
+"""
+
+from __future__ import annotations
+
+import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import inject_adapter_in_model
+from peft.tuners.lora import LoraLayer
+
+from loopline.config import LoRAConfig
+
+
+def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
+    """Inject adapters of rank cfg.r into cfg.target_modules (in place); only they stay trainable."""
+    if cfg.r <= 0:
+        raise ValueError("model.lora.r must be > 0 to apply LoRA")
+    if has_lora(model):
+        raise ValueError("the model already has LoRA adapters")
+    peft_cfg = PeftLoraConfig(
+        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
+    )
+    try:
+        model = inject_adapter_in_model(peft_cfg, model)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        raise ValueError(f"model.lora.target_modules: {e}") from None
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def has_lora(model: torch.nn.Module) -> bool:
+    """True if any module of the model carries LoRA adapters."""
+    return any(isinstance(m, LoraLayer) for m in model.modules())
+
+
+def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights under their plain names, adapters folded in; `state_dict()` if it has none."""
+    state = model.state_dict()
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    if not layers:
+        return state
+    merged = {k: v for k, v in state.items() if "lora_" not in k and ".base_layer." not in k}
+    with torch.no_grad():
+        for name, layer in layers.items():
+            base = layer.get_base_layer()
+            weight = base.weight.detach().clone()
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A:
+                    weight += layer.get_delta_weight(adapter).to(weight.dtype)  # scale * B @ A
+            merged[f"{name}.weight"] = weight
+            if base.bias is not None:
+                merged[f"{name}.bias"] = base.bias.detach()
+    return merged
