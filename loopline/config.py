@@ -284,6 +284,23 @@ class RewardModelConfig(Section):
     eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
 
 
+class RewardConfig(Section):
+    """The RL reward: the task verifier, a trained reward model (`loopline rm`), or their sum."""
+
+    source: Literal["verifier", "model", "sum"] = Field(
+        "verifier", description="verifier; model: model_coef * RM score; sum: verifier + model_coef * RM score."
+    )
+    model_path: str = Field("", description="A reward model directory written by `loopline rm`.")
+    model_coef: float = Field(1.0, description="Weight of the reward model's score.")
+    batch_size: int = Field(256, gt=0, description="Completions per reward-model forward.")
+
+    @model_validator(mode="after")
+    def _model_given(self) -> RewardConfig:
+        if self.source != "verifier" and not self.model_path:
+            raise ValueError(f"source '{self.source}' needs model_path (a `loopline rm` reward_model directory)")
+        return self
+
+
 class EvalConfig(Section):
     """Held-out evaluation."""
 
@@ -409,6 +426,7 @@ class RunConfig(Section):
     preference: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig, description="DPO/RM pairs.")
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="`loopline dpo`, after the SFT warm start.")
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig, description="`loopline rm`.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="The RL reward (GRPO family, PPO).")
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

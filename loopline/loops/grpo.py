@@ -13,6 +13,7 @@ supported yet (the checkpoint holds the policy only).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
 from typing import TypeVar
@@ -33,7 +34,7 @@ from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.runtime.watchdog import Watchdog
-from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
+from loopline.training.critic import CriticTrainer, RewardModelScorer, ScalarModel, ValueBatch
 
 B = TypeVar("B", bound=TokenBatch)
 
@@ -60,18 +61,26 @@ class Scored:
     prompts: list[list[int]]  # (B) prompt token ids of each completion
     completions: list[Completion]  # (B)
     ids: list[SampleId]  # (B) stable id of each completion: (epoch, prompt index, sample index)
-    scores: torch.Tensor  # (B,) task scores from the verifier
+    scores: torch.Tensor  # (B,) rewards: the verifier's, a reward model's or their sum (reward.source)
+    verified: torch.Tensor  # (B,) the verifier's scores alone (accuracy)
     rounds: int  # generate calls it took
     informative_fraction: float  # of all groups generated, those whose scores were not all equal
 
 
-def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: StageTimer) -> Scored:
+def collect(
+    ctx: RunContext,
+    sampler: Sampler,
+    params: SamplingParams,
+    timer: StageTimer,
+    reward: RewardFn | None = None,
+) -> Scored:
     """Sample and score prompts_per_step groups. With dynamic_sampling, groups whose scores are all equal
     (no gradient) are set aside and more prompts sampled, for at most max_sampling_rounds generate calls;
     if the batch is still short, set-aside groups fill it, so every step trains on the same number of rows."""
     cfg = ctx.cfg.grpo
-    kept: list[tuple[list[int], list[Completion], torch.Tensor, SampleRef]] = []
-    spare: list[tuple[list[int], list[Completion], torch.Tensor, SampleRef]] = []
+    reward = reward or verifier_reward
+    kept: list[tuple[list[int], list[Completion], torch.Tensor, torch.Tensor, SampleRef]] = []
+    spare: list[tuple[list[int], list[Completion], torch.Tensor, torch.Tensor, SampleRef]] = []
     generated, rounds = 0, 0
     while len(kept) < cfg.prompts_per_step and rounds < (
         cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
@@ -84,7 +93,8 @@ def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: St
             completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
         with timer("score"):
             answers = [rows[c.prompt_index].answer for c in completions]
-            scores = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
+            verified = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
+            scores = reward(verified, [prompts[c.prompt_index] for c in completions], completions)  # (B,)
         n = cfg.group_size
         informative = (
             informative_groups(scores, n)
@@ -92,18 +102,49 @@ def collect(ctx: RunContext, sampler: Sampler, params: SamplingParams, timer: St
             else torch.ones(len(prompts), dtype=torch.bool)
         )
         for g, useful in enumerate(informative.tolist()):
-            group = (prompts[g], completions[g * n : (g + 1) * n], scores[g * n : (g + 1) * n], refs[g])
+            rows_g = slice(g * n, (g + 1) * n)
+            group = (prompts[g], completions[rows_g], scores[rows_g], verified[rows_g], refs[g])
             (kept if useful else spare).append(group)
         generated += len(prompts)
     groups = (kept + spare)[: cfg.prompts_per_step]
     return Scored(
-        prompts=[p for p, cs, _, _ in groups for _ in cs],
-        completions=[c for _, cs, _, _ in groups for c in cs],
-        ids=[(ref.epoch, ref.index, c.sample_index) for _, cs, _, ref in groups for c in cs],
-        scores=torch.cat([s for _, _, s, _ in groups]),
+        prompts=[p for p, cs, *_ in groups for _ in cs],
+        completions=[c for _, cs, *_ in groups for c in cs],
+        ids=[(ref.epoch, ref.index, c.sample_index) for _, cs, _, _, ref in groups for c in cs],
+        scores=torch.cat([s for _, _, s, _, _ in groups]),
+        verified=torch.cat([v for _, _, _, v, _ in groups]),
         rounds=rounds,
         informative_fraction=len(kept) / generated,
     )
+
+
+# (verifier scores (B,), prompt ids of each completion, completions) -> rewards (B,)
+RewardFn = Callable[[torch.Tensor, list[list[int]], list[Completion]], torch.Tensor]
+
+
+def verifier_reward(
+    verified: torch.Tensor, prompts: list[list[int]], completions: list[Completion]
+) -> torch.Tensor:
+    """reward.source=verifier: the verifier's scores as they are."""
+    return verified
+
+
+def reward_function(ctx: RunContext) -> RewardFn:
+    """The reward of reward.source: the verifier's, a trained reward model's, or their sum (RLHF)."""
+    cfg = ctx.cfg.reward
+    if cfg.source == "verifier":
+        return verifier_reward
+    tok = ctx.tokenizer
+    model = RewardModelScorer.load(cfg.model_path, tok.pad_token_id, tok.eos_token_id, cfg.batch_size)
+    verifier_weight = 1.0 if cfg.source == "sum" else 0.0
+
+    def reward(
+        verified: torch.Tensor, prompts: list[list[int]], completions: list[Completion]
+    ) -> torch.Tensor:
+        learned = model.score(prompts, [c.token_ids for c in completions])  # (B,)
+        return verifier_weight * verified + cfg.model_coef * learned
+
+    return reward
 
 
 def _kl_controller(cfg: GRPOConfig) -> FixedKLController | AdaptiveKLController:
@@ -142,6 +183,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     # The reference policy is the policy as RL starts (after SFT), frozen.
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
     estimate = ESTIMATORS[cfg.advantage]
+    reward = reward_function(ctx)
     kl_control = _kl_controller(cfg)
     updates = cfg.steps * cfg.epochs_per_step * cfg.minibatches
     # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
@@ -160,7 +202,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         timer = StageTimer(ctx.watchdog)
 
         # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
-        scored = collect(ctx, sampler, params, timer)
+        scored = collect(ctx, sampler, params, timer, reward)
         completions = scored.completions
 
         # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
@@ -221,7 +263,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
             "step": state.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((scored.scores > 0).float().mean()),
+            "accuracy": float((scored.verified > 0).float().mean()),
             "loss": stats.loss,
             **stats.extra,
             "grad_norm": stats.grad_norm,

@@ -19,7 +19,7 @@ from transformers import AutoModel, PreTrainedModel
 from loopline.algorithms.losses import clipped_value_loss
 from loopline.algorithms.preference import bradley_terry_loss
 from loopline.config import CriticConfig, RewardModelConfig
-from loopline.data.batches import TokenBatch, split_rows
+from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.policy import StepStats, build_optimizer, optimizer_step
 
@@ -162,3 +162,25 @@ class RewardTrainer:
         grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
         loss = sums.pop("loss")
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+
+
+class RewardModelScorer:
+    """A trained reward model (written by `loopline rm`) scoring prompt + completion token ids."""
+
+    def __init__(self, model: ScalarModel, pad_id: int, eos_id: int | None, batch_size: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.pad_id, self.eos_id, self.batch_size = pad_id, eos_id, batch_size
+
+    @classmethod
+    def load(cls, path: str | Path, pad_id: int, eos_id: int | None, batch_size: int) -> RewardModelScorer:
+        """The scalar model saved at `path` (ScalarModel.save)."""
+        return cls(ScalarModel.load(path), pad_id, eos_id, batch_size)
+
+    def score(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+        """Reward of each completion, (B,). EOS is appended where missing: the model was fit on completions
+        that end with it (as SFT targets do), while an engine's completion may end at a stop string."""
+        eos = [] if self.eos_id is None else [self.eos_id]
+        ended = [c if c[-1:] == eos else c + eos for c in completions]
+        batch = collate(prompts, ended, self.pad_id)
+        with torch.no_grad():
+            return torch.cat([self.model.last_token_scores(m) for m in split_rows(batch, self.batch_size)])

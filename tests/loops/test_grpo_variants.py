@@ -140,3 +140,34 @@ def test_minibatch_rows_cover_the_batch_once():
 def test_bad_variant_settings_fail_at_load_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("source", ["model", "sum"])
+def test_a_reward_model_scores_the_rollouts(tmp_path, source):
+    from loopline.models import load_policy
+    from loopline.training.critic import ScalarModel
+
+    # a reward model on the run's own initial body, with a random head: dense, non-zero rewards
+    cfg = load_config(None, [*TINY, f"out_dir={tmp_path}"])
+    rm = ScalarModel.from_policy(load_policy(cfg.model, seed=cfg.seed)[0])
+    torch.nn.init.normal_(rm.head.weight, std=1.0)
+    rm.save(tmp_path / "rm")
+    cfg = load_config(
+        None,
+        [*TINY, f"out_dir={tmp_path}", f"reward.source={source}", f"reward.model_path={tmp_path / 'rm'}"],
+    )
+    ctx = build_context(cfg)  # the verifier stays: the random policy never solves the task
+    before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
+    try:
+        train_grpo(ctx, RunState(phase="grpo"))
+    finally:
+        ctx.close()
+    assert any(not torch.equal(v, before[k]) for k, v in ctx.model.state_dict().items())
+    rows = read_metrics(tmp_path)
+    assert all(r["accuracy"] == 0.0 for r in rows)  # accuracy is the verifier's
+    assert all(r["reward_std"] > 0 for r in rows)  # the rewards are the model's
+
+
+def test_reward_source_model_needs_a_path():
+    with pytest.raises(ConfigError, match=r"reward.*needs model_path"):
+        load_config(None, ["reward.source=sum"])

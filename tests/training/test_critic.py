@@ -155,3 +155,18 @@ def test_dpo_steps_raise_the_margin(small_model):
     for _ in range(20):
         stats = trainer.dpo_step(pairs, cfg)
     assert stats.extra["pref_accuracy"] == 1.0 and stats.extra["reward_margin"] > 0
+
+
+def test_reward_model_scorer_ends_completions_with_eos(small_model, tokenizer):
+    from loopline.training.critic import RewardModelScorer
+
+    model = _scalar(small_model)
+    eos = tokenizer.eos_token_id
+    scorer = RewardModelScorer(model, pad_id=tokenizer.pad_token_id, eos_id=eos, batch_size=2)
+    prompts, completions = _tokens(7, [3, 4, 2], [2, 3, 1])
+    stopped = scorer.score(prompts, completions)  # ended by a stop string: EOS appended
+    with_eos = scorer.score(prompts, [c + [eos] for c in completions])  # already ended: unchanged
+    torch.testing.assert_close(stopped, with_eos)
+    batch = collate(prompts, [c + [eos] for c in completions], tokenizer.pad_token_id)
+    with torch.no_grad():
+        torch.testing.assert_close(stopped, model.last_token_scores(batch))
