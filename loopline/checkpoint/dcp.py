@@ -183,6 +183,15 @@ class ShardWriter:
             write_hf_weights(*hf)
 
 
+def read_full_state(path: str | Path) -> dict[str, Any]:
+    """The whole of a DCP checkpoint in this process, without a model to load into: whole tensors."""
+    # private, but the one DCP loader that needs no template; format_utils.dcp_to_torch_save wraps it
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    with _quiet():
+        return _load_state_dict_from_keys(checkpoint_id=str(path))
+
+
 def read_model_weights(path: str | Path, model: nn.Module) -> None:
     """Load the model part of a DCP checkpoint (written by any number of ranks) into one unsharded `model`."""
     state = {"model": get_model_state_dict(model)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 
@@ -106,3 +107,121 @@ def test_checkpoint_model_dir_loads_with_transformers(tmp_path, small_model, tok
     ids = torch.tensor([tok("1+2=")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, small_model.eval()(input_ids=ids).logits)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpointer: what `loopline train` uses (the actor writes DCP shards)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _actor(model):
+    from loopline.config import OptimConfig
+    from loopline.runtime.roles import LocalActor
+
+    actor = LocalActor(model)
+    actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, None)
+    return actor
+
+
+def _train_step(actor, seed):
+    from loopline.data.batches import collate
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 259, (4,), generator=g).tolist() for _ in range(4)]
+    responses = [torch.randint(3, 259, (3,), generator=g).tolist() for _ in range(4)]
+    actor.sft_step(collate(prompts, responses, pad_id=0), micro_batch_size=2)
+
+
+def _checkpointer(run_dir, actor, model, tokenizer, **cfg):
+    from loopline.checkpoint.state import Checkpointer
+    from loopline.config import CheckpointConfig
+
+    return Checkpointer(run_dir, CheckpointConfig(**cfg), actor, model, tokenizer)
+
+
+def test_checkpointer_resume_restores_weights_optimizer_rng_and_cuts_run_files(
+    tmp_path, tokenizer, small_cfg
+):
+    from loopline.checkpoint.ledger import Ledger, read_ledger
+    from loopline.config import OptimConfig
+    from loopline.metrics.logger import MetricsLogger, read_metrics
+
+    model = build_tiny_model(small_cfg, tokenizer, seed=0)
+    actor = _actor(model)
+    logger, ledger = MetricsLogger(tmp_path, tensorboard=False), Ledger(tmp_path)
+    for step in (1, 2):
+        _train_step(actor, step)
+        logger.log({"phase": "sft", "step": step})
+        ledger.record("sft", step, [(0, step, 0)])
+    torch.manual_seed(5)
+    expected_rng = torch.get_rng_state()
+    state = RunState("sft", 2, {"epoch": 0, "position": 2, "size": 10, "seed": 0}, policy_version=0)
+    _checkpointer(tmp_path, actor, model, tokenizer).save(state)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_optim = copy.deepcopy(actor.trainer.state_dict())  # AdamW's step counts are live tensors
+    # the run goes on past the checkpoint, then dies: its later rows must go (a half line too)
+    _train_step(actor, 3)
+    logger.log({"phase": "sft", "step": 3})
+    ledger.record("sft", 3, [(0, 3, 0)])
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"phase": "sft", "st')
+
+    fresh = build_tiny_model(small_cfg, tokenizer, seed=7)
+    from loopline.runtime.roles import LocalActor
+
+    resumed_actor = LocalActor(fresh)
+    resumed, trainer_state = _checkpointer(tmp_path, resumed_actor, fresh, tokenizer).resume()
+    assert resumed == state
+    for name, tensor in expected.items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert torch.equal(torch.get_rng_state(), expected_rng)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    assert [r["step"] for r in read_ledger(tmp_path)] == [1, 2]
+    resumed_actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, trainer_state)
+    got_optim = resumed_actor.trainer.state_dict()
+    assert got_optim["scheduler"] == expected_optim["scheduler"]
+    for name, moments in expected_optim["optimizer"]["state"].items():
+        for key, value in moments.items():
+            assert torch.equal(got_optim["optimizer"]["state"][name][key], value), (name, key)
+
+
+def test_async_save_writes_the_state_of_the_call(tmp_path, tokenizer, small_cfg):
+    from safetensors.torch import load_file
+
+    model = build_tiny_model(small_cfg, tokenizer, seed=0)
+    actor = _actor(model)
+    _train_step(actor, 1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    checkpoints = _checkpointer(tmp_path, actor, model, tokenizer, async_save=True)
+    checkpoints.save(RunState("grpo", 1))
+    _train_step(actor, 2)  # changes the weights in place while the write may still run
+    checkpoints.wait()
+    assert latest_checkpoint(tmp_path).name == "grpo-000001"
+    saved = load_file(checkpoint_root(tmp_path) / "grpo-000001" / "model" / "model.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, before[name]), name
+    assert any(not torch.equal(model.state_dict()[k], before[k]) for k in before)
+    fresh = build_tiny_model(small_cfg, tokenizer, seed=3)
+    from loopline.checkpoint.state import load_weights
+
+    load_weights(checkpoint_root(tmp_path) / "grpo-000001", fresh)  # the DCP shards agree
+    for name, tensor in before.items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+
+
+def test_export_writes_a_transformers_model_from_the_shards(tmp_path, tokenizer, small_cfg):
+    from transformers import AutoModelForCausalLM
+
+    from loopline.cli import main
+
+    model = build_tiny_model(small_cfg, tokenizer, seed=0)
+    actor = _actor(model)
+    _train_step(actor, 1)
+    _checkpointer(tmp_path / "run", actor, model, tokenizer, hf_model=False).save(RunState("grpo", 1))
+    ckpt = checkpoint_root(tmp_path / "run") / "grpo-000001"
+    assert not (ckpt / "model" / "model.safetensors").exists()  # only the DCP shards hold the weights
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "hf")]) == 0  # a run dir: its newest
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
