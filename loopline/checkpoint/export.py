@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from loopline.checkpoint.state import latest_checkpoint, load_weights
+from loopline.config import LoRAConfig, load_config
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -27,15 +28,29 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return newest
 
 
+def _lora_config(ckpt: Path) -> LoRAConfig | None:
+    """The run's LoRA settings, if its policy trained adapters (from the checkpoint's copy of config.yaml)."""
+    if not (ckpt / "config.yaml").exists():
+        return None
+    lora = load_config(ckpt / "config.yaml").model.lora
+    return lora if lora.r else None
+
+
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer); returns `out`."""
     ckpt = resolve_checkpoint(checkpoint)
     config = AutoConfig.from_pretrained(ckpt / "model")
     dtype = getattr(config, "dtype", None) or torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    lora = _lora_config(ckpt)
+    if lora is not None:  # the shards hold adapters beside the frozen weights: fold them in
+        from loopline.training.lora import apply_lora, merged_state_dict
+
+        apply_lora(model, lora)
     load_weights(ckpt, model)
     out = Path(out)
-    model.save_pretrained(out, safe_serialization=True)
+    weights = merged_state_dict(model) if lora is not None else None
+    model.save_pretrained(out, safe_serialization=True, state_dict=weights)
     AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(out)
     return out
 

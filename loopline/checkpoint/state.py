@@ -7,6 +7,7 @@ Layout of RUN_DIR/checkpoints/<phase>-<step>/:
   state.json    RunState: phase, step, policy version, sampler position
   rng.pt        python, numpy and torch RNG states (the local engine samples from torch's)
   cursors.json  byte lengths of metrics.jsonl and ledger.jsonl when it was taken; a resume cuts them back
+  config.yaml   the run's config
 RUN_DIR/checkpoints/latest names the newest whole checkpoint.
 
 A checkpoint is written under `.tmp-<name>` and renamed when whole, then `latest` is replaced (a rename
@@ -119,8 +120,10 @@ def _begin(root: Path, name: str) -> Path:
 
 
 def _write_small_files(tmp: Path, state: RunState, run_dir: Path) -> None:
-    """state.json, rng.pt and cursors.json: taken now, at the save call (before any background write)."""
+    """state.json, rng.pt, cursors.json and the run's config.yaml: taken at the save call."""
     torch.save(rng_state(), tmp / "rng.pt")
+    if (run_dir / "config.yaml").exists():  # how the model was built (e.g. LoRA adapters): export reads it
+        shutil.copyfile(run_dir / "config.yaml", tmp / "config.yaml")
     _write_file(tmp / "state.json", json.dumps(asdict(state)))
     cursors = {name: (run_dir / name).stat().st_size for name in RUN_FILES if (run_dir / name).exists()}
     _write_file(tmp / "cursors.json", json.dumps(cursors))

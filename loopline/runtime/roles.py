@@ -41,7 +41,7 @@ from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.placement import PoolConfig
 from loopline.runtime.scoring import ScorerWorker, score_texts
 from loopline.runtime.workers import WorkerGroup
-from loopline.training.lora import apply_lora, merged_state_dict
+from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
 
 if TYPE_CHECKING:
@@ -164,7 +164,9 @@ class LocalActor:
 
     def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
         state = shard_state(self.model, self.trainer)
-        hf = (self.model, state["model"], hf_dir) if hf_dir else None  # unsharded: the model part is whole
+        # unsharded, the model part is the whole weights; with LoRA the HF weights have the adapters folded in
+        weights = merged_state_dict(self.model) if has_lora(self.model) else state["model"]
+        hf = (self.model, weights, hf_dir) if hf_dir else None
         self.writer.save(path, state, group=None, hf=hf, blocking=blocking)
 
     def wait_saved(self, timeout_s: float) -> None:

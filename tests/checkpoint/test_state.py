@@ -225,3 +225,28 @@ def test_export_writes_a_transformers_model_from_the_shards(tmp_path, tokenizer,
     ids = torch.tensor([tokenizer("12+34=")["input_ids"]])
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+def test_lora_checkpoint_exports_and_saves_merged_weights(tmp_path, tokenizer, small_cfg):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from loopline.checkpoint.export import export
+    from loopline.config import RunConfig, save_config
+    from loopline.training.lora import apply_lora, merged_state_dict
+
+    cfg = RunConfig.model_validate({"model": {"lora": {"r": 4}}})
+    (tmp_path / "run").mkdir()
+    save_config(cfg, tmp_path / "run" / "config.yaml")  # as build_context writes it
+    model = apply_lora(build_tiny_model(small_cfg, tokenizer, seed=0), cfg.model.lora)
+    actor = _actor(model)
+    _train_step(actor, 1)  # moves the adapters only
+    _checkpointer(tmp_path / "run", actor, model, tokenizer).save(RunState("grpo", 1))
+    merged = merged_state_dict(model)
+    saved = load_file(checkpoint_root(tmp_path / "run") / "grpo-000001" / "model" / "model.safetensors")
+    assert not any("lora_" in k for k in saved)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, merged[name]), name
+    exported = AutoModelForCausalLM.from_pretrained(export(tmp_path / "run", tmp_path / "hf"))
+    for name, tensor in exported.state_dict().items():
+        assert torch.equal(tensor, merged[name]), name
