@@ -12,7 +12,7 @@ from loopline.loops.context import RunContext, build_context, encode_prompt, eva
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.training.lora import merged_state_dict
-from loopline.runtime.workers import WorkerDiedError
+from loopline.runtime.workers import WorkerError
 
 
 def _start_fresh(ctx: RunContext) -> None:
@@ -37,8 +37,9 @@ def _resume(ctx: RunContext) -> tuple[RunState, dict | None]:
 def train(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """SFT warm start then GRPO; prints held-out accuracy before and after RL.
 
-    A worker process that dies (ray) restarts the roles from the newest checkpoint, at most
-    runtime.max_restarts times; the time from the failure to the resumed run is printed.
+    A failed call on a worker group (ray: a rank that died, a collective broken by one, a call past its
+    timeout) restarts the roles from the newest checkpoint, at most runtime.max_restarts times; the time
+    from the failure to the resumed run is printed.
     """
     cfg = load_config(config, overrides)
     t0 = time.perf_counter()
@@ -48,7 +49,7 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
         try:
             state = _train(ctx, resume, failed_at)
             break
-        except WorkerDiedError as e:
+        except WorkerError as e:
             if attempt == cfg.runtime.max_restarts:
                 raise
             restarts = cfg.runtime.max_restarts

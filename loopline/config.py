@@ -343,8 +343,8 @@ class RuntimeConfig(Section):
     max_restarts: int = Field(
         0,
         ge=0,
-        description="When a worker process dies (ray), restart the roles from the last checkpoint, at most "
-        "this many times.",
+        description="When a call on a worker group fails (ray: a rank died, or a collective broke with it), "
+        "restart the roles from the last checkpoint, at most this many times.",
     )
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig, description="Which Ray: a local one or an address."

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 def _quiet() -> Iterator[None]:
     # without a process group DCP warns that it assumes one process: that is the local backend's intent
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
         yield
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from loopline.checkpoint.dcp import read_full_state
 from loopline.cli import main
 from loopline.config import ClusterConfig, load_config
 from loopline.metrics.logger import read_metrics
@@ -136,6 +137,6 @@ def test_ray_run_resumes_from_its_checkpoint(runs: dict[str, Path]) -> None:
     step = max(float((w4[k] - w3[k]).abs().max()) for k in w3)
     assert 0 < step < 3e-3  # one AdamW step at lr 5e-4
     assert max(float((w3[k] - init[k]).abs().max()) for k in w3) > 10 * step
-    resumed = torch.load(run / "checkpoints" / "grpo-000004" / "trainer.pt", weights_only=False)
+    resumed = read_full_state(run / "checkpoints" / "grpo-000004" / "dcp")  # the ranks' DCP shards, whole
     assert resumed["scheduler"]["last_epoch"] == 4  # the LR schedule continued from step 3
-    assert len(resumed["optimizer"]["state"]) > 0  # whole optimizer state, gathered from the ranks
+    assert len(resumed["optim"]["state"]) > 0  # the optimizer state, from the ranks' shards

@@ -1,0 +1,136 @@
+"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank.
+
+`loopline train` on its own local Ray (2 FSDP2 trainer ranks, 1 engine, 1 env worker) with
+runtime.max_restarts=1. Once GRPO step 1 is logged, the test SIGKILLs one trainer rank: a real Ray actor
+process, found among the run's own descendants by its process title (ray::ActorWorker). The run must
+restart its roles from the newest checkpoint by itself, print the time it took to recover, and finish
+with every step logged once and every sample trained once (the ledger). Then the run's checkpoint,
+written as two ranks' DCP shards, resumes on the local backend (one rank): DCP reshards the weights and
+the optimizer state, and the run continues from there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from loopline.checkpoint.ledger import read_ledger, repeats
+from loopline.metrics.logger import read_metrics
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "sft.steps=1", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.eval_every=0",
+    "grpo.steps=3", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
+    "grpo.entropy_coef=0.01", "grpo.eval_every=0", "data.task.num_train=20", "data.task.num_eval=4",
+    "eval.num_prompts=4", "checkpoint_every=1", "progress=false", "tensorboard=false", "threads=1",
+]  # fmt: skip
+RAY = [
+    "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
+    "runtime.call_timeout_s=60", "runtime.max_restarts=1", "runtime.cluster.num_cpus=4",
+]  # fmt: skip
+RUN_TIMEOUT_S = 400
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, for every process on this machine."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # the process ended meanwhile
+            tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _descendants_titled(root: int, title: str) -> list[int]:
+    """Pids under `root` whose command line (a Ray worker's process title) starts with `title`."""
+    tree, found, todo = _children(), [], [root]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if (Path("/proc") / str(child) / "cmdline").read_bytes().startswith(title.encode()):
+                    found.append(child)
+            except OSError:
+                pass
+    return found
+
+
+def _grpo_steps(run: Path) -> list[int]:
+    try:
+        return [r["step"] for r in read_metrics(run) if r.get("phase") == "grpo"]
+    except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
+        return []
+
+
+def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    ray_tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"out_dir={run}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while 1 not in _grpo_steps(run):
+            assert proc.poll() is None, (
+                f"run ended (rc {proc.returncode}) early: {proc.stdout.read()[-3000:]}"
+            )
+            assert time.monotonic() < deadline, "run did not reach GRPO step 1"
+            time.sleep(0.2)
+        ranks = _descendants_titled(proc.pid, "ray::ActorWorker")
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert proc.returncode == 0, out[-4000:]
+    assert "role 'actor' rank" in out  # the failure names the role and rank
+    assert "restarting the roles from the last checkpoint (restart 1 of 1)" in out
+    print(next(line for line in out.splitlines() if "recovered in " in line))  # the time to recover
+    # every step logged once, every sample trained once, across the restart
+    rows = read_metrics(run)
+    assert [(r["phase"], r["step"]) for r in rows] == [("sft", 0), ("sft", 1)] + [
+        ("grpo", s) for s in range(4)
+    ]
+    ledger = read_ledger(run)
+    assert [(r["phase"], r["step"]) for r in ledger] == [("sft", 1)] + [("grpo", s) for s in (1, 2, 3)]
+    assert not repeats(ledger)
+    final = run / "checkpoints" / "grpo-000003"
+    assert sorted(p.name for p in (final / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    # 2 ranks -> 1: the local backend resumes from the two ranks' shards and trains one more step
+    done = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "train", "--resume", *ARGS, "grpo.steps=4", f"out_dir={run}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert f"resumed from {final} (grpo step 3)" in done.stdout
+    assert [r["step"] for r in read_metrics(run) if r["phase"] == "grpo"] == [0, 1, 2, 3, 4]
+    from safetensors.torch import load_file
+
+    w3 = load_file(final / "model" / "model.safetensors")
+    w4 = load_file(run / "checkpoints" / "grpo-000004" / "model" / "model.safetensors")
+    step = max(float((w4[k] - w3[k]).abs().max()) for k in w3)
+    assert 0 < step < 3e-3, step  # one AdamW step on from the 2-rank weights (not from a fresh init)
