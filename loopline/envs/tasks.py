@@ -1,0 +1,100 @@
+"""The agentic example task: arithmetic too long to do in one's head, solved with the calculator tool.
+
+    prompt:   What is 87*64+5?
+    model:    <tool_call>{"name":"calculator","arguments":{"expression":"87*64+5"}}</tool_call>
+    env:      <tool_result>5573</tool_result>
+    model:    <answer>5573</answer>
+
+Reward 1 when the text in <answer>...</answer> equals the value. Demonstrations for the SFT warm
+start come in two kinds: the tool trace above, and a direct answer with no tool call. With
+`direct_fraction` of the latter, the warm-started policy often answers directly (and is almost
+always wrong): what RL must learn is to use the tool every time, which the reward alone teaches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+from pydantic import Field, model_validator
+
+from loopline.config import Section
+from loopline.data.datasets import PromptRow
+from loopline.envs.tools import Toolbox, ToolEnv, ToolsConfig, calculator
+
+ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+STOP = ["</tool_call>", "</answer>"]  # a model turn ends after a call or an answer
+
+
+class ToolTaskConfig(Section):
+    """The calculator task: a*b+c with a, b drawn from [min_operand, max_operand] and c from [0, max_addend].
+
+    The default ranges keep every expression and every value the same length (32*32 > 999, 99*99+9 <
+    10000): with fixed lengths, what the model copies (the expression into the call, the result into
+    the answer) sits at a fixed distance, which is what a tiny model learns to copy quickly.
+    """
+
+    min_operand: int = Field(32, ge=0, description="Smallest a and b.")
+    max_operand: int = Field(99, ge=0, description="Largest a and b.")
+    max_addend: int = Field(9, ge=0, description="Largest c.")
+    num_train: int = Field(4000, gt=0, description="Training problems generated.")
+    num_eval: int = Field(64, gt=0, description="Held-out problems, disjoint from training.")
+    direct_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
+    )
+
+    @model_validator(mode="after")
+    def _enough_problems(self) -> ToolTaskConfig:
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
+        space = (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1)
+        if self.num_train + self.num_eval > space // 2:
+            raise ValueError(
+                f"num_train + num_eval ({self.num_train + self.num_eval}) must be at most half of the "
+                f"{space} distinct problems; widen the operand ranges"
+            )
+        return self
+
+
+def calculator_splits(cfg: ToolTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train and held-out problems 'What is a*b+c?' (answer the value, completion the expression)."""
+    rng = random.Random(f"calculator-{seed}")
+    seen: set[str] = set()
+    rows: list[PromptRow] = []
+    while len(rows) < cfg.num_train + cfg.num_eval:
+        a, b = rng.randint(cfg.min_operand, cfg.max_operand), rng.randint(cfg.min_operand, cfg.max_operand)
+        expression = f"{a}*{b}+{rng.randint(0, cfg.max_addend)}"
+        if expression in seen:
+            continue
+        seen.add(expression)
+        value = calculator(expression)
+        rows.append(PromptRow(len(rows), f"What is {expression}?\n", value, completion=expression))
+    held_out = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
+    return rows[: cfg.num_train], held_out
+
+
+def answer_match(text: str, answer: str) -> float:
+    """1.0 if the text's <answer>...</answer> equals the reference (spaces ignored), else 0.0."""
+    found = ANSWER.search(text)
+    return 1.0 if found is not None and found.group(1).strip() == answer.strip() else 0.0
+
+
+def make_env(tools: ToolsConfig | None = None) -> ToolEnv:
+    """One episode's env: the calculator tool and the <answer> verifier."""
+    return ToolEnv(Toolbox([calculator], tools), answer_match)
+
+
+def tool_call_text(name: str, arguments: dict[str, object], tools: ToolsConfig | None = None) -> str:
+    """A tool call as the model should write it (compact JSON between the call tags)."""
+    tools = tools or ToolsConfig()
+    body = json.dumps({"name": name, "arguments": arguments}, separators=(",", ":"))
+    return tools.call_open + body + tools.call_close
+
+
+def demonstration(row: PromptRow, use_tool: bool, tools: ToolsConfig | None = None) -> list[str]:
+    """The action texts of one SFT demonstration: call then answer, or the answer directly."""
+    answer = f"<answer>{row.answer}</answer>"
+    if not use_tool:
+        return [answer]
+    return [tool_call_text("calculator", {"expression": row.completion}, tools), answer]

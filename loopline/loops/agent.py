@@ -1,0 +1,318 @@
+"""Agentic GRPO: SFT on tool-call traces, then GRPO through the multi-turn driver (envs.multiturn).
+
+    SFT:   demonstrations run through the real env (tool results are real), tool-result tokens masked
+    GRPO:  rollout (group_size episodes per prompt, tools called between turns) -> returns ->
+           group advantages -> PolicyTrainer.grpo_step on the multi-turn batch -> weight sync -> log
+
+Simplified, and why: everything runs in this process (the local backend: one trainer, one engine
+with its own copy of the weights); env steps are asyncio tasks in this process rather than on the
+CPU worker pool (the calculator takes microseconds); only a final checkpoint is written, and there is
+no --resume. The task and its metrics are those of envs.tasks (the calculator example).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import sys
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from pydantic import Field, ValidationError, model_validator
+from tqdm import tqdm
+
+from loopline.algorithms.advantages import group_advantages
+from loopline.checkpoint.state import RunState, save_checkpoint
+from loopline.config import (
+    ConfigError,
+    GRPOConfig,
+    ModelConfig,
+    OptimConfig,
+    SamplingConfig,
+    Section,
+    SFTConfig,
+    _format_validation_error,  # the run config's error format, so both commands read alike
+    _merge,
+    parse_overrides,
+)
+from loopline.data.batches import RolloutBatch
+from loopline.data.datasets import PromptRow
+from loopline.data.sampler import Sampler
+from loopline.envs.multiturn import (
+    MultiTurnConfig,
+    PlainFormat,
+    Trajectory,
+    rollout_metrics,
+    run_rollout,
+    scripted,
+    to_batch,
+)
+from loopline.envs.tasks import STOP, ToolTaskConfig, calculator_splits, demonstration, make_env
+from loopline.envs.tools import ToolsConfig
+from loopline.metrics.logger import MetricsLogger
+from loopline.models import load_policy
+from loopline.rollout.engine import TorchEngine
+from loopline.training.policy import PolicyTrainer, response_logprobs
+
+
+class AgentConfig(Section):
+    """The agentic example run: tiny model, calculator task, SFT warm start, multi-turn GRPO."""
+
+    out_dir: str = Field("runs/agent", description="Run directory (config, metrics, final checkpoint).")
+    seed: int = Field(0, description="Seed for data, init, sampling.")
+    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default.")
+    progress: bool = Field(True, description="Show progress bars.")
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="Policy model (built-in tiny by default)."
+    )
+    task: ToolTaskConfig = Field(default_factory=ToolTaskConfig, description="The calculator task.")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, description="Tool-call tags and limits.")
+    rollout: MultiTurnConfig = Field(
+        default_factory=lambda: MultiTurnConfig(
+            max_turns=3, max_turn_tokens=96, max_total_tokens=192, stop=STOP
+        ),
+        description="Multi-turn limits and sampling (for GRPO rollouts; eval is greedy).",
+    )
+    sft: SFTConfig = Field(
+        default_factory=lambda: SFTConfig(
+            steps=150,
+            batch_size=32,
+            micro_batch_size=32,
+            eval_every=0,
+            optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=15),
+        ),  # fmt: skip
+        description="Warm start on demonstrations (sft.eval_every: held-out eval every N steps).",
+    )
+    grpo: GRPOConfig = Field(
+        default_factory=lambda: GRPOConfig(
+            steps=30,
+            prompts_per_step=8,
+            group_size=8,
+            micro_batch_size=32,
+            eval_every=10,
+            optim=OptimConfig(lr=3e-4, warmup_steps=0),
+        ),  # fmt: skip
+        description="GRPO update settings; grpo.sampling is not used (rollout.* sets how turns are sampled).",
+    )
+    eval_prompts: int = Field(64, gt=0, description="Held-out problems scored (greedy) at each eval.")
+
+    @model_validator(mode="after")
+    def _one_sampling_setting(self) -> AgentConfig:
+        if self.grpo.sampling != SamplingConfig():
+            raise ValueError(
+                "grpo.sampling is not used by the agent loop: set rollout.* (temperature, stop, ...)"
+            )
+        return self
+
+
+def load_agent_config(path: str | None = None, overrides: list[str] | None = None) -> AgentConfig:
+    """An AgentConfig from an optional YAML file and dotted overrides; raises ConfigError if bad."""
+    tree: dict = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        tree = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+    tree = _merge(AgentConfig().model_dump(), _merge(tree, parse_overrides(overrides or [])))
+    try:
+        return AgentConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Metrics of a set of episodes
+# ---------------------------------------------------------------------------------------------
+
+
+def agent_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]:
+    """Reward, tool-call validity (ok calls / calls written), tool-use rate (episodes with an ok call)."""
+    n = max(1, len(trajs))
+    calls = sum(float(t.info.get("tool_calls", 0)) for t in trajs)
+    ok = sum(float(t.info.get("tool_calls_ok", 0)) for t in trajs)
+    out = {
+        "accuracy": sum(t.total_return() > 0 for t in trajs) / n,
+        "tool_use_rate": sum(float(t.info.get("tool_calls_ok", 0)) > 0 for t in trajs) / n,
+        "tool_call_validity": ok / calls if calls else 0.0,
+        **rollout_metrics(trajs),
+    }
+    return {prefix + k: v for k, v in out.items()}
+
+
+def evaluate(engine: TorchEngine, rows: list[PromptRow], cfg: AgentConfig) -> dict[str, float]:
+    """Greedy episodes on held-out rows; the keys start with eval_ (eval_accuracy = mean reward > 0)."""
+    greedy = cfg.rollout.model_copy(update={"temperature": 0.0})
+    saved = torch.get_rng_state()  # eval must not move the training RNG
+    trajs = run_rollout(
+        engine, [make_env(cfg.tools) for _ in rows], rows, PlainFormat(engine.tokenizer), greedy
+    )
+    torch.set_rng_state(saved)
+    return agent_metrics(trajs, prefix="eval_")
+
+
+async def _demonstrations(
+    rows: list[PromptRow], use_tool: list[bool], cfg: AgentConfig, fmt: PlainFormat
+) -> list[Trajectory]:
+    return await asyncio.gather(
+        *(
+            scripted(make_env(cfg.tools), row, demonstration(row, tool, cfg.tools), fmt, fmt.tokenizer)
+            for row, tool in zip(rows, use_tool)
+        )
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
+    """SFT warm start then multi-turn GRPO; returns the held-out metrics {"before_sft", "before_rl", "after_rl"}."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    logger.clear()
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    engine = TorchEngine(copy.deepcopy(model), tokenizer)  # its own weights: sync is an explicit step
+    fmt = PlainFormat(tokenizer)
+    train_rows, eval_rows = calculator_splits(cfg.task, cfg.seed)
+    eval_rows = eval_rows[: cfg.eval_prompts]
+    pad_id = tokenizer.pad_token_id
+    summary = {"before_sft": evaluate(engine, eval_rows, cfg)}
+    logger.log({"phase": "sft", "step": 0, **summary["before_sft"]})
+
+    # ---------------- SFT on demonstrations (tool results masked, as in RL)
+    trainer = PolicyTrainer(model, cfg.sft.optim, cfg.sft.steps)
+    sampler = Sampler(len(train_rows), seed=cfg.seed)
+    choice = torch.Generator().manual_seed(cfg.seed)
+    for step in tqdm(range(1, cfg.sft.steps + 1), desc="agent sft", disable=not cfg.progress, leave=False):
+        t0 = time.perf_counter()
+        rows = [train_rows[ref.index] for ref in sampler.next_batch(cfg.sft.batch_size)]
+        use_tool = (torch.rand(len(rows), generator=choice) >= cfg.task.direct_fraction).tolist()
+        traces = asyncio.run(_demonstrations(rows, use_tool, cfg, fmt))
+        batch, _ = to_batch(traces, pad_id)
+        stats = trainer.sft_step(batch, cfg.sft.micro_batch_size)
+        row = {"phase": "sft", "step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
+        row["time_train"] = time.perf_counter() - t0
+        if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
+            engine.update_weights(model.state_dict(), version=0)
+            row.update(evaluate(engine, eval_rows, cfg))
+        logger.log(row)
+    engine.update_weights(model.state_dict(), version=0)
+    summary["before_rl"] = evaluate(engine, eval_rows, cfg)
+    logger.log({"phase": "grpo", "step": 0, **summary["before_rl"]})
+
+    # ---------------- GRPO through the multi-turn driver
+    g = cfg.grpo
+    # fixed_length aggregation divides by the response width the driver allows
+    update_cfg = g.model_copy(
+        update={"sampling": SamplingConfig(max_new_tokens=cfg.rollout.max_total_tokens)}
+    )
+    trainer = PolicyTrainer(model, g.optim, g.steps)
+    reference = copy.deepcopy(model).eval().requires_grad_(False) if g.kl_coef > 0 else None
+    sampler = Sampler(len(train_rows), seed=cfg.seed + 1)
+    for step in tqdm(range(1, g.steps + 1), desc="agent grpo", disable=not cfg.progress, leave=False):
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        # 1. Rollout: group_size episodes of each prompt; the envs run the tool between model turns.
+        rows = [train_rows[ref.index] for ref in sampler.next_batch(g.prompts_per_step)]
+        samples = [row for row in rows for _ in range(g.group_size)]
+        trajs = run_rollout(engine, [make_env(cfg.tools) for _ in samples], samples, fmt, cfg.rollout)
+        times["rollout"] = time.perf_counter() - t0
+
+        # 2. Experience: one sequence per episode, model tokens trained, tool results masked.
+        t0 = time.perf_counter()
+        tokens, engine_logprobs = to_batch(trajs, pad_id)  # (B, P + C), (B, C)
+        rewards = torch.tensor([t.total_return(cfg.rollout.returns) for t in trajs])  # (B,)
+        advantages = group_advantages(rewards, g.group_size, g.adv_scale, g.adv_eps)  # (B,)
+        with torch.no_grad():
+            old_logprobs = response_logprobs(model, tokens)[0]  # (B, C), the behaviour policy's
+            ref_logprobs = response_logprobs(reference, tokens)[0] if reference is not None else None
+        batch = RolloutBatch(
+            tokens.input_ids, tokens.attention_mask, tokens.response_mask,
+            old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, advantages=advantages, rewards=rewards,
+        )  # fmt: skip
+        mask = tokens.response_mask.bool()
+        times["experience"] = time.perf_counter() - t0
+
+        # 3. Train, 4. sync the engine.
+        t0 = time.perf_counter()
+        for _ in range(g.epochs_per_step):
+            stats = trainer.grpo_step(batch, update_cfg, reference)
+        engine.update_weights(model.state_dict(), version=step)
+        times["train"] = time.perf_counter() - t0
+
+        # 5. Log.
+        row = {
+            "phase": "grpo",
+            "step": step,
+            "reward_mean": float(rewards.mean()),
+            **agent_metrics(trajs),
+            "loss": stats.loss,
+            **stats.extra,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "response_len_mean": float(tokens.attention_mask[:, tokens.prompt_len :].sum(1).float().mean()),
+            # engine vs trainer log-probs of the sampled tokens: 0 up to numerics when sampling at T=1
+            "logprob_gap_max": float((engine_logprobs - old_logprobs).abs()[mask].max())
+            if mask.any()
+            else 0.0,
+            **{f"time_{k}": v for k, v in times.items()},
+        }
+        if step == g.steps or (g.eval_every and step % g.eval_every == 0):
+            row.update(evaluate(engine, eval_rows, cfg))
+        logger.log(row)
+        if step == g.steps:
+            summary["after_rl"] = {k: v for k, v in row.items() if k.startswith("eval_")}
+    if g.steps == 0:
+        summary["after_rl"] = summary["before_rl"]
+    save_checkpoint(run_dir, RunState(phase="grpo", step=g.steps), model, tokenizer, trainer.state_dict())
+    logger.close()
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+REPORTED = ("eval_accuracy", "eval_tool_use_rate", "eval_tool_call_validity", "eval_turns_mean")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`loopline agent [config.yaml] [key=value ...]`: run the agentic example and print before/after."""
+    parser = argparse.ArgumentParser(prog="loopline agent", description=__doc__.split("\n", 1)[0])
+    parser.add_argument(
+        "args", nargs="*", help="optional YAML config file, then dotted overrides (grpo.steps=5)"
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    path = args.args[0] if args.args and "=" not in args.args[0] else None
+    overrides = args.args[1:] if path else args.args
+    try:
+        cfg = load_agent_config(path, overrides)
+    except ConfigError as e:
+        print(f"loopline agent: bad config:\n{e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+        return 0
+    t0 = time.perf_counter()
+    summary = train_agent(cfg)
+    print(f"{'held-out (greedy)':<26}" + "".join(f"{k.removeprefix('eval_'):>20}" for k in REPORTED))
+    for name, metrics in summary.items():
+        print(f"{name:<26}" + "".join(f"{metrics.get(k, float('nan')):>20.3f}" for k in REPORTED))
+    print(f"run directory: {cfg.out_dir}  (wall time {(time.perf_counter() - t0) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
