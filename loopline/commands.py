@@ -11,8 +11,8 @@ from loopline.config import ConfigError, RunConfig, describe, load_config
 from loopline.loops.context import RunContext, build_context, encode_prompt, evaluate, sampling_params, sync_engine
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
-from loopline.training.lora import merged_state_dict
 from loopline.runtime.workers import WorkerError
+from loopline.training.lora import merged_state_dict
 
 
 def _start_fresh(ctx: RunContext) -> None:
@@ -50,6 +50,7 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
             state = _train(ctx, resume, failed_at)
             break
         except WorkerError as e:
+            ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
             if attempt == cfg.runtime.max_restarts:
                 raise
             restarts = cfg.runtime.max_restarts

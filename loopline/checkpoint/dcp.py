@@ -115,7 +115,9 @@ def _copy(value: Any) -> Any:
 class ShardWriter:
     """Writes one rank's part of a checkpoint: DCP shards and, optionally, the whole weights as safetensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 600.0) -> None:
+        """timeout_s: the longest a save waits for the one before it to be written."""
+        self.timeout_s = timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -133,7 +135,7 @@ class ShardWriter:
         An async save needs `group` to be a process group used by nothing else while it runs (its collectives
         run in the thread).
         """
-        self.wait(None)
+        self.wait(self.timeout_s)  # at most one save in flight
         if blocking:
             self._write(path, state, group, hf)
             return

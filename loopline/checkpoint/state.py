@@ -235,6 +235,14 @@ class Checkpointer:
             self._pending = None
         self._raise()
 
+    def abandon(self) -> None:
+        """After the roles failed: let the save in flight end (bounded) and drop its error; it is `latest` only
+        if it became whole."""
+        pending = self._pending
+        if pending is not None:
+            pending.join(self.cfg.save_timeout_s + 5.0)
+        self._pending, self._error = None, None
+
     def resume(self) -> tuple[RunState, dict[str, Any]] | None:
         """Restore the newest whole checkpoint: weights on every trainer rank, RNG, run files cut back.
 

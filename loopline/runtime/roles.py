@@ -23,6 +23,7 @@ new samples rather than repeating the uninterrupted run bit for bit (the local b
 from __future__ import annotations
 
 import copy
+import datetime
 import math
 import os
 from collections.abc import Callable, Mapping
@@ -266,7 +267,10 @@ class ActorWorker:
         self.plan = plan_transfers(param_specs(self.model), TrainerLayout(self.ranks), EngineLayout(engines))
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
         self.checkpoint_group = torch.distributed.new_group(
-            list(range(self.ranks)), backend="gloo", use_local_synchronization=True
+            list(range(self.ranks)),
+            backend="gloo",
+            timeout=datetime.timedelta(seconds=self.cfg.runtime.call_timeout_s),
+            use_local_synchronization=True,
         )
 
     def start_phase(

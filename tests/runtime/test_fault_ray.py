@@ -6,7 +6,8 @@ process, found among the run's own descendants by its process title (ray::ActorW
 restart its roles from the newest checkpoint by itself, print the time it took to recover, and finish
 with every step logged once and every sample trained once (the ledger). Then the run's checkpoint,
 written as two ranks' DCP shards, resumes on the local backend (one rank): DCP reshards the weights and
-the optimizer state, and the run continues from there.
+the optimizer state, and the run continues from there. Checkpoints are saved asynchronously here, so
+the kill may also land in a rank's background write: such a checkpoint never becomes latest.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ ARGS = [
 RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
     "runtime.call_timeout_s=60", "runtime.max_restarts=1", "runtime.cluster.num_cpus=4",
+    "checkpoint.async_save=true",  # each rank writes its shards in a thread while training goes on
 ]  # fmt: skip
 RUN_TIMEOUT_S = 400
 
