@@ -185,7 +185,7 @@ class Trajectory:
             return 0.0
         return sum(self.rewards) if mode == "sum" else self.rewards[-1]
 
-    def model_turns_text(self, tokenizer: PreTrainedTokenizerBase) -> str:
+    def response_text(self, tokenizer: PreTrainedTokenizerBase) -> str:
         """The whole response decoded (model and observation tokens), for logs."""
         return tokenizer.decode(self.tokens, skip_special_tokens=True)
 

@@ -332,7 +332,9 @@ def _evaluate(node: ast.AST) -> int | float:
                 isinstance(left, int) and isinstance(right, int) and left.bit_length() * right > MAX_INT_BITS
             )
             if abs(right) > MAX_EXPONENT or too_big:
-                raise ValueError(f"power too large (exponent above {MAX_EXPONENT} or result above {MAX_INT_BITS} bits)")
+                raise ValueError(
+                    f"power too large (exponent above {MAX_EXPONENT} or result above {MAX_INT_BITS} bits)"
+                )
         value = _BINARY[type(node.op)](left, right)
     elif isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         value = _UNARY[type(node.op)](_evaluate(node.operand))
@@ -399,7 +401,12 @@ def python_tool(sandbox: SandboxConfig | None = None) -> Tool:
 
 
 class ToolEnv:
-    """Tools plus a final-answer verifier as an Env: calls get results; a turn without a call is the answer."""
+    """Tools plus a final-answer verifier as an Env: calls get results; a turn without a call is the answer.
+
+    A turn with any call tag in it (well-formed or not) is a tool turn: its calls run, their results
+    (or errors) are the observation and the turn earns 0; only a turn without calls is scored, by
+    `verify(turn text, reference answer)`, and ends the episode.
+    """
 
     def __init__(self, toolbox: Toolbox, verify: Verifier, instructions: str = "") -> None:
         self.toolbox = toolbox

@@ -98,10 +98,18 @@ def _text(message: Mapping[str, Any]) -> str:
         text = content
     else:  # a list of parts: the text ones are kept
         text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    tags = ToolsConfig()
     for call in message.get("tool_calls") or []:
-        fn = call.get("function", {})
-        body = {"name": fn.get("name"), "arguments": json.loads(fn.get("arguments") or "{}")}
-        text += ToolsConfig().call_open + json.dumps(body, separators=(",", ":")) + ToolsConfig().call_close
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise RequestError("a tool call must be {'type': 'function', 'function': {'name', 'arguments'}}")
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            arguments = fn.get("arguments")  # shown as sent
+        # compact JSON, as the model writes calls: the message renders back to the tokens it sampled
+        body = json.dumps({"name": fn.get("name"), "arguments": arguments}, separators=(",", ":"))
+        text += tags.call_open + body + tags.call_close
     return text
 
 

@@ -142,6 +142,7 @@ def test_concurrent_requests_are_batched_and_recorded_apart(tokenizer, small_mod
         ),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "'stop' must be"),
         ({"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
+        ({"messages": [{"role": "assistant", "tool_calls": [1]}]}, 400, "a tool call must be"),
     ],
 )
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, body, status, message):
