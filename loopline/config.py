@@ -260,6 +260,11 @@ class DPOConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0.0, lt=0.5, description="Assumed label-flip rate (sigmoid: cDPO, robust: rDPO)."
     )
+    nll_coef: float = Field(
+        1.0,
+        ge=0.0,
+        description="RPO: weight of the chosen completion's NLL (keeps its likelihood up); 0 = plain DPO.",
+    )
     reference: Literal["precomputed", "online"] = Field(
         "precomputed",
         description="precomputed: reference log-probs of every pair once, up front; online: a frozen copy.",

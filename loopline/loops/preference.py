@@ -5,6 +5,8 @@ pairwise metrics. DPO's reference is the policy as DPO starts (after the SFT war
 log-probs of every pair are computed once up front (dpo.reference=precomputed), or by a frozen copy for
 each batch (online). DPO reports the implicit-reward preference accuracy (TRL's rewards/accuracies: 0 at
 the start, where policy = reference) and the policy's own preference, log p(chosen) > log p(rejected).
+dpo.nll_coef adds the chosen completion's NLL (RPO): on near-duplicate pairs, such as the built-in ones
+that differ in a digit, plain DPO lowers the likelihood of both completions and with it task accuracy.
 
 Simplified: these run on the local backend, and write their final model (no mid-run checkpoints).
 """

@@ -264,16 +264,23 @@ class PolicyTrainer:
             raise ValueError("dpo_step needs the pairs' reference log-probs (ref_chosen, ref_rejected)")
         self.model.train()
         dpo_loss = DPO_LOSSES[cfg.loss]
-        keys = ("loss", "pref_accuracy", "reward_margin", "chosen_reward", "rejected_reward")
-        sums = dict.fromkeys(keys, 0.0)
+        sums = dict.fromkeys(("loss", "pref_loss", "chosen_nll", "pref_accuracy", "reward_margin"), 0.0)
+        sums.update(chosen_reward=0.0, rejected_reward=0.0)
         for micro in pairs.micro_batches(cfg.micro_batch_size):
             share = len(micro) / len(pairs)  # every loss is a mean over pairs
-            chosen = sequence_logprobs(self.model, micro.chosen)  # (b,)
+            chosen_tokens, _ = response_logprobs(self.model, micro.chosen)  # (b, C)
+            mask = micro.chosen.response_mask
+            chosen = (chosen_tokens * mask).sum(dim=1)  # (b,)
             rejected = sequence_logprobs(self.model, micro.rejected)  # (b,)
             out = dpo_loss(chosen, rejected, micro.ref_chosen, micro.ref_rejected, micro, cfg)
-            (out.loss * share).backward()
+            # RPO: the chosen completion's NLL (per-token mean, then mean over pairs) anchors its likelihood
+            nll = (-chosen / mask.sum(dim=1).clamp(min=1.0)).mean()
+            loss = out.loss + cfg.nll_coef * nll
+            (loss * share).backward()
             for key, value in (
-                ("loss", out.loss.detach()),
+                ("loss", loss.detach()),
+                ("pref_loss", out.loss.detach()),
+                ("chosen_nll", nll.detach()),
                 ("pref_accuracy", (out.chosen_rewards > out.rejected_rewards).float().mean()),
                 ("reward_margin", (out.chosen_rewards - out.rejected_rewards).mean()),
                 ("chosen_reward", out.chosen_rewards.mean()),

@@ -46,7 +46,10 @@ def test_dpo_trains_the_policy_and_logs_preference_metrics(tmp_path, capsys):
         0
     ].keys()
     assert {"loss", "pref_accuracy", "reward_margin", "chosen_reward", "rejected_reward"} <= rows[1].keys()
-    assert rows[1]["loss"] == pytest.approx(0.6931, abs=1e-3)  # the first step: policy = reference
+    assert rows[1]["pref_loss"] == pytest.approx(0.6931, abs=1e-3)  # the first step: policy = reference
+    assert rows[1]["loss"] == pytest.approx(
+        rows[1]["pref_loss"] + rows[1]["chosen_nll"], rel=1e-5
+    )  # nll_coef 1
     # the saved policy loads with transformers and differs from the end of SFT
     trained = AutoModelForCausalLM.from_pretrained(out / "model")
     sft = load_file(out / "checkpoints" / "sft-000004" / "model" / "model.safetensors")

@@ -135,16 +135,19 @@ def test_dpo_micro_batches_accumulate_and_the_first_loss_is_known(small_model, l
         model = copy.deepcopy(small_model)
         trainer = PolicyTrainer(model, NO_CLIP, total_steps=1)
         seen = _capture_grads(model, trainer.optimizer)
-        cfg = DPOConfig(
-            loss=loss, beta=0.5, micro_batch_size=micro, label_smoothing=0.1 if loss == "robust" else 0
-        )
+        smoothing = 0.1 if loss == "robust" else 0.0
+        cfg = DPOConfig(loss=loss, beta=0.5, micro_batch_size=micro, label_smoothing=smoothing, nll_coef=0.3)
         stats.append(trainer.dpo_step(pairs, cfg))
         grads.append(seen)
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
     # policy = reference: delta = 0, so sigmoid/robust give log 2, hinge 1, ipo (1 / (2 beta))^2 = 1
     expected = {"sigmoid": math.log(2), "robust": math.log(2), "hinge": 1.0, "ipo": 1.0}[loss]
-    assert stats[0].loss == pytest.approx(expected, rel=1e-5)
+    assert stats[0].extra["pref_loss"] == pytest.approx(expected, rel=1e-5)
+    # RPO term: the mean over pairs of the chosen completion's per-token NLL (the model is the reference)
+    nll = float((-pairs.ref_chosen / pairs.chosen.response_mask.sum(1)).mean())
+    assert stats[0].extra["chosen_nll"] == pytest.approx(nll, rel=1e-5)
+    assert stats[0].loss == pytest.approx(expected + 0.3 * nll, rel=1e-5)
     assert stats[0].extra["reward_margin"] == 0.0
 
 
