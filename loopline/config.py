@@ -412,7 +412,9 @@ class RunConfig(Section):
 
     out_dir: str = Field("runs/default", description="Run directory (config, metrics, checkpoints, plots).")
     seed: int = Field(0, description="Seed for data, init, sampling.")
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default.")
+    threads: int = Field(
+        1, ge=0, description="torch CPU threads per process (1: tiny models gain little from more, and avoid oversubscribed cores); 0 = torch default."
+    )
     deterministic: bool = Field(
         False,
         description="torch.use_deterministic_algorithms(True); with fixed threads a run killed and resumed "
