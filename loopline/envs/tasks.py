@@ -5,10 +5,16 @@
     env:      <tool_result>5573</tool_result>
     model:    <answer>5573</answer>
 
-Reward 1 when the text in <answer>...</answer> equals the value. Demonstrations for the SFT warm
+Reward 1 when the text in <answer>...</answer> equals the value, plus `call_bonus` (a format
+reward, once per episode) for a turn whose tool calls all ran. Demonstrations for the SFT warm
 start come in two kinds: the tool trace above, and a direct answer with no tool call. With
 `direct_fraction` of the latter, the warm-started policy often answers directly (and is almost
-always wrong): what RL must learn is to use the tool every time, which the reward alone teaches.
+always wrong): what RL must learn is to use the tool every time.
+
+Why the bonus: the right answer needs two exact copies (the expression into the call, the result
+into the answer), and the built-in tiny model learns copying slowly (measured: a few hundred SFT
+steps at batch 32 leave it at chance on the copied digits). Without the bonus, the warm-started
+policy earns ~0 reward and GRPO has nothing to learn from; with it, RL learns to call the tool.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class ToolTaskConfig(Section):
     num_eval: int = Field(64, gt=0, description="Held-out problems, disjoint from training.")
     direct_fraction: float = Field(
         0.5, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
+    )
+    call_bonus: float = Field(
+        0.1, ge=0.0, description="Format reward, once per episode, for a turn whose tool calls all succeed."
     )
 
     @model_validator(mode="after")
@@ -80,9 +89,9 @@ def answer_match(text: str, answer: str) -> float:
     return 1.0 if found is not None and found.group(1).strip() == answer.strip() else 0.0
 
 
-def make_env(tools: ToolsConfig | None = None) -> ToolEnv:
-    """One episode's env: the calculator tool and the <answer> verifier."""
-    return ToolEnv(Toolbox([calculator], tools), answer_match)
+def make_env(tools: ToolsConfig | None = None, call_bonus: float = 0.0) -> ToolEnv:
+    """One episode's env: the calculator tool and the <answer> verifier (reward 1 when right)."""
+    return ToolEnv(Toolbox([calculator], tools), answer_match, call_bonus=call_bonus)
 
 
 def tool_call_text(name: str, arguments: dict[str, object], tools: ToolsConfig | None = None) -> str:

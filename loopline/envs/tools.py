@@ -404,19 +404,25 @@ class ToolEnv:
     """Tools plus a final-answer verifier as an Env: calls get results; a turn without a call is the answer.
 
     A turn with any call tag in it (well-formed or not) is a tool turn: its calls run, their results
-    (or errors) are the observation and the turn earns 0; only a turn without calls is scored, by
-    `verify(turn text, reference answer)`, and ends the episode.
+    (or errors) are the observation, and it earns 0 (or `call_bonus`, see below); only a turn without
+    calls is scored, by `verify(turn text, reference answer)`, and ends the episode.
     """
 
-    def __init__(self, toolbox: Toolbox, verify: Verifier, instructions: str = "") -> None:
+    def __init__(
+        self, toolbox: Toolbox, verify: Verifier, instructions: str = "", call_bonus: float = 0.0
+    ) -> None:
         self.toolbox = toolbox
         self.verify = verify
         self.instructions = instructions  # put before every prompt (e.g. describe_tools(toolbox))
+        # A format reward: paid once per episode, on the first turn whose calls all ran without error.
+        self.call_bonus = call_bonus
         self._answer: str | None = None
+        self._bonus_paid = False
 
     async def reset(self, sample: PromptRow) -> str:
         """Start on `sample`; the observation is the instructions and the prompt."""
         self._answer = sample.answer
+        self._bonus_paid = False
         return self.instructions + sample.prompt
 
     async def step(self, action: str) -> StepResult:
@@ -443,4 +449,7 @@ class ToolEnv:
                 key = f"tool_error_{outcome.error}"
                 info[key] = int(info.get(key, 0)) + 1
             parts.append(cfg.result_open + outcome.text + cfg.result_close)
-        return StepResult("".join(parts), 0.0, False, info)
+        reward = 0.0
+        if self.call_bonus and not self._bonus_paid and info["tool_calls_ok"] == len(calls):
+            reward, self._bonus_paid = self.call_bonus, True
+        return StepResult("".join(parts), reward, False, info)

@@ -131,12 +131,13 @@ def load_agent_config(path: str | None = None, overrides: list[str] | None = Non
 
 
 def agent_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]:
-    """Reward, tool-call validity (ok calls / calls written), tool-use rate (episodes with an ok call)."""
+    """Accuracy (right answers), tool-call validity (ok calls / calls written), tool-use rate (episodes
+    with an ok call), and the driver's rollout metrics (return_mean includes any call bonus)."""
     n = max(1, len(trajs))
     calls = sum(float(t.info.get("tool_calls", 0)) for t in trajs)
     ok = sum(float(t.info.get("tool_calls_ok", 0)) for t in trajs)
     out = {
-        "accuracy": sum(t.total_return() > 0 for t in trajs) / n,
+        "accuracy": sum(float(t.info.get("correct", 0)) > 0 for t in trajs) / n,
         "tool_use_rate": sum(float(t.info.get("tool_calls_ok", 0)) > 0 for t in trajs) / n,
         "tool_call_validity": ok / calls if calls else 0.0,
         **rollout_metrics(trajs),
@@ -145,11 +146,15 @@ def agent_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]
 
 
 def evaluate(engine: TorchEngine, rows: list[PromptRow], cfg: AgentConfig) -> dict[str, float]:
-    """Greedy episodes on held-out rows; the keys start with eval_ (eval_accuracy = mean reward > 0)."""
+    """Greedy episodes on held-out rows; the keys start with eval_ (eval_accuracy: right answers)."""
     greedy = cfg.rollout.model_copy(update={"temperature": 0.0})
     saved = torch.get_rng_state()  # eval must not move the training RNG
     trajs = run_rollout(
-        engine, [make_env(cfg.tools) for _ in rows], rows, PlainFormat(engine.tokenizer), greedy
+        engine,
+        [make_env(cfg.tools, cfg.task.call_bonus) for _ in rows],
+        rows,
+        PlainFormat(engine.tokenizer),
+        greedy,
     )
     torch.set_rng_state(saved)
     return agent_metrics(trajs, prefix="eval_")
@@ -160,7 +165,13 @@ async def _demonstrations(
 ) -> list[Trajectory]:
     return await asyncio.gather(
         *(
-            scripted(make_env(cfg.tools), row, demonstration(row, tool, cfg.tools), fmt, fmt.tokenizer)
+            scripted(
+                make_env(cfg.tools, cfg.task.call_bonus),
+                row,
+                demonstration(row, tool, cfg.tools),
+                fmt,
+                fmt.tokenizer,
+            )
             for row, tool in zip(rows, use_tool)
         )
     )
@@ -226,7 +237,9 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         # 1. Rollout: group_size episodes of each prompt; the envs run the tool between model turns.
         rows = [train_rows[ref.index] for ref in sampler.next_batch(g.prompts_per_step)]
         samples = [row for row in rows for _ in range(g.group_size)]
-        trajs = run_rollout(engine, [make_env(cfg.tools) for _ in samples], samples, fmt, cfg.rollout)
+        trajs = run_rollout(
+            engine, [make_env(cfg.tools, cfg.task.call_bonus) for _ in samples], samples, fmt, cfg.rollout
+        )
         times["rollout"] = time.perf_counter() - t0
 
         # 2. Experience: one sequence per episode, model tokens trained, tool results masked.

@@ -291,3 +291,14 @@ def test_tool_env_episode_counts_calls_and_scores_the_answer():
     }  # fmt: skip
     final = run(env.step("<answer>144</answer>"))
     assert (final.reward, final.done, final.info) == (1.0, True, {"answered": 1, "correct": 1.0})
+
+
+def test_call_bonus_is_paid_once_and_only_for_clean_tool_turns():
+    env = ToolEnv(Toolbox([calculator]), verify=lambda text, answer: 0.0, call_bonus=0.1)
+    good = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    run(env.reset(PromptRow(0, "q", "2")))
+    assert run(env.step(good + '<tool_call>{"name": "nope"}</tool_call>')).reward == 0.0  # one call failed
+    assert run(env.step(good)).reward == 0.1
+    assert run(env.step(good)).reward == 0.0  # once per episode
+    run(env.reset(PromptRow(1, "q", "2")))
+    assert run(env.step(good)).reward == 0.1  # a new episode pays again
