@@ -8,7 +8,14 @@ import time
 
 from loopline.checkpoint.state import RunState
 from loopline.config import ConfigError, RunConfig, describe, load_config
-from loopline.loops.context import RunContext, build_context, encode_prompt, evaluate, sampling_params, sync_engine
+from loopline.loops.context import (
+    RunContext,
+    build_context,
+    encode_prompt,
+    evaluate,
+    sampling_params,
+    sync_engine,
+)
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.runtime.workers import WorkerError

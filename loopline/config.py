@@ -38,9 +38,13 @@ class TinyModelConfig(Section):
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
         return self
 
 
@@ -127,7 +131,9 @@ class SFTConfig(Section):
     steps: int = Field(200, ge=0, description="Optimizer steps; 0 skips SFT.")
     batch_size: int = Field(64, gt=0, description="Sequences per step.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=30))
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=30)
+    )
     eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
 
 
@@ -146,9 +152,12 @@ class GRPOConfig(Section):
     clip_low: float = Field(0.2, ge=0.0, description="Ratio clip below 1 - clip_low.")
     clip_high: float = Field(0.2, ge=0.0, description="Ratio clip above 1 + clip_high.")
     loss_agg: Literal["seq_mean", "token_mean", "fixed_length"] = Field(
-        "token_mean", description="Per-sequence mean, token mean over the batch, or sum / (B * max_new_tokens)."
+        "token_mean",
+        description="Per-sequence mean, token mean over the batch, or sum / (B * max_new_tokens).",
     )
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL-to-reference loss term; 0 = no ref model.")
+    kl_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the KL-to-reference loss term; 0 = no ref model."
+    )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is logged regardless).")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
@@ -282,7 +291,9 @@ class RewardModelConfig(Section):
     batch_size: int = Field(32, gt=0, description="Pairs per step.")
     micro_batch_size: int = Field(32, gt=0, description="Pairs per forward/backward.")
     margin: float = Field(0.0, description="Margin added to every pair's own (data) margin in the loss.")
-    center_coef: float = Field(0.01, ge=0.0, description="Weight of mean((r_c + r_r)^2), centring the rewards.")
+    center_coef: float = Field(
+        0.01, ge=0.0, description="Weight of mean((r_c + r_r)^2), centring the rewards."
+    )
     optim: OptimConfig = Field(
         default_factory=lambda: OptimConfig(lr=3e-4, warmup_steps=10), description="RM optimizer."
     )
@@ -293,7 +304,8 @@ class RewardConfig(Section):
     """The RL reward: the task verifier, a trained reward model (`loopline rm`), or their sum."""
 
     source: Literal["verifier", "model", "sum"] = Field(
-        "verifier", description="verifier; model: model_coef * RM score; sum: verifier + model_coef * RM score."
+        "verifier",
+        description="verifier; model: model_coef * RM score; sum: verifier + model_coef * RM score.",
     )
     model_path: str = Field("", description="A reward model directory written by `loopline rm`.")
     model_coef: float = Field(1.0, description="Weight of the reward model's score.")
@@ -302,7 +314,9 @@ class RewardConfig(Section):
     @model_validator(mode="after")
     def _model_given(self) -> RewardConfig:
         if self.source != "verifier" and not self.model_path:
-            raise ValueError(f"source '{self.source}' needs model_path (a `loopline rm` reward_model directory)")
+            raise ValueError(
+                f"source '{self.source}' needs model_path (a `loopline rm` reward_model directory)"
+            )
         return self
 
 
@@ -413,7 +427,9 @@ class RunConfig(Section):
     out_dir: str = Field("runs/default", description="Run directory (config, metrics, checkpoints, plots).")
     seed: int = Field(0, description="Seed for data, init, sampling.")
     threads: int = Field(
-        1, ge=0, description="torch CPU threads per process (1: tiny models gain little from more, and avoid oversubscribed cores); 0 = torch default."
+        1,
+        ge=0,
+        description="torch CPU threads per process (1: tiny models gain little from more, and avoid oversubscribed cores); 0 = torch default.",
     )
     deterministic: bool = Field(
         False,
@@ -430,10 +446,14 @@ class RunConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (advantage=gae).")
-    preference: PreferenceDataConfig = Field(default_factory=PreferenceDataConfig, description="DPO/RM pairs.")
+    preference: PreferenceDataConfig = Field(
+        default_factory=PreferenceDataConfig, description="DPO/RM pairs."
+    )
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="`loopline dpo`, after the SFT warm start.")
     rm: RewardModelConfig = Field(default_factory=RewardModelConfig, description="`loopline rm`.")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="The RL reward (GRPO family, PPO).")
+    reward: RewardConfig = Field(
+        default_factory=RewardConfig, description="The RL reward (GRPO family, PPO)."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

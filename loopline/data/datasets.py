@@ -65,11 +65,17 @@ def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool
         raise DataError(f"{where}: expected an object, got {type(raw).__name__}")
     messages = raw.get(cfg.messages_field)
     if messages is not None:
-        if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in messages
+            )
         ):
-            raise DataError(f"{where}: field '{cfg.messages_field}' must be a list of {{role, content}} strings")
+            raise DataError(
+                f"{where}: field '{cfg.messages_field}' must be a list of {{role, content}} strings"
+            )
         # a chat row may carry a reference answer too (RL on chat prompts): keep it
         answer = raw.get(cfg.answer_field, "")
         if not isinstance(answer, str | int | float):
@@ -110,7 +116,9 @@ def load_rows(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> tu
     return rows, skipped
 
 
-def load_splits(cfg: DataConfig, seed: int, need_answer: bool = True) -> tuple[list[PromptRow], list[PromptRow]]:
+def load_splits(
+    cfg: DataConfig, seed: int, need_answer: bool = True
+) -> tuple[list[PromptRow], list[PromptRow]]:
     """Train and held-out rows for a run: the built-in task or files named in the config."""
     if cfg.source == "builtin":
         from loopline.data.tasks import arithmetic_splits

@@ -37,7 +37,9 @@ def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list
         seen.add((a, b))
         w = cfg.max_digits
         total = f"{a + b:0{w + 1}d}"
-        rows.append(PromptRow(index=len(rows), prompt=f"{a:0{w}d}+{b:0{w}d}=", answer=total, completion=total + "\n"))
+        rows.append(
+            PromptRow(index=len(rows), prompt=f"{a:0{w}d}+{b:0{w}d}=", answer=total, completion=total + "\n")
+        )
     eval_rows = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
     return rows[: cfg.num_train], eval_rows
 

@@ -89,7 +89,9 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_t
         if messages[-1]["role"] == "assistant":
             messages = messages[:-1]
         # return_dict=False: transformers 5 returns a BatchEncoding by default (list() of it gives its keys)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         return list(ids)
     return tokenizer(row.prompt)["input_ids"]
 

@@ -49,7 +49,13 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         ctx.ledger.record("sft", state.step, [(ref.epoch, ref.index, 0) for ref in refs])
         state.sampler = sampler.state_dict()
         elapsed = time.perf_counter() - t0
-        row = {"phase": "sft", "step": state.step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
+        row = {
+            "phase": "sft",
+            "step": state.step,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+        }
         row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
         row["time_train"] = elapsed
         last = state.step == cfg.steps

@@ -101,7 +101,9 @@ class TorchEngine:
         self.version = 0
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # transformers 5.x renamed `past_key_values` to `cache`; accept either release line
-        self._cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_arg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy new weights in place (same layout as the model: the in-process transport)."""
@@ -141,7 +143,9 @@ class TorchEngine:
         finish = ["length"] * batch
         active = torch.ones(batch, dtype=torch.bool, device=device)
 
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
+        )
         cache, logits = _cache_of(out), out.logits[:, -1, :]
         next_pos = positions[:, -1:] + 1
         for _ in range(params.max_new_tokens):
@@ -150,7 +154,9 @@ class TorchEngine:
                 token = logits.argmax(dim=-1)
                 logp = torch.log_softmax(logits, dim=-1)
             else:
-                logp = torch.log_softmax(_filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
+                logp = torch.log_softmax(
+                    _filter_logits(logits / params.temperature, params.top_k, params.top_p), -1
+                )
                 token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
             token = torch.where(active, token, torch.full_like(token, self.pad_id))
             token_logp = logp.gather(1, token[:, None]).squeeze(1)

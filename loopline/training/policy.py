@@ -137,7 +137,9 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked."""
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions).logits
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
+    ).logits
     p = batch.prompt_len
     logits = logits[:, p - 1 : -1, :].float()  # (B, C, V): position t predicts token t + 1
     targets = batch.input_ids[:, p:]  # (B, C)
@@ -221,7 +223,14 @@ class PolicyTrainer:
         """One optimizer step of the grpo.policy_loss objective (+ KL to ref, + entropy bonus)."""
         self.model.train()
         policy_loss = POLICY_LOSSES[cfg.policy_loss]
-        sums = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0, "entropy": 0.0, "clip_fraction": 0.0, "approx_kl": 0.0}
+        sums = {
+            "loss": 0.0,
+            "policy_loss": 0.0,
+            "kl": 0.0,
+            "entropy": 0.0,
+            "clip_fraction": 0.0,
+            "approx_kl": 0.0,
+        }
         max_len = cfg.sampling.max_new_tokens
         totals = self._totals(batch)
         for micro in split_rows(batch, cfg.micro_batch_size):
