@@ -83,7 +83,7 @@ class AgentConfig(Section):
             micro_batch_size=32,
             eval_every=0,
             optim=OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=15),
-        ),  # fmt: skip
+        ),
         description="Warm start on demonstrations (sft.eval_every: held-out eval every N steps).",
     )
     grpo: GRPOConfig = Field(
@@ -94,7 +94,7 @@ class AgentConfig(Section):
             micro_batch_size=32,
             eval_every=10,
             optim=OptimConfig(lr=3e-4, warmup_steps=0),
-        ),  # fmt: skip
+        ),
         description="GRPO update settings; grpo.sampling is not used (rollout.* sets how turns are sampled).",
     )
     eval_prompts: int = Field(64, gt=0, description="Held-out problems scored (greedy) at each eval.")
@@ -115,7 +115,10 @@ def load_agent_config(path: str | None = None, overrides: list[str] | None = Non
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist")
-        tree = yaml.safe_load(p.read_text()) or {}
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
     tree = _merge(AgentConfig().model_dump(), _merge(tree, parse_overrides(overrides or [])))
