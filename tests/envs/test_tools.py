@@ -178,7 +178,7 @@ def test_every_failure_is_an_error_outcome_of_its_kind():
         (ToolCall("search", {"query": "q", "limit": True}), "bad_arguments", "must be integer, got bool"),
         (ToolCall("search", {"query": "q", "tags": ["a", 1]}), "bad_arguments", "'tags' must be array"),
         (ToolCall("boom", {"x": 7}), "tool_raised", "RuntimeError: broken on 7"),
-        (ToolCall("slow", {"seconds": 2}), "timeout", "timed out after 0.3s"),
+        (ToolCall("slow", {"seconds": 0.8}), "timeout", "timed out after 0.3s"),
     ]
     for call, kind, text in cases:
         outcome = run(box.run(call))
