@@ -63,7 +63,11 @@ class AgentConfig(Section):
 
     out_dir: str = Field("runs/agent", description="Run directory (config, metrics, final checkpoint).")
     seed: int = Field(0, description="Seed for data, init, sampling.")
-    threads: int = Field(0, ge=0, description="torch CPU threads; 0 = torch's default.")
+    threads: int = Field(
+        1,
+        ge=0,
+        description="torch CPU threads (1: the tiny model gains little from more); 0 = torch default.",
+    )
     progress: bool = Field(True, description="Show progress bars.")
     model: ModelConfig = Field(
         default_factory=ModelConfig, description="Policy model (built-in tiny by default)."
