@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print every config field with its default and description")
     _add_config_args(p)
 
+    p = sub.add_parser("agent", help="the agentic example: SFT on tool traces, then multi-turn GRPO")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
     p = sub.add_parser("sandbox", help="run or check code in the sandbox (see `loopline sandbox -h`)")
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -93,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             for path in plot_run(args.run_dir):
                 print(path)
             return 0
+        if args.command == "agent":
+            from loopline.loops.agent import main as agent_main
+
+            return agent_main(args.args)
         if args.command == "sandbox":
             from loopline.envs.cli import main as sandbox_main
 
