@@ -264,11 +264,15 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         mask = tokens.response_mask.bool()
         times["experience"] = time.perf_counter() - t0
 
-        # 3. Train, 4. sync the engine.
+        # 3. Train, 4. sync the engine. A batch whose advantages are all 0 has no gradient; an AdamW
+        #    step on it would still move the weights (replaying earlier batches' momentum), so skip it.
         t0 = time.perf_counter()
-        for _ in range(g.epochs_per_step):
-            stats = trainer.grpo_step(batch, update_cfg, reference)
-        engine.update_weights(model.state_dict(), version=step)
+        update: dict[str, float] = {"update_skipped": float(not bool(advantages.abs().max() > 0))}
+        if not update["update_skipped"]:
+            for _ in range(g.epochs_per_step):
+                stats = trainer.grpo_step(batch, update_cfg, reference)
+            update.update(loss=stats.loss, **stats.extra, grad_norm=stats.grad_norm, lr=stats.lr)
+            engine.update_weights(model.state_dict(), version=step)
         times["train"] = time.perf_counter() - t0
 
         # 5. Log.
@@ -277,10 +281,7 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
             "step": step,
             "reward_mean": float(rewards.mean()),
             **agent_metrics(trajs),
-            "loss": stats.loss,
-            **stats.extra,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
+            **update,
             "response_len_mean": float(tokens.attention_mask[:, tokens.prompt_len :].sum(1).float().mean()),
             # engine vs trainer log-probs of the sampled tokens: 0 up to numerics when sampling at T=1
             "logprob_gap_max": float((engine_logprobs - old_logprobs).abs()[mask].max())

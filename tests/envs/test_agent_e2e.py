@@ -68,9 +68,10 @@ TINY = [
     "eval_prompts=4", "progress=false", "threads=1",
 ]  # fmt: skip
 GRPO_KEYS = {
-    "reward_mean", "accuracy", "tool_use_rate", "tool_call_validity", "turns_mean", "loss", "entropy", "grad_norm",
-    "lr", "logprob_gap_max", "finish_done", "time_rollout", "time_train",
+    "reward_mean", "accuracy", "tool_use_rate", "tool_call_validity", "turns_mean", "return_mean", "finish_done",
+    "update_skipped", "logprob_gap_max", "time_rollout", "time_train",
 }  # fmt: skip
+UPDATE_KEYS = {"loss", "policy_loss", "entropy", "clip_fraction", "grad_norm", "lr"}  # when a step trained
 EVAL_KEYS = {"eval_accuracy", "eval_tool_use_rate", "eval_tool_call_validity", "eval_turns_mean"}
 
 
@@ -87,6 +88,8 @@ def test_agent_command_trains_and_logs(tmp_path, capsys):
     assert [r["step"] for r in sft] == [1, 2, 3] and [r["step"] for r in grpo] == [1, 2]
     for r in grpo:
         assert r.keys() >= GRPO_KEYS
+        # a batch with no reward signal (all advantages 0) skips its update and says so
+        assert (r.keys() >= UPDATE_KEYS) == (r["update_skipped"] == 0.0)
         assert 0.0 <= r["tool_call_validity"] <= 1.0 and 0.0 <= r["tool_use_rate"] <= 1.0
         assert r["logprob_gap_max"] < 1e-3  # engine and trainer agree on the sampled tokens
     evals = [r for r in rows if "eval_accuracy" in r]

@@ -11,6 +11,9 @@ import time
 import pytest
 import torch
 
+from loopline.algorithms.advantages import group_advantages
+from loopline.config import GRPOConfig, OptimConfig
+from loopline.data.batches import RolloutBatch
 from loopline.data.datasets import PromptRow
 from loopline.envs.base import StepResult
 from loopline.envs.multiturn import (
@@ -24,7 +27,7 @@ from loopline.envs.multiturn import (
 )
 from loopline.envs.tools import Toolbox, ToolEnv, calculator
 from loopline.rollout.engine import TorchEngine
-from loopline.training.policy import response_logprobs
+from loopline.training.policy import PolicyTrainer, response_logprobs
 
 
 class CountingEnv:
@@ -227,3 +230,30 @@ def test_scripted_trajectory_masks_tool_results(tokenizer):
     ]
     assert [m for m, _ in runs] == [1, 0, 1]
     assert traj.rewards == [0.0, 1.0] and traj.finish == "done" and traj.info["tool_calls_ok"] == 1
+
+
+def test_grpo_step_trains_on_the_multi_turn_batch(tokenizer, small_model):
+    """The driver's batch, with the engine's log-probs as the behaviour policy's, trains with grpo_step."""
+    engine = TorchEngine(copy.deepcopy(small_model), tokenizer)
+    samples = [PromptRow(i // 4, "q", str(1 + i % 3)) for i in range(8)]  # 2 groups of 4, 1-3 turns each
+    trajs = run_rollout(
+        engine,
+        [CountingEnv() for _ in samples],
+        samples,
+        PlainFormat(tokenizer),
+        MultiTurnConfig(max_turn_tokens=4),
+    )
+    tokens, engine_logprobs = to_batch(trajs, tokenizer.pad_token_id)
+    rewards = torch.tensor([t.total_return() for t in trajs])
+    assert rewards.unique().numel() == 3  # returns 0.1, 0.3, 0.6 by episode length
+    batch = RolloutBatch(
+        tokens.input_ids, tokens.attention_mask, tokens.response_mask, old_logprobs=engine_logprobs,
+        ref_logprobs=None, advantages=group_advantages(rewards, 4), rewards=rewards,
+    )  # fmt: skip
+    before = {k: v.clone() for k, v in small_model.state_dict().items()}
+    trainer = PolicyTrainer(small_model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=1)
+    stats = trainer.grpo_step(batch, GRPOConfig(micro_batch_size=3), None)
+    # the behaviour log-probs came from the engine: the first update is on-policy (no clipping)
+    assert stats.extra["clip_fraction"] == 0.0 and abs(stats.extra["approx_kl"]) < 1e-5
+    assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0
+    assert any(not torch.equal(before[k], v) for k, v in small_model.state_dict().items())
