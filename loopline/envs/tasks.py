@@ -5,16 +5,19 @@
     env:      <tool_result>5573</tool_result>
     model:    <answer>5573</answer>
 
-Reward 1 when the text in <answer>...</answer> equals the value, plus `call_bonus` (a format
-reward, once per episode) for a turn whose tool calls all ran. Demonstrations for the SFT warm
-start come in two kinds: the tool trace above, and a direct answer with no tool call. With
-`direct_fraction` of the latter, the warm-started policy often answers directly (and is almost
-always wrong): what RL must learn is to use the tool every time.
+Reward 1 when the text in <answer>...</answer> equals the value. SFT demonstrations are the tool
+trace above, run through the real env (so the tool results are real, and masked in the loss).
 
-Why the bonus: the right answer needs two exact copies (the expression into the call, the result
-into the answer), and the built-in tiny model learns copying slowly (measured: a few hundred SFT
-steps at batch 32 leave it at chance on the copied digits). Without the bonus, the warm-started
-policy earns ~0 reward and GRPO has nothing to learn from; with it, RL learns to call the tool.
+The right answer needs two exact copies: the expression into the call, the result into the answer.
+That is the hard part for the built-in tiny model, and why the default problems have fixed lengths
+(the copies then sit at fixed distances). Measured on 2 cores, batch 32, lr 1e-3: the copied digits
+stay at chance for ~250 SFT steps, then are learned within ~100 more (at lr 3e-3 they were still
+at chance after 200-300 steps).
+
+Two options, off by default: `direct_fraction` mixes in demonstrations that answer without the tool
+(almost always wrong), so that RL has a tool-use habit to learn; it also slows the copies down (at
+0.25, 500 steps were not enough). `call_bonus` is a format reward, once per episode, for a turn
+whose tool calls all ran: with it, RL raises tool use even while answers are still wrong.
 """
 
 from __future__ import annotations
@@ -47,10 +50,10 @@ class ToolTaskConfig(Section):
     num_train: int = Field(4000, gt=0, description="Training problems generated.")
     num_eval: int = Field(64, gt=0, description="Held-out problems, disjoint from training.")
     direct_fraction: float = Field(
-        0.5, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
+        0.0, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
     )
     call_bonus: float = Field(
-        0.1, ge=0.0, description="Format reward, once per episode, for a turn whose tool calls all succeed."
+        0.0, ge=0.0, description="Format reward, once per episode, for a turn whose tool calls all succeed."
     )
 
     @model_validator(mode="after")
