@@ -488,7 +488,9 @@ class ConfigError(ValueError):
     """A config file or override is wrong; the message names the key and what is accepted."""
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def format_validation_error(err: ValidationError) -> str:
+    """A pydantic error as one line per bad key ('unknown config key ...', 'config key ...: why'),
+    so that every command built on a config Section reports bad input alike."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -526,11 +528,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `extra`, section by section (a nested dict in `extra` keeps base's other keys)."""
     out = dict(base)
     for k, v in extra.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
+            out[k] = merge_trees(out[k], v)
         else:
             out[k] = v
     return out
@@ -550,14 +553,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         tree = loaded
-    tree = _merge(tree, parse_overrides(overrides or []))
+    tree = merge_trees(tree, parse_overrides(overrides or []))
     # Start from the defaults, so a section given in part keeps the rest of its own defaults:
     # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
-    tree = _merge(RunConfig().model_dump(), tree)
+    tree = merge_trees(RunConfig().model_dump(), tree)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e)) from None
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -37,8 +37,8 @@ from loopline.config import (
     SamplingConfig,
     Section,
     SFTConfig,
-    _format_validation_error,  # the run config's error format, so both commands read alike
-    _merge,
+    format_validation_error,
+    merge_trees,
     parse_overrides,
 )
 from loopline.data.batches import RolloutBatch
@@ -131,11 +131,11 @@ def load_agent_config(path: str | None = None, overrides: list[str] | None = Non
             raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
         if not isinstance(tree, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
-    tree = _merge(AgentConfig().model_dump(), _merge(tree, parse_overrides(overrides or [])))
+    tree = merge_trees(AgentConfig().model_dump(), merge_trees(tree, parse_overrides(overrides or [])))
     try:
         return AgentConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
