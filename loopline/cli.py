@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print every config field with its default and description")
     _add_config_args(p)
 
-    p = sub.add_parser("agent", help="the agentic example: SFT on tool traces, then multi-turn GRPO")
+    # listed for `loopline -h` only: main() hands `agent ...` to the agent's own parser
+    p = sub.add_parser(
+        "agent", add_help=False, help="the agentic example: SFT on tool traces, then multi-turn GRPO"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser("sandbox", help="run or check code in the sandbox (see `loopline sandbox -h`)")
@@ -71,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["agent"]:
+        # every word after `agent` is the agent's own (its --print-config, its --help): argparse
+        # would take leading options for the top-level parser's and reject them
+        from loopline.loops.agent import main as agent_main
+
+        return agent_main(argv[1:])
     parser = build_parser()
     # argparse fills the overrides list only up to the first option; key=value words after an option
     # (`train run.yaml --resume grpo.steps=5`) come back unrecognised and are overrides too
@@ -96,10 +106,6 @@ def main(argv: list[str] | None = None) -> int:
             for path in plot_run(args.run_dir):
                 print(path)
             return 0
-        if args.command == "agent":
-            from loopline.loops.agent import main as agent_main
-
-            return agent_main(args.args)
         if args.command == "sandbox":
             from loopline.envs.cli import main as sandbox_main
 

@@ -77,3 +77,16 @@ def test_overrides_may_follow_options(capsys):
         main(["train", "grpo.steps=1", "--resume", "--bogus"])
     assert e.value.code == 2
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_agent_gets_its_own_options(capsys):
+    # every word after `agent` goes to the agent's parser: its --help and --print-config, in any order
+    with pytest.raises(SystemExit) as e:
+        main(["agent", "--help"])
+    assert e.value.code == 0
+    assert "--print-config" in capsys.readouterr().out
+    assert main(["agent", "grpo.steps=3", "--print-config", "sft.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert "grpo:\n  steps: 3\n" in out and "sft:\n  steps: 7\n" in out
+    assert main(["agent", "--print-config", "grpo.stepz=1"]) == 2
+    assert "unknown config key 'grpo.stepz'" in capsys.readouterr().err

@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "args", nargs="*", help="optional YAML config file, then dotted overrides (grpo.steps=5)"
     )
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options may come between overrides
     path = args.args[0] if args.args and "=" not in args.args[0] else None
     overrides = args.args[1:] if path else args.args
     try:
