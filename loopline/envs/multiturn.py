@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
@@ -35,10 +34,9 @@ from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
 from loopline.envs.base import Env, StepResult
 from loopline.rollout.engine import Engine, SamplingParams
+from loopline.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
-
-Finish = Literal["done", "max_turns", "max_tokens", "env_error"]
 
 
 class MultiTurnConfig(Section):
@@ -137,57 +135,8 @@ class ChatFormat:
 
 
 # ---------------------------------------------------------------------------------------------
-# Trajectories
+# The driver (Trajectory, the record it fills, is rollout.trajectory's)
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Trajectory:
-    """One episode as one token sequence: the prompt, then model and observation tokens with a mask."""
-
-    sample: PromptRow
-    prompt_ids: list[int]
-    tokens: list[int] = field(default_factory=list)  # everything after the prompt
-    mask: list[int] = field(default_factory=list)  # 1 on model-sampled tokens, 0 on observation tokens
-    logprobs: list[float] = field(default_factory=list)  # engine log-prob of model tokens; 0.0 elsewhere
-    rewards: list[float] = field(default_factory=list)  # one per model turn that the env stepped
-    turns: int = 0
-    finish: Finish | None = None  # None while running
-    info: dict[str, float | int | str] = field(default_factory=dict)  # numeric entries summed over steps
-    policy_version: int = 0  # the oldest engine version that sampled any of its turns
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
-
-    def add_model_turn(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        self.tokens += token_ids
-        self.mask += [1] * len(token_ids)
-        self.logprobs += logprobs
-        self.turns += 1
-
-    def add_observation(self, token_ids: Sequence[int]) -> None:
-        self.tokens += token_ids
-        self.mask += [0] * len(token_ids)
-        self.logprobs += [0.0] * len(token_ids)
-
-    def record(self, result: StepResult) -> None:
-        self.rewards.append(float(result.reward))
-        for key, value in result.info.items():
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                self.info[key] = self.info.get(key, 0) + value  # type: ignore[operator]
-            else:
-                self.info[key] = value
-
-    def total_return(self, mode: Literal["sum", "final"] = "sum") -> float:
-        """Sum of the per-turn rewards, or the last one (0.0 when no turn was scored)."""
-        if not self.rewards:
-            return 0.0
-        return sum(self.rewards) if mode == "sum" else self.rewards[-1]
-
-    def response_text(self, tokenizer: PreTrainedTokenizerBase) -> str:
-        """The whole response decoded (model and observation tokens), for logs."""
-        return tokenizer.decode(self.tokens, skip_special_tokens=True)
 
 
 def _sampling(cfg: MultiTurnConfig, max_new_tokens: int, seed: int | None) -> SamplingParams:
@@ -251,7 +200,7 @@ async def rollout(
                 traj.info["env_error"] = 1
                 traj.finish = "env_error"
                 continue
-            traj.record(result)
+            traj.record(result.reward, result.info)
             if result.done:
                 traj.finish = "done"
             elif traj.turns >= cfg.max_turns:
@@ -292,7 +241,7 @@ async def scripted(
         ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
         traj.add_model_turn(ids, [0.0] * len(ids))
         result = await env.step(action)
-        traj.record(result)
+        traj.record(result.reward, result.info)
         if result.done:
             traj.finish = "done"
             break

@@ -5,7 +5,8 @@
   `list[X]`; a parameter without a default is required) and the docstring (first line = description,
   an `Args:` section = parameter descriptions).
 - A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the model's text (tags
-  configurable); `arguments` may also be a JSON string, as OpenAI clients send it.
+  configurable); `arguments` may also be a JSON string, as OpenAI clients send it. Writing and parsing
+  calls is rollout.tool_calls (the chat-completions server shares it); running them is here.
 - Nothing a model writes can crash a run: a malformed call, an unknown tool, bad arguments, a tool
   that raises or runs past its timeout each become an error observation shown to the model, and are
   counted per kind (`ERROR_KINDS`) in the step's info.
@@ -28,30 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import Field
-
-from loopline.config import Section
 from loopline.data.datasets import PromptRow
 from loopline.envs.base import StepResult, Verifier
 from loopline.envs.sandbox import SandboxConfig
+from loopline.rollout.tool_calls import MalformedCall, ToolCall, ToolsConfig, parse_tool_calls
 
 ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "tool_raised", "timeout", "too_many_calls")
-
-
-class ToolsConfig(Section):
-    """How tool calls are written and run."""
-
-    call_open: str = Field("<tool_call>", description="Tag that opens a tool call in the model's text.")
-    call_close: str = Field("</tool_call>", description="Tag that closes a tool call.")
-    result_open: str = Field(
-        "<tool_result>", description="Tag that opens a tool's result in the observation."
-    )
-    result_close: str = Field("</tool_result>", description="Tag that closes a tool's result.")
-    max_calls_per_turn: int = Field(4, gt=0, description="Calls run per turn; later ones get an error.")
-    max_result_chars: int = Field(2000, gt=0, description="A result longer than this keeps its tail.")
-    timeout_s: float = Field(
-        30.0, gt=0, description="A tool still running after this is answered with an error."
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,55 +161,6 @@ class Tool:
                 want = params["properties"][key].get("type", "?")
                 return f"argument '{key}' must be {want}, got {type(value).__name__}"
         return None
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A well-formed call found in the model's text."""
-
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class MalformedCall:
-    """A call tag whose content is not a valid call."""
-
-    raw: str
-    reason: str
-
-
-def parse_tool_calls(text: str, cfg: ToolsConfig) -> list[ToolCall | MalformedCall]:
-    """Every `call_open ... call_close` span of `text`, in order, parsed or explained."""
-    calls: list[ToolCall | MalformedCall] = []
-    pos = 0
-    while (start := text.find(cfg.call_open, pos)) >= 0:
-        body_start = start + len(cfg.call_open)
-        end = text.find(cfg.call_close, body_start)
-        if end < 0:
-            calls.append(MalformedCall(text[start:], f"no closing {cfg.call_close}"))
-            break
-        calls.append(_parse_call(text[body_start:end]))
-        pos = end + len(cfg.call_close)
-    return calls
-
-
-def _parse_call(body: str) -> ToolCall | MalformedCall:
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as e:
-        return MalformedCall(body, f"not valid JSON ({e.msg} at char {e.pos})")
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return MalformedCall(body, 'expected a JSON object {"name": ..., "arguments": {...}}')
-    arguments = data.get("arguments", {})
-    if isinstance(arguments, str):  # OpenAI's wire format carries the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            return MalformedCall(body, f"arguments string is not valid JSON ({e.msg})")
-    if not isinstance(arguments, dict):
-        return MalformedCall(body, f"arguments must be an object, got {type(arguments).__name__}")
-    return ToolCall(data["name"], arguments)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,6 @@ from loopline.data.sampler import Sampler
 from loopline.envs.multiturn import (
     MultiTurnConfig,
     PlainFormat,
-    Trajectory,
     rollout_metrics,
     run_rollout,
     scripted,
@@ -58,6 +57,7 @@ from loopline.envs.tools import ToolsConfig
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
 from loopline.rollout.engine import TorchEngine
+from loopline.rollout.trajectory import Trajectory
 from loopline.training.policy import PolicyTrainer, response_logprobs
 
 

@@ -10,7 +10,7 @@ continues it token for token (else it starts a new sequence: nothing is ever re-
 Endpoints: `POST /v1/chat/completions` (messages, temperature, top_p, max_tokens, n, stop, seed,
 logprobs, tools, user) and `GET /v1/models`. The prompt is the tokenizer's chat template when it has
 one, else a built-in role format (`builtin_chat_format`). With `tools` in the request, tool calls in
-the text (envs.tools tags) come back as `message.tool_calls`.
+the text (rollout.tool_calls tags) come back as `message.tool_calls`.
 
 Concurrent requests are batched: one thread owns the engine and generates, in one call, every
 pending request that samples with the same settings (waiting `batch_wait_s` for more to arrive).
@@ -37,9 +37,9 @@ from transformers import PreTrainedTokenizerBase
 
 from loopline.config import Section
 from loopline.data.datasets import PromptRow
-from loopline.envs.multiturn import Trajectory
-from loopline.envs.tools import MalformedCall, ToolsConfig, parse_tool_calls
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
+from loopline.rollout.tool_calls import MalformedCall, ToolsConfig, parse_tool_calls
+from loopline.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
