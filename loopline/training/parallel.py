@@ -1,4 +1,4 @@
-"""Data parallelism for the trainer: a process group, a 1-D device mesh, FSDP2 applied to an HF model.
+"""Parallelism for the trainer: a process group, a device mesh, tensor parallelism and FSDP2 on an HF model.
 
 The trainer's ranks are global ranks 0..n-1 of a torch.distributed world (gloo on CPU, NCCL for CUDA
 tensors plus gloo for CPU ones on GPU machines). The world may hold more ranks than the trainer, e.g.
@@ -7,13 +7,21 @@ the rollout engines that receive weights from it; every rank of the world builds
 FSDP2 is set to *sum* gradients over ranks (not average): each rank back-propagates its share of the
 global loss, with shares taken over global denominators (`PolicyTrainer`), so the summed gradient is
 the gradient of the whole batch and N ranks make the same update as one.
+
+Tensor parallelism (torchtitan style: applied by `apply_tp`, not written into the model) splits the
+decoder layers' linear layers over the "tp" dim of a (dp, tp) mesh, following the model's own HF TP
+plan (colwise / rowwise). TP ranks see the same rows, so data-parallel sums (loss denominators,
+FSDP2's gradient reduce-scatter) run over the "dp" dim only. Embeddings, norms and the (tied) head
+stay whole on every TP rank: a tied vocab-parallel head would need the vocab to divide by tp, and
+they are a small share of the weights.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -27,6 +35,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+# the HF TP plan styles applied inside the decoder layers
+TP_STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
 def init_distributed(init_method: str, rank: int, world_size: int, timeout_s: float) -> torch.device:
@@ -55,14 +73,130 @@ def trainer_mesh(num_ranks: int, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh(device_type, torch.arange(num_ranks))
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, tied head); sum gradients."""
+def dp_tp_mesh(num_ranks: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """A 2-D ("dp", "tp") mesh over global ranks 0..num_ranks-1, tp innermost (TP ranks are neighbours).
+
+    Rank `i * tp + j` is data-parallel rank i, TP rank j (as the weight-sync planner's TrainerLayout).
+    Every rank of the world must call this (it makes the groups of both dims).
+    """
+    if tp < 1 or num_ranks % tp:
+        raise ValueError(f"trainer_tp={tp} must be positive and divide the {num_ranks} trainer ranks")
+    if num_ranks > dist.get_world_size():
+        raise ValueError(f"trainer mesh of {num_ranks} ranks in a world of {dist.get_world_size()}")
+    grid = torch.arange(num_ranks).reshape(num_ranks // tp, tp)
+    return DeviceMesh(device_type, grid, mesh_dim_names=("dp", "tp"))
+
+
+def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # HF models name their decoder layer class in _no_split_modules (e.g. Qwen2DecoderLayer)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules to shard")
-    for layer in layers:
+    return layers
+
+
+def tp_plan(model: nn.Module) -> dict[str, str]:
+    """Module name -> HF TP style ("colwise"/"rowwise") of every linear layer that `apply_tp` splits.
+
+    Read from the model's own plan (`model._tp_plan`, e.g. Qwen2's); entries outside the decoder layers
+    (embeddings, head) are left whole. Raises ValueError if the model has no plan or an unsupported style.
+    """
+    declared = dict(getattr(model, "_tp_plan", None) or {})
+    name = type(model).__name__
+    if not declared:
+        raise ValueError(f"{name} declares no tensor-parallel plan (_tp_plan); train it with trainer_tp=1")
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"\d+")), style) for p, style in declared.items()]
+    inside = tuple(f"{n}." for n, _ in _decoder_layers(model))
+    plan = {}
+    for module_name, module in model.named_modules():
+        style = next((st for pat, st in patterns if pat.fullmatch(module_name)), None)
+        if style is None or not module_name.startswith(inside):
+            continue  # not in the plan, or outside the decoder layers: replicated on every TP rank
+        if style not in TP_STYLES or not isinstance(module, nn.Linear):
+            raise ValueError(
+                f"{name}'s TP plan has style '{style}' on {module_name} ({type(module).__name__}); "
+                f"only {sorted(TP_STYLES)} on nn.Linear are supported: train it with trainer_tp=1"
+            )
+        plan[module_name] = style
+    return plan
+
+
+def tp_param_dims(model: nn.Module) -> dict[str, int | None]:
+    """Parameter name -> the dim `apply_tp` splits it on (None = whole on every TP rank).
+
+    The weight-sync planner's TP rule for this trainer (resharding.TpRule); a pure function of the
+    unsharded model, so engine ranks can derive it too.
+    """
+    plan = tp_plan(model)
+    dims: dict[str, int | None] = {}
+    for name, _ in model.named_parameters():
+        module, _, leaf = name.rpartition(".")
+        style = plan.get(module)
+        if style == "colwise":
+            dims[name] = 0  # weight and bias split by output features
+        elif style == "rowwise" and leaf == "weight":
+            dims[name] = 1  # split by input features; a rowwise bias is added after the all-reduce: whole
+        else:
+            dims[name] = None
+    return dims
+
+
+def check_tp(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -> None:
+    """Raise ValueError unless `model` can be split over `tp` ranks; needs no process group.
+
+    The model must have a TP plan (`tp_plan`), and its attention heads, KV heads and every split
+    feature dim must divide by tp: a clear error up front, not a reshape failure in the forward.
+    """
+    if tp < 1:
+        raise ValueError(f"trainer_tp must be positive, got {tp}")
+    plan = tp_plan(model) if plan is None else plan
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value % tp:
+            raise ValueError(f"trainer_tp={tp} does not divide {field}={value} of {name}")
+    modules = dict(model.named_modules())
+    for module_name, style in plan.items():
+        linear = modules[module_name]
+        assert isinstance(linear, nn.Linear)
+        size = linear.out_features if style == "colwise" else linear.in_features
+        if size % tp:
+            raise ValueError(
+                f"trainer_tp={tp} does not divide the {size} features that {module_name} of {name} "
+                f"splits ({style})"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Tensor parallelism over the 1-D `tp_mesh`: the decoder layers' linear layers per the model's TP plan.
+
+    Colwise layers (q/k/v, gate/up) split output features, so each TP rank runs heads/num_tp of the
+    attention heads on plain local tensors; rowwise layers (o/down) split input features and all-reduce
+    their output. Everything else stays whole. Raises ValueError when the model has no TP plan or its
+    sizes do not divide by the mesh size.
+    """
+    plan = tp_plan(model)
+    check_tp(model, tp_mesh.size(), plan)
+    if tp_mesh.size() > 1:
+        parallelize_module(model, tp_mesh, {n: TP_STYLES[style]() for n, style in plan.items()})
+    return model
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """TP over mesh["tp"] (when it has more than one rank), then FSDP2 over mesh["dp"] (a `dp_tp_mesh`)."""
+    if mesh["tp"].size() > 1:
+        apply_tp(model, mesh["tp"])
+    return shard_model(model, mesh["dp"])
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, tied head); sum gradients.
+
+    `mesh` is 1-D: the data-parallel ranks (`mesh["dp"]` of a `dp_tp_mesh` after `apply_tp`).
+    """
+    for _, layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():
@@ -79,6 +213,39 @@ def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     if group is not None:
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+def mesh_groups(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` grouped by DeviceMesh (plain tensors together), in first-seen order.
+
+    Under TP + FSDP2 the split layers' DTensors live on the (dp, tp) mesh and the others on the dp
+    mesh; torch's foreach kernels (AdamW, clipping) refuse to mix meshes in one call.
+    """
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of `max_norm`; return the norm before clipping (a plain tensor).
+
+    torch.nn.utils.clip_grad_norm_ per mesh group, combined: each group's norm is reduced over its own
+    mesh (a sharded piece counted once, a TP-replicated one once), then the groups' norms are summed
+    in quadrature. One group (no TP) is exactly torch's clip_grad_norm_.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    groups = mesh_groups(params)
+    norms = []
+    for group in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def _options(sharded: bool) -> StateDictOptions:

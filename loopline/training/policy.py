@@ -28,15 +28,25 @@ from loopline.algorithms.preference import (
 from loopline.config import DPOConfig, GRPOConfig, OptimConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.data.preference import PairBatch
-from loopline.training.parallel import all_reduce_sum, full_optimizer_state, load_full_optimizer_state
+from loopline.training.parallel import (
+    all_reduce_sum,
+    clip_grad_norm,
+    full_optimizer_state,
+    load_full_optimizer_state,
+    mesh_groups,
+)
 
 
 def build_optimizer(
     model: torch.nn.Module, cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW plus linear warmup then constant/cosine/linear decay to min_lr_ratio."""
+    """AdamW plus linear warmup then constant/cosine/linear decay to min_lr_ratio.
+
+    One parameter group per device mesh (one in all but TP + FSDP2): AdamW's foreach kernels run per group.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    groups = [{"params": group} for group in mesh_groups(params)]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -60,7 +70,7 @@ def optimizer_step(
     grad_clip: float,
 ) -> tuple[float, float]:
     """Clip the global grad norm, step (skipped when the norm is not finite), zero grads; (grad_norm, lr)."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip)
     lr = scheduler.get_last_lr()[0]
     if torch.isfinite(grad_norm):
         optimizer.step()
@@ -172,10 +182,12 @@ class StepStats:
 class PolicyTrainer:
     """Owns the trainable model, its optimizer and LR schedule; one method per kind of update.
 
-    Data-parallel: pass the trainer ranks' `group` and a model under FSDP2 (training.parallel.shard_model,
+    Data-parallel: pass the data-parallel ranks' `group` and a model under FSDP2 (training.parallel.shard_model,
     which sums gradients). Each rank steps on its slice of the global batch; micro-batches are weighted
     by global token and row counts, so N ranks make the same update as one rank on the whole batch.
     Every rank must run the same number of micro-batches (equal slices): FSDP2 gathers in each forward.
+    With tensor parallelism (training.parallel.parallelize) `group` is the mesh's "dp" group: the TP
+    ranks of one dp rank get the same rows and must not be counted twice.
     """
 
     def __init__(
