@@ -11,6 +11,9 @@ Guarantees, whatever happens to the workers:
 - workers may be added or removed (`add_workers`, `remove_workers`) from any thread while a batch
   runs; a removed busy worker finishes its task first.
 
+On Ray, `RayBundles` pins the workers to the bundles of a placement group (a role's pool), spread evenly
+over them, any number per bundle; without it each worker asks for `ray_num_cpus` and `ray_resources`.
+
 Each task carries a token (sample id, attempt); a reply whose token is not the one its worker is
 working on (e.g. from a batch abandoned half-way) is dropped, which is what makes delivery exact.
 """
@@ -73,6 +76,15 @@ class Outcome(Generic[R]):
     def ok(self) -> bool:
         """Whether `fn` returned a value."""
         return self.error is None
+
+
+@dataclass(frozen=True)
+class RayBundles:
+    """Ray workers go into these bundles, the least-loaded first, asking for no resources of their own: the
+    bundles already reserve the role's resources on the nodes placement chose, and any number fit in one."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    num_bundles: int
 
 
 @dataclass(frozen=True)
@@ -143,10 +155,15 @@ def _call(fn: Callable[[Any], Any], token: tuple[Hashable, int], item: Any) -> _
 class WorkerPool(Generic[T, R]):
     """Runs `fn` over batches of {sample id: item} on a resizable set of workers."""
 
-    def __init__(self, fn: Callable[[T], R], config: EnvPoolConfig | None = None) -> None:
+    def __init__(
+        self, fn: Callable[[T], R], config: EnvPoolConfig | None = None, bundles: RayBundles | None = None
+    ) -> None:
+        """bundles: where Ray workers go (backend "ray" only); None = anywhere with ray_num_cpus free."""
         self.config = config or EnvPoolConfig()
+        if bundles is not None and self.config.backend != "ray":
+            raise ValueError("bundles place Ray workers; they need backend 'ray'")
         self._backend: _Backend = (
-            _LocalBackend(fn) if self.config.backend == "local" else _RayBackend(fn, self.config)
+            _LocalBackend(fn) if self.config.backend == "local" else _RayBackend(fn, self.config, bundles)
         )
         self._lock = threading.RLock()
         self._workers: list[_Worker] = []
@@ -155,6 +172,7 @@ class WorkerPool(Generic[T, R]):
         self._running = False
         self._closed = False
         self._start_failures = 0
+        self._lost = 0
         with self._lock:
             self._apply_membership()
 
@@ -186,6 +204,11 @@ class WorkerPool(Generic[T, R]):
     def num_workers(self) -> int:
         """How many workers the pool is keeping (the target, not counting retiring ones)."""
         return self._target
+
+    @property
+    def workers_lost(self) -> int:
+        """Workers that died or timed out since the pool started (each was replaced)."""
+        return self._lost
 
     def _apply_membership(self) -> None:
         """Start or retire workers to reach the target. Caller holds the lock."""
@@ -295,6 +318,7 @@ class WorkerPool(Generic[T, R]):
             f" running {task.sample_id!r}" if task else (" while idle" if worker.ready else " starting up"),
         )
         self._drop(worker, kill=True)
+        self._lost += 1
         if not worker.ready:
             self._start_failures += 1
             if self._start_failures >= MAX_START_FAILURES:
@@ -310,6 +334,7 @@ class WorkerPool(Generic[T, R]):
             if task is not None and now - task.started > self.config.task_timeout_s:
                 logger.warning("env task %r timed out on %s; killing the worker", task.sample_id, worker.name)
                 self._drop(worker, kill=True)
+                self._lost += 1
                 why = f"timed out after {self.config.task_timeout_s:g}s on {self._describe(worker)}"
                 finished += self._retry(task, queue, why)
         return finished
@@ -468,12 +493,13 @@ class _RayHandle:
     future: Any = None
     pid_future: Any = None
     pid: int | None = None
+    bundle: int | None = None  # its bundle index, with RayBundles
 
 
 class _RayBackend:
     """Workers are Ray actors, one task at a time each; Ray is started here only if needed."""
 
-    def __init__(self, fn: Callable[[Any], Any], config: EnvPoolConfig) -> None:
+    def __init__(self, fn: Callable[[Any], Any], config: EnvPoolConfig, bundles: RayBundles | None) -> None:
         import ray
 
         from loopline.runtime.cluster import ClusterConfig, start_ray
@@ -483,18 +509,32 @@ class _RayBackend:
         self.started_ray = start_ray(ClusterConfig(address=config.ray_address))
         # Workers must import loopline (fn is pickled by reference) even when it is not installed.
         package_root = str(Path(__file__).resolve().parents[2])
-        self.actor_class = ray.remote(_RayWorkerActor).options(
-            num_cpus=config.ray_num_cpus,
-            resources=dict(config.ray_resources) or None,
-            max_restarts=0,
-            max_task_retries=0,
-            runtime_env={"env_vars": {"PYTHONPATH": package_root}},
-        )
+        self.options: dict[str, Any] = {
+            "max_restarts": 0,
+            "max_task_retries": 0,
+            "runtime_env": {"env_vars": {"PYTHONPATH": package_root}},
+        }
+        if bundles is None:
+            self.options.update(num_cpus=config.ray_num_cpus, resources=dict(config.ray_resources) or None)
+        else:  # the bundle reserves the resources; a worker only needs to run on its node
+            self.options.update(num_cpus=0)
+        self.bundles = bundles
+        self.load = [0] * (bundles.num_bundles if bundles else 0)  # live workers per bundle
+        self.actor_class = ray.remote(_RayWorkerActor)
         self.fn_ref = ray.put(fn)
 
     def start(self, name: str) -> _Worker:
-        actor = self.actor_class.remote(self.fn_ref)
-        return _Worker(name, _RayHandle(actor, pid_future=actor.pid.remote()))
+        options, bundle = dict(self.options), None
+        if self.bundles is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = min(range(len(self.load)), key=self.load.__getitem__)
+            self.load[bundle] += 1
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                self.bundles.placement_group, placement_group_bundle_index=bundle
+            )
+        actor = self.actor_class.options(**options).remote(self.fn_ref)
+        return _Worker(name, _RayHandle(actor, pid_future=actor.pid.remote(), bundle=bundle))
 
     def submit(self, worker: _Worker, task: _Task) -> None:
         worker.handle.future = worker.handle.actor.run.remote(task.token, task.item)
@@ -537,9 +577,12 @@ class _RayBackend:
 
     def kill(self, worker: _Worker) -> None:
         self.ray.kill(worker.handle.actor, no_restart=True)
+        if worker.handle.bundle is not None:
+            self.load[worker.handle.bundle] -= 1
+            worker.handle.bundle = None
 
     def stop(self, worker: _Worker) -> None:
-        self.ray.kill(worker.handle.actor, no_restart=True)
+        self.kill(worker)
 
     def close(self) -> None:
         if self.started_ray:

@@ -276,6 +276,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
             * cfg.epochs_per_step
             / max(timer.seconds["train"], 1e-9),
             **{f"time_{k}": v for k, v in timer.seconds.items()},
+            **ctx.scorer.take_stats(),  # ray: chunks scored again, env workers replaced, env workers now
         }
         if cfg.kl_coef > 0:
             row.update(kl_coef=kl_coef, measured_kl=measured_kl)

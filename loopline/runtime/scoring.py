@@ -1,4 +1,4 @@
-"""The env role's worker: scores completions with the task verifier on a CPU worker.
+"""The env role's task: score completions with the task verifier, on a CPU worker of the env pool.
 
 Kept apart from roles.py so that an env worker process imports neither torch nor transformers:
 it starts in about a second instead of ten.
@@ -14,8 +14,7 @@ def score_texts(texts: list[str], answers: list[str]) -> list[float]:
     return [exact_match(t, a) for t, a in zip(texts, answers, strict=True)]
 
 
-class ScorerWorker:
-    """A CPU env worker: scores its share of a step's completions."""
-
-    def score(self, texts: list[str], answers: list[str]) -> list[float]:
-        return score_texts(texts, answers)
+def score_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+    """One env pool task: the rewards of a (texts, answers) chunk of a step's completions."""
+    texts, answers = chunk
+    return score_texts(texts, answers)

@@ -14,6 +14,7 @@ from loopline.config import ConfigError, load_config
 from loopline.loops.context import build_context
 from loopline.loops.grpo import collect, minibatch_rows, train_grpo
 from loopline.metrics.logger import read_metrics
+from loopline.runtime.roles import LocalScorer
 
 TINY = [
     "sft.steps=0", "grpo.steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=8",
@@ -24,7 +25,7 @@ TINY = [
 ]  # fmt: skip
 
 
-class DigitScorer:
+class DigitScorer(LocalScorer):  # take_stats, resize: as the local scorer
     """Dense stub reward: the fraction of the completion's characters that are digits."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
@@ -87,7 +88,7 @@ def test_mask_truncated_trains_nothing_when_every_completion_is_cut(tmp_path):
     assert moved == []
 
 
-class AlternatingScorer:
+class AlternatingScorer(LocalScorer):  # take_stats, resize: as the local scorer
     """Scores the first prompt group of every generate call all-equal; the rest vary."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:

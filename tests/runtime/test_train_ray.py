@@ -97,6 +97,8 @@ def test_ray_run_writes_metrics_and_moves_weights(runs: dict[str, Path]) -> None
         for key in ("reward_mean", "loss", "kl", "entropy", "grad_norm", "response_len_mean"):
             assert math.isfinite(row[key]), (step, key)
         assert row["grad_norm"] > 0  # the entropy bonus gives a gradient even with all rewards 0
+        # the env pool's counts: no worker died, both env workers kept
+        assert (row["score_retries"], row["env_workers_replaced"], row["env_workers"]) == (0, 0, 2)
     assert "eval_accuracy" in grpo[3]
     init = load_policy(load_config(overrides=SMALL).model, seed=3)[0].state_dict()
     after_sft, after_grpo = _weights(run, "sft-000004"), _weights(run, "grpo-000003")

@@ -12,6 +12,7 @@ from loopline.config import LoRAConfig, load_config
 from loopline.loops.context import build_context
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
+from loopline.runtime.roles import LocalScorer
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 
 LORA = LoRAConfig(r=4, alpha=8.0)
@@ -60,7 +61,7 @@ TINY = [
 ]  # fmt: skip
 
 
-class DigitScorer:
+class DigitScorer(LocalScorer):  # take_stats, resize: as the local scorer
     """Dense stub reward (the random model never solves the task): the fraction of digits in the text."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:

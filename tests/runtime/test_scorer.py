@@ -1,0 +1,220 @@
+"""The ray backend's scorer: an elastic pool of env worker actors in the env pool's bundles.
+
+One multi-node Ray on this machine for the file: a head with no CPU and an env node {CPU: 1, env_node: 2};
+each test places an env pool of {env_node: 1} bundles (workers ask for no CPU, so only placement keeps them
+off the head). Failures are real SIGKILLs of a worker's process and real hangs; the scores are compared
+with the local scorer's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
+
+import pytest
+import ray
+import ray.cloudpickle
+
+from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
+from loopline.runtime.cluster import local_multinode_cluster
+from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
+from loopline.runtime.roles import LocalScorer, RayScorer, ScoringError
+from loopline.runtime.scoring import score_chunk
+
+# ---------------------------------------------------------------------------------------------------------
+# Chunk scorers run in the workers (pickled by value: workers cannot import this file)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def slow_score_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+    """The verifier after a pause long enough to catch its worker busy."""
+    time.sleep(0.3)
+    return score_chunk(chunk)
+
+
+def held_score_chunk(hold: str, chunk: tuple[list[str], list[str]]) -> list[float]:
+    """The verifier, once the file `hold` is gone (at most 60 s)."""
+    deadline = time.monotonic() + 60
+    while os.path.exists(hold) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return score_chunk(chunk)
+
+
+def hang_once_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+    """Hangs on a text 'hang:PATH' the first time (PATH does not exist yet), or always on 'hang:always'."""
+    for text in chunk[0]:
+        if text == "hang:always":
+            time.sleep(600)
+        if text.startswith("hang:") and not os.path.exists(text[5:]):
+            Path(text[5:]).touch()
+            time.sleep(600)
+    return [0.5 for _ in chunk[0]]
+
+
+def on_node_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+    """1.0 for each text that is the id of the node this worker runs on."""
+    time.sleep(0.3)  # every worker gets a chunk
+    node = ray.get_runtime_context().get_node_id()
+    return [float(text == node) for text in chunk[0]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def env_node() -> Iterator[str]:
+    """The multi-node cluster for this file; yields the env node's id."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    nodes = [{"CPU": 1, "env_node": 2}]
+    with local_multinode_cluster(nodes, head_cpus=0, object_store_mb=100):
+        yield next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "env_node" in n["Resources"])
+
+
+@pytest.fixture
+def env_pool(env_node: str) -> Iterator[Pool]:
+    """Two {env_node: 1} bundles for the env role."""
+    cfg = PlacementConfig(
+        pools=[PoolConfig(name="env", bundles=2, resources={"env_node": 1})], roles={"env": "env"}
+    )
+    pools = place_pools(cfg)
+    yield pools["env"]
+    remove_pools(pools)
+
+
+def _batch(n: int) -> tuple[list[str], list[str]]:
+    """n completions, about a third of them right."""
+    texts = [f"so the answer is {i % 7}" for i in range(n)]
+    answers = [str(i % 3) for i in range(n)]
+    return texts, answers
+
+
+def _ready(scorer: RayScorer, n: int, timeout_s: float = 40.0) -> list[WorkerInfo]:
+    """Wait until the pool has n workers, all started."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        workers = scorer.pool.workers()
+        if len(workers) == n and all(w.pid is not None for w in workers):
+            return workers
+        scorer.score(["0"], ["0"])  # the pool starts and watches its workers while it scores
+    raise AssertionError(f"{n} env workers did not start within {timeout_s:g}s: {scorer.pool.workers()}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tests
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(env_pool: Pool) -> None:
+    texts, answers = _batch(48)
+    scorer = RayScorer(env_pool, workers=2, fn=slow_score_chunk, chunks_per_worker=3)
+    try:
+        before = {w.pid for w in _ready(scorer, 2)}
+        scorer.take_stats()
+        killed: list[int] = []
+
+        def kill_a_busy_worker() -> None:
+            deadline = time.monotonic() + 20
+            while not killed and time.monotonic() < deadline:
+                busy = [w for w in scorer.pool.workers() if w.busy_with is not None and w.pid is not None]
+                if busy:
+                    os.kill(busy[0].pid, signal.SIGKILL)
+                    killed.append(busy[0].pid)
+                time.sleep(0.01)
+
+        killer = threading.Thread(target=kill_a_busy_worker)
+        killer.start()
+        scores = scorer.score(texts, answers)
+        killer.join()
+        stats = scorer.take_stats()
+        after = {w.pid for w in _ready(scorer, 2)}
+    finally:
+        scorer.close()
+    assert len(killed) == 1 and killed[0] in before
+    # one score per completion, in order, the same as in this process: the lost chunk was scored again
+    assert scores.tolist() == LocalScorer().score(texts, answers).tolist()
+    assert stats == {"score_retries": 1.0, "env_workers_replaced": 1.0, "env_workers": 2.0}
+    assert killed[0] not in after and len(after - before) == 1  # the dead worker was replaced
+
+
+def test_hung_chunk_is_retried_on_another_worker_or_fails_naming_the_completions(
+    env_pool: Pool, tmp_path: Path
+) -> None:
+    scorer = RayScorer(env_pool, workers=2, task_timeout_s=3.0, max_attempts=2, fn=hang_once_chunk)
+    try:
+        _ready(scorer, 2)
+        scorer.take_stats()
+        start = time.monotonic()
+        scores = scorer.score(["a", f"hang:{tmp_path / 'hung'}", "b", "c"], ["", "", "", ""])
+        assert time.monotonic() - start < 30
+        assert scores.tolist() == [0.5] * 4
+        assert scorer.take_stats()["score_retries"] == 1.0
+        with pytest.raises(
+            ScoringError, match=r"role 'env' score\(\): completions 2..3 got no score: .*timed out"
+        ):
+            scorer.score(["a", "b", "hang:always", "c"], ["", "", "", ""])
+    finally:
+        scorer.close()
+
+
+def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> None:
+    texts, answers = _batch(60)
+    hold = tmp_path / "hold"
+    scorer = RayScorer(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=10)
+    try:
+        first = {w.name for w in _ready(scorer, 2)}
+        hold.touch()  # the workers' chunks wait: the step is still running when the third worker is up
+        seen: set[str] = set()  # workers seen scoring a chunk
+
+        def resize() -> None:  # from another thread, as `loopline scale` would
+            scorer.resize(3)
+            deadline = time.monotonic() + 50
+            while not seen - first and time.monotonic() < deadline:
+                seen.update(w.name for w in scorer.pool.workers() if w.busy_with is not None)
+                time.sleep(0.01)
+            scorer.resize(1)  # all three are busy: two retire once their chunk is done
+            hold.unlink()
+
+        resizer = threading.Thread(target=resize)
+        resizer.start()
+        scores = scorer.score(texts, answers)  # 20 chunks of 3
+        resizer.join()
+        assert seen - first, "the added worker never took a chunk"
+        assert scores.tolist() == LocalScorer().score(texts, answers).tolist()
+        assert scorer.pool.num_workers == 1 and len(scorer.pool.workers()) == 1
+        assert (
+            scorer.score(texts[:5], answers[:5]).tolist()
+            == LocalScorer().score(texts[:5], answers[:5]).tolist()
+        )
+        assert scorer.take_stats() == {"score_retries": 0.0, "env_workers_replaced": 0.0, "env_workers": 1.0}
+    finally:
+        scorer.close()
+
+
+def test_workers_beyond_the_bundles_still_run_on_the_env_node(env_pool: Pool, env_node: str) -> None:
+    scorer = RayScorer(env_pool, workers=3, fn=on_node_chunk)  # 3 workers in 2 bundles
+    try:
+        _ready(scorer, 3)
+        assert scorer.score([env_node] * 3, [""] * 3).tolist() == [1.0, 1.0, 1.0]
+        scorer.resize(4)
+        _ready(scorer, 4)
+        assert scorer.score([env_node] * 8, [""] * 8).tolist() == [1.0] * 8
+    finally:
+        scorer.close()
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(ValueError, match="runtime.backend=ray"):
+        LocalScorer().resize(2)
+    assert LocalScorer().take_stats() == {}
+    with pytest.raises(ValueError, match="backend 'ray'"):
+        WorkerPool(score_chunk, EnvPoolConfig(backend="local"), RayBundles(None, 1))
