@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,14 +101,14 @@ def write_hf_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], dire
     save_file(tensors, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _copy(value: Any) -> Any:
+def copy_state(value: Any) -> Any:
     """A deep copy of a state tree; tensors are cloned (to CPU memory where they are not there already)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: copy_state(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_copy(v) for v in value)
+        return type(value)(copy_state(v) for v in value)
     return value
 
 
@@ -128,8 +128,10 @@ class ShardWriter:
         group: dist.ProcessGroup | None = None,
         hf: tuple[nn.Module, Mapping[str, torch.Tensor], str] | None = None,
         blocking: bool = True,
+        extra: Sequence[tuple[str | Path, dict[str, Any]]] = (),
     ) -> None:
-        """Write `state` (from shard_state) to `path` with DCP, then `hf` = (model, whole weights, dir) if given.
+        """Write `state` (from shard_state) to `path` with DCP, then `hf` = (model, whole weights, dir) if given,
+        then each (path, state) of `extra` as a DCP checkpoint of its own (e.g. the frozen reference).
 
         blocking=False: copy `state` and the weights now, write them in a thread; wait() for it to end.
         An async save needs `group` to be a process group used by nothing else while it runs (its collectives
@@ -137,17 +139,18 @@ class ShardWriter:
         """
         self.wait(self.timeout_s)  # at most one save in flight
         if blocking:
-            self._write(path, state, group, hf)
+            self._write(path, state, group, hf, extra)
             return
-        staged = _copy(state)
+        staged = copy_state(state)
         staged_hf = None
         if hf is not None:  # unsharded, the whole weights are the model part of `state`: copy them once
-            weights = staged["model"] if hf[1] is state["model"] else _copy(dict(hf[1]))
+            weights = staged["model"] if hf[1] is state["model"] else copy_state(dict(hf[1]))
             staged_hf = (hf[0], weights, hf[2])
+        staged_extra = [(p, copy_state(s)) for p, s in extra]
         self._error = None
         self._thread = threading.Thread(
             target=self._write_catching,
-            args=(path, staged, group, staged_hf),
+            args=(path, staged, group, staged_hf, staged_extra),
             name="checkpoint-writer",
             daemon=True,
         )
@@ -177,12 +180,18 @@ class ShardWriter:
         state: dict[str, Any],
         group: dist.ProcessGroup | None,
         hf: tuple[nn.Module, Mapping[str, torch.Tensor], str] | None,
+        extra: Sequence[tuple[str | Path, dict[str, Any]]] = (),
     ) -> None:
         with _quiet():
             dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
         pause_point(f"save:mid:{Path(path).parent.name.removeprefix('.tmp-')}")  # test hook: a kill half-way
         if hf is not None:
             write_hf_weights(*hf)
+        for extra_path, extra_state in extra:
+            with _quiet():
+                dcp.save(
+                    extra_state, checkpoint_id=str(extra_path), process_group=group, no_dist=group is None
+                )
 
 
 def read_full_state(path: str | Path) -> dict[str, Any]:

@@ -2,10 +2,14 @@
 
 Layout of RUN_DIR/checkpoints/<phase>-<step>/:
   dcp/          model, optimizer and LR schedule: torch.distributed.checkpoint, one shard file per trainer rank
+  reference/    (RL with kl_coef > 0) the frozen reference policy, sharded like dcp/; it never changes within
+                a phase, so after the first save of a process the files are hard links to the previous one's
+  loop.pt       (RL) the loop's own state: KL controller, critic (weights, optimizer, LR schedule), the engines'
+                sampling generators
   model/        config and tokenizer of the policy, and (checkpoint.hf_model) its weights as model.safetensors:
                 a Hugging Face directory; `loopline export` makes one from any checkpoint
   state.json    RunState: phase, step, policy version, sampler position
-  rng.pt        python, numpy and torch RNG states (the local engine samples from torch's)
+  rng.pt        python, numpy and torch RNG states of the driver (the local engine samples from torch's)
   cursors.json  byte lengths of metrics.jsonl and ledger.jsonl when it was taken; a resume cuts them back
   config.yaml   the run's config
 RUN_DIR/checkpoints/latest names the newest whole checkpoint.
@@ -33,7 +37,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loopline.checkpoint.dcp import ShardWriter, read_model_weights, shard_state
+from loopline.checkpoint.dcp import ShardWriter, copy_state, read_model_weights, shard_state
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import LEDGER_FILE
 from loopline.config import CheckpointConfig
@@ -55,11 +59,17 @@ class RunState:
 class CheckpointActor(Protocol):
     """What checkpoints need from the actor role (runtime.roles.Actor): every trainer rank saves its own shards."""
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None: ...
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None: ...
 
     def wait_saved(self, timeout_s: float) -> None: ...
 
     def load_state(self, path: str) -> None: ...
+
+
+LOOP_FILE = "loop.pt"
+REFERENCE_DIR = "reference"
 
 
 def rng_state() -> dict[str, Any]:
@@ -160,6 +170,16 @@ def _commit(root: Path, tmp: Path, name: str, keep_last: int) -> Path:
     return final
 
 
+def _link_tree(src: Path, dst: Path) -> None:
+    """dst as a copy of the flat directory src: hard links where the filesystem allows (no bytes written)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
 def truncate_run_files(run_dir: Path, cursors: dict[str, int]) -> None:
     """Cut each append-only run file back to its length at the checkpoint: rows of later steps go."""
     for name in RUN_FILES:
@@ -190,9 +210,17 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_save_s = 0.0  # wall time the last save() blocked the caller
         self.resumed_from: Path | None = None
+        # the frozen reference of this phase as a whole checkpoint holds it: later saves link its files
+        self._reference: Path | None = None
 
-    def save(self, state: RunState) -> None:
-        """Checkpoint `state` and the actor's model, optimizer and LR schedule: blocking, or in the background."""
+    def save(
+        self, state: RunState, loop_state: dict[str, Any] | None = None, reference: bool = False
+    ) -> None:
+        """Checkpoint `state` and the actor's model, optimizer and LR schedule: blocking, or in the background.
+
+        loop_state: the loop's own state (tensors are copied now), read back by load_loop_state on resume.
+        reference: also the actor's frozen reference (written once per process, then linked from the last save).
+        """
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight
         name = checkpoint_name(state)
@@ -200,21 +228,35 @@ class Checkpointer:
         _write_small_files(tmp, state, self.run_dir)
         model_dir = _write_model_dir(tmp, self.model, self.tokenizer)
         hf_dir = str(model_dir) if self.cfg.hf_model else None
-        self.actor.save_state(str(tmp / "dcp"), hf_dir, blocking=not self.cfg.async_save)
+        write_reference = None
+        if reference and self._reference is not None and self._reference.is_dir():
+            _link_tree(self._reference, tmp / REFERENCE_DIR)
+        elif reference:
+            write_reference = str(tmp / REFERENCE_DIR)
+        self.actor.save_state(
+            str(tmp / "dcp"), hf_dir, blocking=not self.cfg.async_save, reference=write_reference
+        )
+        staged = copy_state(loop_state) if loop_state is not None else None  # as it is now: training goes on
         if self.cfg.async_save:
             self._pending = threading.Thread(
-                target=self._finish, args=(tmp, name), name=f"checkpoint-{name}", daemon=True
+                target=self._finish,
+                args=(tmp, name, staged, reference),
+                name=f"checkpoint-{name}",
+                daemon=True,
             )
             self._pending.start()
         else:
-            self._finish(tmp, name)
+            self._finish(tmp, name, staged, reference)
             self._raise()
         self.last_save_s = time.perf_counter() - t0
 
-    def _finish(self, tmp: Path, name: str) -> None:
+    def _finish(self, tmp: Path, name: str, loop_state: dict[str, Any] | None, reference: bool) -> None:
         try:
+            if loop_state is not None:
+                torch.save(loop_state, tmp / LOOP_FILE)
             self.actor.wait_saved(self.cfg.save_timeout_s)
-            _commit(self.root, tmp, name, self.cfg.keep_last)
+            final = _commit(self.root, tmp, name, self.cfg.keep_last)
+            self._reference = final / REFERENCE_DIR if reference else None
         except BaseException as e:  # raised by the next save() or wait() in the loop's thread
             self._error = e
 
@@ -259,6 +301,7 @@ class Checkpointer:
         set_rng_state(torch.load(path / "rng.pt", weights_only=False))
         truncate_run_files(self.run_dir, json.loads((path / "cursors.json").read_text()))
         self.resumed_from = path
+        self._reference = path / REFERENCE_DIR if (path / REFERENCE_DIR).is_dir() else None
         return state, _trainer_state(path)
 
 
@@ -295,8 +338,22 @@ def load_checkpoint(path: Path, model: PreTrainedModel) -> tuple[RunState, dict[
 
 
 def _trainer_state(path: Path) -> dict[str, Any]:
-    """For Actor.start_phase: the DCP optimizer shards, or trainer.pt when an in-process save_checkpoint wrote it."""
+    """For Actor.start_phase and the loop: {"dcp": the optimizer shards, "reference": the frozen reference's
+    shards, "loop": loop.pt} (the last two where the checkpoint has them), or trainer.pt when an in-process
+    save_checkpoint wrote it."""
     trainer_pt = path / "trainer.pt"
     if trainer_pt.exists():
         return torch.load(trainer_pt, weights_only=False)
-    return {"dcp": str(path / "dcp")}
+    found = {"dcp": str(path / "dcp")}
+    if (path / REFERENCE_DIR).is_dir():
+        found["reference"] = str(path / REFERENCE_DIR)
+    if (path / LOOP_FILE).is_file():
+        found["loop"] = str(path / LOOP_FILE)
+    return found
+
+
+def load_loop_state(trainer_state: dict[str, Any] | None) -> dict[str, Any]:
+    """The loop state a resumed phase's checkpoint holds (Checkpointer.save's loop_state), or {} if none."""
+    if not trainer_state or "loop" not in trainer_state:
+        return {}
+    return torch.load(trainer_state["loop"], weights_only=False)

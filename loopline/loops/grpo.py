@@ -6,12 +6,13 @@ One loop runs the family; the config picks the parts once, up front:
 - grpo.kl_in / kl_controller: KL to the reference as a loss term or a reward penalty; fixed or adaptive.
 - DAPO extras: dynamic sampling (collect), overlong shaping and truncated-completion masking.
 
-Simplified: resuming a run with a reference model, a critic or an adaptive KL coefficient is not
-supported yet (the checkpoint holds the policy only).
+Checkpoints hold, besides the policy, the frozen reference (kl_coef > 0), the KL controller, the critic
+and the engines' sampling generators, so a resumed run continues exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -26,7 +27,7 @@ from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
 from loopline.algorithms.losses import kl_estimate
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import SampleId
-from loopline.checkpoint.state import RunState
+from loopline.checkpoint.state import RunState, load_loop_state
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler, SampleRef
@@ -37,6 +38,7 @@ from loopline.runtime.watchdog import Watchdog
 from loopline.training.critic import CriticTrainer, RewardModelScorer, ScalarModel, ValueBatch
 
 B = TypeVar("B", bound=TokenBatch)
+log = logging.getLogger(__name__)
 
 
 class StageTimer:
@@ -169,6 +171,58 @@ def minibatch_rows(size: int, minibatches: int) -> list[torch.Tensor]:
     return list(order.chunk(minibatches))
 
 
+def _check_resumable(cfg: GRPOConfig, state: RunState, trainer_state: dict | None, loop: dict) -> None:
+    """A resumed phase needs what its settings use from the checkpoint; fail before training on a stand-in."""
+    # "reference" comes with the actor's part of the checkpoint; "critic" and "kl" with the loop's
+    has = set(trainer_state or {}) | set(loop)
+    needed = {
+        "reference": ("frozen reference policy (grpo.kl_coef > 0)", cfg.kl_coef > 0),
+        "critic": ("critic (grpo.advantage=gae)", cfg.advantage == "gae"),
+        "kl": ("adaptive KL controller (grpo.kl_controller=adaptive)", cfg.kl_controller == "adaptive"),
+    }
+    missing = [what for key, (what, need) in needed.items() if need and key not in has]
+    if missing:
+        raise ValueError(
+            f"cannot resume grpo at step {state.step}: the checkpoint has no {' and no '.join(missing)}; it was "
+            "written with other grpo settings (or by an older loopline). Resume with the settings it was "
+            "written with, or start afresh without --resume"
+        )
+
+
+def _restore_loop(
+    ctx: RunContext,
+    state: RunState,
+    loop: dict,
+    kl_control: FixedKLController | AdaptiveKLController,
+    critic: CriticTrainer | None,
+) -> None:
+    """A resumed phase: the KL controller, critic and engine generators as the checkpoint holds them."""
+    if "kl" in loop:
+        kl_control.load_state_dict(loop["kl"])
+    if critic is not None:
+        critic.load_state_dict(loop["critic"])
+    # a different number of engines cannot replay the samples: each engine is seeded from (seed, step, rank)
+    reseed = ctx.cfg.seed + 1 + 1_000_003 * state.step
+    if not ctx.rollout.set_rng_states(loop.get("engine_rng", []), reseed):
+        log.warning(
+            "grpo step %d: the checkpoint's engine sampling states do not fit these engines (another number of "
+            "engines, or another backend): engines reseeded from %d, so this run does not replay the "
+            "uninterrupted one exactly",
+            state.step,
+            reseed,
+        )
+
+
+def _loop_state(
+    ctx: RunContext, kl_control: FixedKLController | AdaptiveKLController, critic: CriticTrainer | None
+) -> dict:
+    """What a checkpoint needs of the loop beyond the policy: KL controller, critic, engine generators."""
+    loop = {"kl": kl_control.state_dict(), "engine_rng": ctx.rollout.rng_states()}
+    if critic is not None:
+        loop["critic"] = critic.state_dict()
+    return loop
+
+
 def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
     """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state."""
     cfg = ctx.cfg.grpo
@@ -176,22 +230,25 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed + 1)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    if (cfg.kl_coef > 0 or cfg.advantage == "gae") and state.step > 0:
-        raise NotImplementedError(
-            "resuming GRPO with kl_coef > 0 or advantage 'gae' needs the reference/critic in the checkpoint"
-        )
-    # The reference policy is the policy as RL starts (after SFT), frozen.
+    loop = load_loop_state(trainer_state) if state.step > 0 else {}
+    if state.step > 0:
+        _check_resumable(cfg, state, trainer_state, loop)
+    # The reference policy is the policy as RL starts (after SFT), frozen (a resumed run reads it back).
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
     estimate = ESTIMATORS[cfg.advantage]
-    reward = reward_function(ctx)
-    kl_control = _kl_controller(cfg)
     updates = cfg.steps * cfg.epochs_per_step * cfg.minibatches
-    # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
-    critic = (
-        CriticTrainer(ScalarModel.from_policy(ctx.model), ctx.cfg.critic, updates)
-        if cfg.advantage == "gae"
-        else None
-    )
+    # Building the parts must not move the RNG: a resumed run builds them at a later point of its stream.
+    with torch.random.fork_rng(devices=[]):
+        reward = reward_function(ctx)
+        # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
+        critic = (
+            CriticTrainer(ScalarModel.from_policy(ctx.model), ctx.cfg.critic, updates)
+            if cfg.advantage == "gae"
+            else None
+        )
+    kl_control = _kl_controller(cfg)
+    if state.step > 0:
+        _restore_loop(ctx, state, loop, kl_control, critic)
     # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
     need_old = cfg.epochs_per_step * cfg.minibatches > 1 or cfg.kl_in == "reward"
     sync_engine(ctx, version=state.step)
@@ -294,7 +351,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
         pause_point(f"step:grpo:{state.step}")  # test hook: a kill between a step's row and its checkpoint
         if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):
-                ctx.checkpoints.save(state)
+                ctx.checkpoints.save(state, _loop_state(ctx, kl_control, critic), reference=cfg.kl_coef > 0)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
     bar.close()

@@ -93,12 +93,22 @@ def _cache_of(out: object) -> object:
 
 
 class TorchEngine:
-    """Batched sampling with a KV cache on any HF causal LM; runs wherever the model lives."""
+    """Batched sampling with a KV cache on any HF causal LM; runs wherever the model lives.
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    Sampling draws from the engine's own generator when built with `seed` (its state is part of a
+    checkpoint: rng_state/set_rng_state), else from the process's torch RNG; params.seed overrides both.
+    """
+
+    def __init__(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int | None = None
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.version = 0
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            device = next(model.parameters()).device
+            self.generator = torch.Generator(device=device).manual_seed(seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # transformers 5.x renamed `past_key_values` to `cache`; accept either release line
         self._cache_arg = (
@@ -115,6 +125,26 @@ class TorchEngine:
                 params[name].copy_(tensor)
         self.version = version
 
+    def rng_state(self) -> torch.Tensor | None:
+        """The sampling generator's state (a copy), or None when the engine samples from the process's RNG."""
+        return None if self.generator is None else self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Continue sampling from `state` (from rng_state)."""
+        if self.generator is None:
+            raise ValueError(
+                "this engine samples from the process's torch RNG: it has no generator to restore"
+            )
+        self.generator.set_state(state)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the sampling generator from `seed`."""
+        if self.generator is None:
+            raise ValueError(
+                "this engine samples from the process's torch RNG: it has no generator to reseed"
+            )
+        self.generator.manual_seed(seed)
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
         """n completions per prompt; prompts are token ids (no padding)."""
@@ -123,7 +153,7 @@ class TorchEngine:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
-        gen = None
+        gen = self.generator
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
 

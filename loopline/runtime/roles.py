@@ -14,11 +14,12 @@ torch.distributed world, and each step runs the planned transfer of runtime.weig
 rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers the model.
 Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
 (`save_state`) into the checkpoint directory (a filesystem all ranks and the driver share), and reads them
-back (`load_state`) into however many ranks the resumed run has: DCP reshards.
+back (`load_state`) into however many ranks the resumed run has: DCP reshards. The frozen reference is
+sharded like the policy and saved and resharded the same way. Each engine samples from its own generator
+(seeded per engine rank); the loop checkpoints the generators' states (`rng_states`) and restores them,
+so a resumed ray run repeats the uninterrupted one bit for bit, as the local backend does.
 
-Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine does not yet); the
-engines' sampling RNG is seeded per engine but not checkpointed, so a resumed ray run continues with
-new samples rather than repeating the uninterrupted run bit for bit (the local backend does).
+Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine does not yet).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class Actor(Protocol):
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
     ) -> None:
-        """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked."""
+        """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked:
+        the policy as it is, or the reference saved in the checkpoint (trainer_state["reference"], a DCP dir)."""
         ...
 
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
@@ -77,9 +79,12 @@ class Actor(Protocol):
         """Set the policy's weights (e.g. from a checkpoint)."""
         ...
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None:
         """Every rank writes its model, optimizer and LR-schedule shards to `path` (DCP); with hf_dir also the
-        whole weights as hf_dir/model.safetensors. blocking=False: copied now, written in the background."""
+        whole weights as hf_dir/model.safetensors; with `reference` the frozen reference's shards there (DCP).
+        blocking=False: copied now, written in the background."""
         ...
 
     def wait_saved(self, timeout_s: float) -> None:
@@ -97,6 +102,15 @@ class Rollout(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]: ...
 
     def update_weights(self, actor: Actor, version: int) -> None: ...
+
+    def rng_states(self) -> list[torch.Tensor | None]:
+        """Each engine's sampling generator state (None: the engine samples from this process's RNG)."""
+        ...
+
+    def set_rng_states(self, states: list[torch.Tensor | None], reseed: int) -> bool:
+        """Restore rng_states(); True when restored exactly, False when they do not fit these engines (then each
+        generator is seeded from `reseed` and the engine rank instead)."""
+        ...
 
 
 class Scorer(Protocol):
@@ -156,8 +170,10 @@ class LocalActor:
         self.trainer = PolicyTrainer(self.model, optim, total_steps)
         if trainer_state:
             restore_trainer(self.trainer, trainer_state, group=None)
-        # The reference policy is the policy as the phase starts (after SFT), frozen.
+        # The reference policy is the policy as the phase starts (after SFT), frozen; a resumed phase reads it back.
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if reference else None
+        if self.reference is not None and trainer_state and "reference" in trainer_state:
+            load_shards(trainer_state["reference"], self.reference)
 
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
         return _logprobs(self.reference if reference else self.model, batch)
@@ -174,12 +190,15 @@ class LocalActor:
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         self.model.load_state_dict(dict(weights))
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None:
         state = shard_state(self.model, self.trainer)
         # unsharded, the model part is the whole weights; with LoRA the HF weights have the adapters folded in
         weights = merged_state_dict(self.model) if has_lora(self.model) else state["model"]
         hf = (self.model, weights, hf_dir) if hf_dir else None
-        self.writer.save(path, state, group=None, hf=hf, blocking=blocking)
+        extra = [(reference, shard_state(_frozen(self.reference), None))] if reference else []
+        self.writer.save(path, state, group=None, hf=hf, blocking=blocking, extra=extra)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.writer.wait(timeout_s)
@@ -202,6 +221,12 @@ class LocalRollout:
             raise TypeError(f"a local rollout takes weights from a local actor, not {type(actor).__name__}")
         self.engine.update_weights(merged_state_dict(actor.model), version)  # = state_dict() without LoRA
 
+    def rng_states(self) -> list[torch.Tensor | None]:
+        return [self.engine.rng_state()]
+
+    def set_rng_states(self, states: list[torch.Tensor | None], reseed: int) -> bool:
+        return _restore_engine_rng(self.engine, states, 0, 1, reseed)
+
 
 class LocalScorer:
     """The exact-match verifier in this process."""
@@ -223,6 +248,27 @@ def _logprobs(model: PreTrainedModel | None, batch: TokenBatch) -> torch.Tensor:
         raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
     with torch.no_grad():
         return response_logprobs(model, batch)[0]
+
+
+def _frozen(reference: PreTrainedModel | None) -> PreTrainedModel:
+    if reference is None:
+        raise RuntimeError("asked to save the reference policy, but the phase was started without one")
+    return reference
+
+
+def _restore_engine_rng(
+    engine: TorchEngine, states: list[torch.Tensor | None], rank: int, engines: int, reseed: int
+) -> bool:
+    """Engine `rank` of `engines`: its generator from states[rank] when the saved run had as many engines and
+    both sample alike (own generator, or the process's RNG); otherwise seeded from reseed + rank. True if exact."""
+    mine = engine.rng_state()
+    if len(states) == engines and (states[rank] is None) == (mine is None):
+        if mine is not None:
+            engine.set_rng_state(states[rank])
+        return True
+    if mine is not None:
+        engine.reseed(reseed + rank)
+    return False
 
 
 def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
@@ -308,6 +354,8 @@ class ActorWorker:
             frozen = shard_model(load_policy(self.cfg.model, seed=self.cfg.seed)[0].to(_device()), self.mesh)
             set_model_state_dict(frozen, get_model_state_dict(self.model))
             self.reference = frozen.eval().requires_grad_(False)
+            if trainer_state and "reference" in trainer_state:  # a resumed phase: its reference, resharded
+                load_shards(trainer_state["reference"], self.reference, group=self.checkpoint_group)
 
     def logprobs(self, batch: TokenBatch, reference: bool) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
@@ -339,14 +387,16 @@ class ActorWorker:
 
         load_full_model_state(self.model, weights)
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
-        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (gathered from all)."""
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool, reference: str | None = None) -> None:
+        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (gathered from all); with
+        `reference`, this rank's shards of the frozen reference there."""
         from loopline.training.parallel import full_model_state
 
         weights = full_model_state(self.model) if hf_dir else {}  # a collective: every rank takes part
         hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
         state = shard_state(self.model, self.trainer)
-        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
+        extra = [(reference, shard_state(_frozen(self.reference), None))] if reference else []
+        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking, extra=extra)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.writer.wait(timeout_s)
@@ -362,9 +412,9 @@ class EngineWorker:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rank = int(os.environ["RANK"])
-        # each engine samples from its own stream, the same for the same seed
+        # each engine samples from its own generator, the same for the same seed (checkpointed: rng_state)
         model, tokenizer = _seeded_model(cfg, rng_offset=1 + self.rank)
-        self.engine = TorchEngine(model, tokenizer)
+        self.engine = TorchEngine(model, tokenizer, seed=cfg.seed + 1 + self.rank)
         self.plan: Any = None  # the weight-sync TransferPlan, once joined
 
     def join(self, init_method: str, world_size: int, trainer_ranks: int) -> None:
@@ -391,6 +441,14 @@ class EngineWorker:
 
         sync_weights(self.plan, None, engine_tensors(self.engine.model))
         self.engine.version = version
+
+    def rng_state(self) -> torch.Tensor | None:
+        """This engine's sampling generator state."""
+        return self.engine.rng_state()
+
+    def set_rng_state(self, states: list[torch.Tensor | None], engines: int, reseed: int) -> bool:
+        """This engine's generator from states[rank], or seeded from reseed + rank when they do not fit."""
+        return _restore_engine_rng(self.engine, states, self.rank, engines, reseed)
 
 
 # =========================================================================================================
@@ -450,8 +508,10 @@ class RayActor:
 
         self.group.call("load_weights", ray.put(dict(weights)))
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool = True) -> None:
-        self.group.call("save_state", path, hf_dir, blocking)
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None:
+        self.group.call("save_state", path, hf_dir, blocking, reference)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.group.call("wait_saved", timeout_s, timeout_s=timeout_s + 30.0)
@@ -484,6 +544,16 @@ class RayRollout:
         receives = self.group.call_async("receive_weights", version)
         actor.group.wait(sends)
         self.group.wait(receives)
+
+    def rng_states(self) -> list[torch.Tensor | None]:
+        return self.group.call("rng_state")
+
+    def set_rng_states(self, states: list[torch.Tensor | None], reseed: int) -> bool:
+        return all(self.group.call("set_rng_state", states, self.group.world_size, reseed))
+
+    # -----------------------------------------------------------------------------------------------------
+    # Elastic engines
+    # -----------------------------------------------------------------------------------------------------
 
 
 class ScoringError(WorkerError):

@@ -95,6 +95,20 @@ class CriticTrainer:
         self.cfg = cfg
         self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, total_steps)
 
+    def state_dict(self) -> dict:
+        """Weights, optimizer state and LR schedule: what a checkpoint needs to continue the critic exactly."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a state_dict() of a critic of the same shape."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
     def values(self, batch: TokenBatch) -> torch.Tensor:
         """Values (B, C) of the response positions, without gradients."""
         self.model.eval()
