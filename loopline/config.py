@@ -365,6 +365,13 @@ class RuntimeConfig(Section):
         description="When a call on a worker group fails (ray: a rank died, or a collective broke with it), "
         "restart the roles from the last checkpoint, at most this many times.",
     )
+    max_engine_replacements: int = Field(
+        3,
+        ge=0,
+        description="Rollout engines whose actor dies (ray) are replaced in their bundle, synced to the current "
+        "weights and their prompts issued again, at most this many times in a run; then the death is an error "
+        "(and max_restarts applies).",
+    )
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig, description="Which Ray: a local one or an address."
     )

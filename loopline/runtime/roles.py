@@ -4,14 +4,18 @@
   of `ActorWorker`s, FSDP2 ranks that each hold their shards, the optimizer state of those shards and a
   PolicyTrainer; every call splits the batch into equal row slices, one per rank.
 - `Rollout`, the generation engines. local: a TorchEngine with its own copy of the weights. ray: a
-  WorkerGroup of `EngineWorker`s (a whole model each); the prompts are split across them.
+  WorkerGroup of `EngineWorker`s (a whole model each); the prompts are split across them. An engine whose
+  actor dies is replaced in its bundle, synced, and its prompts issued again; `resize` adds or removes engines.
 - `Scorer`, the task verifier. local: in this process. ray: an elastic env pool (envs.pool.WorkerPool) of
   CPU worker actors in the env pool's bundles, scoring chunks of the completions; a worker that dies or hangs
   is replaced and its chunk retried on another (bounded), and `resize` changes the workers, also mid-step.
 
-Weight sync on ray: the trainer ranks (global ranks 0..n-1) and the engines (n..n+m-1) form one
-torch.distributed world, and each step runs the planned transfer of runtime.weight_sync: every trainer
-rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers the model.
+Weight sync on ray: the trainer ranks form a torch.distributed world of their own (FSDP2, checkpoints); the
+sync runs over a separate gloo group (weight_sync.SyncGroup) of the trainer ranks (ranks 0..n-1) and the
+current engines (n..n+m-1), rebuilt as a new generation whenever the engines change, so engines can die,
+join or leave while the trainer ranks run on. Each step runs the planned transfer of runtime.weight_sync:
+every trainer rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers
+the model.
 Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
 (`save_state`) into the checkpoint directory (a filesystem all ranks and the driver share), and reads them
 back (`load_state`) into however many ranks the resumed run has: DCP reshards. The frozen reference is
@@ -28,6 +32,7 @@ import copy
 import datetime
 import math
 import os
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -43,7 +48,7 @@ from loopline.models import load_policy
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.placement import PoolConfig
 from loopline.runtime.scoring import score_chunk, score_texts
-from loopline.runtime.workers import WorkerError, WorkerGroup
+from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
 
@@ -302,6 +307,27 @@ def _seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, Pre
     return model.to(_device()), tokenizer
 
 
+def _node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback-only local cluster)."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def _sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int, ...]) -> Any:
+    """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one."""
+    from loopline.runtime.weight_sync import engines_plan, param_specs
+
+    targets = tuple(targets)
+    if (
+        plan is not None
+        and plan.trainer == layout
+        and tuple(plan.dst_ranks.reshape(-1)) == tuple(layout.size + i for i in targets)
+    ):
+        return plan
+    return engines_plan(param_specs(model), layout, targets)
+
+
 class ActorWorker:
     """One FSDP2 rank of the policy trainer: its shards, their optimizer state, a PolicyTrainer."""
 
@@ -310,7 +336,9 @@ class ActorWorker:
         self.rank, self.ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.model, _ = _seeded_model(cfg, rng_offset=0)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined
-        self.plan: Any = None  # the weight-sync TransferPlan, once joined
+        self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
+        self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
+        self.plan: Any = None  # the weight-sync TransferPlan of the last sync
         self.trainer: PolicyTrainer | None = None
         self.reference: PreTrainedModel | None = None
         self.writer = ShardWriter()
@@ -320,23 +348,37 @@ class ActorWorker:
         """Address of the world's TCP store: rank 0's node and a port that was free there (WorkerGroup)."""
         return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
 
-    def join(self, init_method: str, world_size: int, engines: int) -> None:
-        """Join the world as global rank RANK, shard the model over the trainer ranks, plan the weight sync."""
-        from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
-        from loopline.runtime.weight_sync import param_specs
+    def join(self, init_method: str) -> tuple[tuple[str, int], Any] | None:
+        """Join the trainer's world (the trainer ranks only) as rank RANK and shard the model over it. Rank 0 also
+        hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
+        from loopline.runtime.resharding import TrainerLayout
+        from loopline.runtime.weight_sync import SyncGroup
         from loopline.training.parallel import init_distributed, shard_model, trainer_mesh
 
-        device = init_distributed(init_method, self.rank, world_size, self.cfg.runtime.call_timeout_s)
+        timeout_s = self.cfg.runtime.call_timeout_s
+        device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
         self.mesh = trainer_mesh(self.ranks, device.type)
         self.model = shard_model(self.model, self.mesh)
-        self.plan = plan_transfers(param_specs(self.model), TrainerLayout(self.ranks), EngineLayout(engines))
+        self.layout = TrainerLayout(self.ranks)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
         self.checkpoint_group = torch.distributed.new_group(
             list(range(self.ranks)),
             backend="gloo",
-            timeout=datetime.timedelta(seconds=self.cfg.runtime.call_timeout_s),
+            timeout=datetime.timedelta(seconds=timeout_s),
             use_local_synchronization=True,
         )
+        if self.rank != 0:
+            return None
+        self.sync = SyncGroup.serve(_node_address(), timeout_s)
+        return self.sync.address, self.layout
+
+    def open_sync(self, address: tuple[str, int], generation: int, engines: int) -> None:
+        """Open generation `generation` of the weight-sync group: these trainer ranks and `engines` engines."""
+        from loopline.runtime.weight_sync import SyncGroup
+
+        if self.sync is None:
+            self.sync = SyncGroup.connect(address, _node_address(), self.cfg.runtime.call_timeout_s)
+        self.sync.open(generation, self.rank, self.ranks + engines)
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool
@@ -367,11 +409,12 @@ class ActorWorker:
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
         return _started(self.trainer).grpo_step(_to(batch, _device()), cfg, None)
 
-    def send_weights(self) -> None:
-        """This rank's part of the planned weight sync: its shards straight to the engines that need them."""
-        from loopline.runtime.weight_sync import local_shards, sync_weights
+    def send_weights(self, targets: tuple[int, ...]) -> None:
+        """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
+        from loopline.runtime.weight_sync import local_shards
 
-        sync_weights(self.plan, local_shards(self.model), None)
+        self.plan = _sync_plan(self.plan, self.model, self.layout, targets)
+        self.sync.sync(self.plan, local_shards(self.model), None)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
         """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part."""
@@ -415,32 +458,34 @@ class EngineWorker:
         # each engine samples from its own generator, the same for the same seed (checkpointed: rng_state)
         model, tokenizer = _seeded_model(cfg, rng_offset=1 + self.rank)
         self.engine = TorchEngine(model, tokenizer, seed=cfg.seed + 1 + self.rank)
-        self.plan: Any = None  # the weight-sync TransferPlan, once joined
+        self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
+        self.layout: Any = None  # the trainer's TrainerLayout, from the driver
+        self.plan: Any = None  # the weight-sync TransferPlan of the last sync
 
-    def join(self, init_method: str, world_size: int, trainer_ranks: int) -> None:
-        """Join the world after the trainer ranks; plan the weight sync as the trainer ranks do."""
-        from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
-        from loopline.runtime.weight_sync import param_specs
-        from loopline.training.parallel import init_distributed, trainer_mesh
+    def open_sync(self, address: tuple[str, int], generation: int, trainer: Any, engines: int) -> None:
+        """Open generation `generation` of the weight-sync group as its rank trainer.size + RANK (the trainer's
+        ranks come first), `engines` engines in all; `trainer` is the TrainerLayout the trainer ranks plan with."""
+        from loopline.runtime.weight_sync import SyncGroup
 
-        device = init_distributed(
-            init_method, trainer_ranks + self.rank, world_size, self.cfg.runtime.call_timeout_s
-        )
-        trainer_mesh(
-            trainer_ranks, device.type
-        )  # making the trainer's group is a collective of the whole world
-        engines = EngineLayout(world_size - trainer_ranks)
-        self.plan = plan_transfers(param_specs(self.engine.model), TrainerLayout(trainer_ranks), engines)
+        if self.sync is None:
+            self.sync = SyncGroup.connect(address, _node_address(), self.cfg.runtime.call_timeout_s)
+        self.layout = trainer
+        self.sync.open(generation, trainer.size + self.rank, trainer.size + engines)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Completion]:
         return self.engine.generate(prompts, params, n) if prompts else []
 
-    def receive_weights(self, version: int) -> None:
-        """This engine's part of the planned weight sync: its tensors are written in place."""
-        from loopline.runtime.weight_sync import engine_tensors, sync_weights
+    def receive_weights(self, version: int, targets: tuple[int, ...]) -> None:
+        """This engine's part of the planned weight sync into engines `targets`: its tensors are written in place."""
+        from loopline.runtime.weight_sync import engine_tensors
 
-        sync_weights(self.plan, None, engine_tensors(self.engine.model))
+        self.plan = _sync_plan(self.plan, self.engine.model, self.layout, targets)
+        self.sync.sync(self.plan, None, engine_tensors(self.engine.model))
         self.engine.version = version
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This engine's whole weights (for checks: the sync delivered the trainer's bytes)."""
+        return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
 
     def rng_state(self) -> torch.Tensor | None:
         """This engine's sampling generator state."""
@@ -521,29 +566,75 @@ class RayActor:
 
 
 class RayRollout:
-    """Rollout engines as a WorkerGroup of EngineWorkers; each generates for its share of the prompts."""
+    """Rollout engines as a WorkerGroup of EngineWorkers; each generates for its share of the prompts.
 
-    def __init__(self, group: WorkerGroup) -> None:
-        self.group = group
+    The weight sync runs over a SyncGroup of the trainer ranks and the current engines, apart from the
+    trainer's own world, so the engines can change while the trainer ranks keep running:
+    - an engine whose actor dies (in generate or in a sync) is replaced by a new actor in its bundle, the
+      sync group is rebuilt (its next generation), the current weights are synced into the new engine (same
+      version) and its prompts issued again; at most `max_replacements` times, then the death is raised;
+    - `resize` adds engines (free bundles of the rollout pool first, then a placement group of one bundle
+      each, if the cluster has room) or removes the last ones, between steps.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        trainer: WorkerGroup,
+        pool: Pool,
+        address: tuple[str, int],
+        layout: Any,
+        max_replacements: int = 3,
+    ) -> None:
+        """group: the engines; trainer: the actor's ranks; pool: the rollout pool; address: the sync store (served
+        by trainer rank 0); layout: the trainer's TrainerLayout; max_replacements: engine deaths survived."""
+        self.group, self.trainer, self.pool = group, trainer, pool
+        self.address, self.layout = address, layout
+        self.max_replacements = max_replacements
+        self.replacements = 0  # engines replaced so far
+        self.version: int | None = (
+            None  # policy version of the last sync (None: engines hold the initial weights)
+        )
+        self.generation = 0  # of the sync group
+        self._own: dict[
+            int, Pool
+        ] = {}  # id(pool) -> a placement group of one bundle holding one added engine
+        self._open_sync()
+
+    # -----------------------------------------------------------------------------------------------------
+    # The Rollout interface
+    # -----------------------------------------------------------------------------------------------------
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
         chunks = _chunks(prompts, self.group.world_size)
-        per_engine = self.group.call_each("generate", [(chunk, params, n) for _, chunk in chunks])
+        done: dict[int, list[Completion]] = {}
+        todo = list(range(len(chunks)))
+        while todo:  # a dead engine's prompts go again to its replacement; the others' results are kept
+            futures = [self.group.submit(r, "generate", chunks[r][1], params, n) for r in todo]
+            died = []
+            for r, outcome in zip(todo, self.group.settle(futures)):
+                if isinstance(outcome, WorkerDiedError):
+                    died.append(r)
+                elif isinstance(outcome, WorkerError):
+                    raise outcome
+                else:
+                    done[r] = outcome
+            if died:
+                self._replace(died, "generate")
+                self._sync(self.version, tuple(died))  # the weights the others generate with
+            todo = died
         out = []
-        for (offset, _), completions in zip(chunks, per_engine):
-            for c in completions:
+        for r, (offset, _) in enumerate(chunks):
+            for c in done[r]:
                 c.prompt_index += offset  # an engine numbers its own prompts from 0
                 out.append(c)
         return out
 
     def update_weights(self, actor: Actor, version: int) -> None:
-        """Planned sync: trainer ranks send, engines receive, all at once (one torch.distributed world)."""
-        if not isinstance(actor, RayActor):
-            raise TypeError(f"ray engines take weights from a ray actor, not {type(actor).__name__}")
-        sends = actor.group.call_async("send_weights")
-        receives = self.group.call_async("receive_weights", version)
-        actor.group.wait(sends)
-        self.group.wait(receives)
+        """Planned sync: trainer ranks send, every engine receives, over the sync group."""
+        if not isinstance(actor, RayActor) or actor.group is not self.trainer:
+            raise TypeError(f"ray engines take weights from the run's ray actor, not {type(actor).__name__}")
+        self._sync(version, tuple(range(self.group.world_size)))
 
     def rng_states(self) -> list[torch.Tensor | None]:
         return self.group.call("rng_state")
@@ -554,6 +645,131 @@ class RayRollout:
     # -----------------------------------------------------------------------------------------------------
     # Elastic engines
     # -----------------------------------------------------------------------------------------------------
+
+    @property
+    def engines(self) -> int:
+        """Engines running now."""
+        return self.group.world_size
+
+    def resize(self, engines: int) -> None:
+        """Run `engines` engines from now on (between steps): start new ones, synced to the current weights, or
+        stop the last ones. Raises PlacementError, naming the shortfall, when the cluster has no room for more."""
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        before = self.group.world_size
+        if engines == before:
+            return
+        if engines > before:
+            places = self._free_places(engines - before)
+            try:
+                self.group.add_ranks(places)
+            except BaseException:
+                self._release([p for p, _ in places])
+                raise
+        else:
+            self._release([p for p, _ in self.group.remove_ranks(engines)])
+        self._open_sync()
+        self._sync(self.version, tuple(range(before, engines)))
+
+    def close(self) -> None:
+        """Release the placement groups of engines added beyond the rollout pool (the caller stops the group)."""
+        from loopline.runtime.placement import remove_pools
+
+        if self._own:
+            remove_pools({str(k): p for k, p in self._own.items()})
+            self._own.clear()
+
+    # -----------------------------------------------------------------------------------------------------
+    # Plumbing: the sync group, replacing dead engines, finding room for new ones
+    # -----------------------------------------------------------------------------------------------------
+
+    def _open_sync(self) -> None:
+        """Every trainer rank and engine opens the next generation of the sync group (the old one is dropped)."""
+        self.generation += 1
+        engines = self.group.world_size
+        opens = self.trainer.call_async("open_sync", self.address, self.generation, engines)
+        engine_opens = self.group.call_async("open_sync", self.address, self.generation, self.layout, engines)
+        self.group.wait(engine_opens)
+        self.trainer.wait(opens)
+
+    def _sync(self, version: int | None, targets: tuple[int, ...]) -> None:
+        """Sync the trainer's weights into engines `targets` as `version`; an engine that dies meanwhile is
+        replaced and then every engine synced again (the others may hold part of the new weights)."""
+        if version is None or not targets:
+            return  # before the first sync every engine, a new one too, holds the initial weights
+        while True:
+            sends = self.trainer.call_async("send_weights", targets)
+            receives = [self.group.submit(i, "receive_weights", version, targets) for i in targets]
+            received = self.group.settle(
+                receives
+            )  # the first: a failed rank closes its group, and the rest fail
+            sent = self.trainer.settle(sends)
+            died = [f.rank for f, o in zip(receives, received) if isinstance(o, WorkerDiedError)]
+            trainer_died = [o for o in sent if isinstance(o, WorkerDiedError)]
+            if trainer_died or not died:  # a failure that is not an engine's death is the run's
+                for outcome in [*trainer_died, *sent, *received]:
+                    if isinstance(outcome, WorkerError):
+                        raise outcome
+                break
+            self._replace(died, "receive_weights")
+            targets = tuple(range(self.group.world_size))
+        self.version = version
+
+    def _replace(self, ranks: list[int], method: str) -> None:
+        """New actors for the dead engines `ranks`, in their bundles, and a new sync group (no sync here)."""
+        start = time.perf_counter()
+        for rank in ranks:
+            if self.replacements >= self.max_replacements:
+                raise WorkerDiedError(
+                    "rollout",
+                    rank,
+                    method,
+                    f"the engine's actor died, and all runtime.max_engine_replacements={self.max_replacements} "
+                    "engine replacements of this run are used up",
+                )
+            self.replacements += 1
+            self.group.restart_rank(rank)
+        self._open_sync()
+        print(
+            f"rollout engine(s) {ranks} died in {method}(): replaced in {time.perf_counter() - start:.1f}s "
+            f"(sync group generation {self.generation}; {self.replacements} of {self.max_replacements} "
+            "replacements used)",
+            flush=True,
+        )
+
+    def _free_places(self, count: int) -> list[tuple[Pool, int]]:
+        """(pool, bundle) for `count` more engines: free bundles of the rollout pool, then new one-bundle pools."""
+        from loopline.runtime.placement import PlacementConfig, PlacementError, PoolConfig, place_pools
+
+        used = {b for p, b in self.group.places() if p is self.pool}
+        places = [(self.pool, b) for b in range(self.pool.num_bundles) if b not in used][:count]
+        share = {k: v for k, v in self.pool.rank_resources().items() if v > 0}  # what one engine takes
+        try:
+            while len(places) < count:
+                name = f"rollout-added-{self.generation}-{len(places)}"
+                conf = PlacementConfig(
+                    pools=[PoolConfig(name=name, bundles=1, resources=share)], roles={"rollout": name}
+                )
+                pool = place_pools(conf)["rollout"]
+                self._own[id(pool)] = pool
+                places.append((pool, 0))
+        except PlacementError as e:
+            room = len(places)
+            self._release([p for p, _ in places])
+            raise PlacementError(
+                f"cannot run {self.group.world_size + count} rollout engines ({count} more): the rollout pool "
+                f"'{self.pool.name}' has {self.pool.num_bundles} bundle(s), and the cluster has room for only "
+                f"{room} more engine(s) of {share}; {e}"
+            ) from e
+        return places
+
+    def _release(self, pools: list[Pool]) -> None:
+        """Remove the one-bundle placement groups among `pools` (bundles of the rollout pool stay reserved)."""
+        from loopline.runtime.placement import remove_pools
+
+        own = {str(id(p)): p for p in pools if self._own.pop(id(p), None) is not None}
+        if own:
+            remove_pools(own)
 
 
 class ScoringError(WorkerError):
@@ -661,7 +877,7 @@ def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> Cluste
 
 
 def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
-    """Start or join Ray, place the pools, start the three worker groups and wire the weight-sync world."""
+    """Start or join Ray, place the pools, start the worker groups, the trainer's world and the sync group."""
     import ray
 
     from loopline.runtime.cluster import start_ray
@@ -673,10 +889,13 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     groups: list[WorkerGroup] = []
     pools: dict[str, Pool] = {}
     scorer: RayScorer | None = None
+    rollout: RayRollout | None = None
 
     def shutdown() -> None:
         if scorer is not None:
             scorer.close()
+        if rollout is not None:
+            rollout.close()
         for group in groups:
             group.shutdown()
         if pools:
@@ -700,14 +919,11 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             ]
         groups.extend(f.result() for f in starting if f.exception() is None)
         trainer, engines = (f.result() for f in starting)  # raises the first failure
-        # One torch.distributed world for the weight sync: trainer ranks 0..n-1, then the engines.
-        init = trainer.call("rendezvous")[0]
-        world = rt.trainer_ranks + rt.engines
-        joins = trainer.call_async("join", init, world, rt.engines)
-        engine_joins = engines.call_async("join", init, world, rt.trainer_ranks)
-        trainer.wait(joins)
-        engines.wait(engine_joins)
+        # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
+        # over the trainer ranks and the engines (RayRollout opens it), so the engines can change.
+        address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
+        rollout = RayRollout(engines, trainer, pools["rollout"], address, layout, rt.max_engine_replacements)
     except BaseException:
         shutdown()
         raise
-    return Roles(RayActor(trainer, model), RayRollout(engines), scorer, shutdown)
+    return Roles(RayActor(trainer, model), rollout, scorer, shutdown)

@@ -9,12 +9,18 @@ Three ways to run one, all driven by the same `TransferPlan`:
 - `sync_weights_naive`: the baseline: gather the full model on trainer rank 0, broadcast it.
 
 Every rank of the world calls `sync_weights` / `sync_weights_naive` with the same plan; plan
-ranks are global ranks. Nothing is negotiated at run time: each rank derives what to send and
-receive from the plan, in the same order as its peers.
+ranks are global ranks (or ranks of the `group` passed). Nothing is negotiated at run time: each
+rank derives what to send and receive from the plan, in the same order as its peers.
+
+`SyncGroup` is the communicator of the ray backend: a gloo group over the trainer ranks and the
+current engines, apart from the trainer's own world (FSDP2, checkpoints), rebuilt as a new
+generation whenever the engines change, so an engine can die, join or leave without touching it.
 """
 
 from __future__ import annotations
 
+import datetime
+import gc
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +30,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loopline.runtime.resharding import ParamSpec, Transfer, TransferPlan, box_numel
+from loopline.runtime.resharding import (
+    EngineLayout,
+    ParamSpec,
+    TrainerLayout,
+    Transfer,
+    TransferPlan,
+    box_numel,
+    plan_transfers,
+)
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 _ALIGN = 16  # packed regions start on 16-byte boundaries so a byte buffer can be viewed as any dtype
@@ -114,16 +128,17 @@ def sync_weights(
     src_shards: Mapping[str, torch.Tensor] | None,
     dst_tensors: Mapping[str, torch.Tensor] | None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    group: dist.ProcessGroup | None = None,
 ) -> SyncStats:
     """Send this rank's trainer shards to the engine ranks that need them and fill its engine tensors.
 
-    Call on every rank of the world. `src_shards` is required on trainer ranks (from `local_shards`),
+    Call on every rank of the world (or of `group`, whose ranks the plan's ranks are; None = the default world). `src_shards` is required on trainer ranks (from `local_shards`),
     `dst_tensors` on engine ranks; a colocated rank passes both and copies its own part in place.
     Parameters go in buckets of at most `bucket_bytes` (full size; a bigger parameter is its own
     bucket): per bucket each trainer rank packs one buffer per engine TP rank (the same bytes go to
     that TP rank of every engine) and each engine rank one buffer per trainer rank it hears from.
     """
-    rank = dist.get_rank()
+    rank = dist.get_rank() if group is None else group.rank()
     _check_roles(plan, rank, src_shards, dst_tensors)
     src, dst = src_shards or {}, dst_tensors or {}
     stats = SyncStats()
@@ -146,7 +161,7 @@ def sync_weights(
                 if j not in packed:
                     packed[j] = _pack(ts, src)
                     live += packed[j].numel()
-                requests.append(dist.isend(packed[j], dst=peer, tag=tag))
+                requests.append(_isend(packed[j], peer, tag, group))
                 stats.bytes_sent += sum(t.nbytes for t in ts)
             # Receives: one buffer per trainer rank, unpacked once everything in the bucket has arrived.
             by_src: dict[int, list[Transfer]] = {}
@@ -157,7 +172,7 @@ def sync_weights(
             for peer, ts in by_src.items():
                 buf = torch.empty(_packed_size(ts), dtype=torch.uint8)
                 live += buf.numel()
-                requests.append(dist.irecv(buf, src=peer, tag=tag))
+                requests.append(_irecv(buf, peer, tag, group))
                 received.append((buf, ts))
             stats.peak_buffer_bytes = max(stats.peak_buffer_bytes, live)
             for req in requests:
@@ -167,6 +182,15 @@ def sync_weights(
                 stats.bytes_received += sum(t.nbytes for t in ts)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _isend(buf: torch.Tensor, peer: int, tag: int, group: dist.ProcessGroup | None) -> dist.Work:
+    # a SyncGroup's gloo group is not registered with torch.distributed: call it directly, by its own ranks
+    return dist.isend(buf, dst=peer, tag=tag) if group is None else group.send([buf], peer, tag)
+
+
+def _irecv(buf: torch.Tensor, peer: int, tag: int, group: dist.ProcessGroup | None) -> dist.Work:
+    return dist.irecv(buf, src=peer, tag=tag) if group is None else group.recv([buf], peer, tag)
 
 
 def _check_roles(
@@ -209,6 +233,94 @@ def _unpack(buf: torch.Tensor, transfers: list[Transfer], targets: Mapping[str, 
         dst = targets[t.name]
         dst[t.dst_slice].copy_(_region(buf, offset, t, dst))
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
+
+
+# ---------------------------------------------------------------------------------------------
+# The ray backend's communicator: trainer ranks + current engines, one generation at a time
+# ---------------------------------------------------------------------------------------------
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed on this rank (a peer died, or a timeout); its group is closed already."""
+
+
+def engines_plan(specs: list[ParamSpec], trainer: TrainerLayout, targets: tuple[int, ...]) -> TransferPlan:
+    """The plan into the engines `targets` (engine indices) of a SyncGroup, where engine i is rank trainer.size + i."""
+    ranks = tuple(trainer.size + i for i in targets)
+    return plan_transfers(specs, trainer, EngineLayout(len(targets), ranks=ranks))
+
+
+class SyncGroup:
+    """A gloo group over the trainer ranks (ranks 0..n-1) and the current engines (n, n+1, ...), for the sync.
+
+    It is apart from the trainer's own world, so engines can die, join or leave without touching FSDP2's
+    groups. Every generation is a new gloo group under its own key prefix of one TCP store, hosted by
+    trainer rank 0 (which lives as long as the run's trainer); when the engines change, every member opens
+    the next generation. A sync that fails closes its group at once: gloo closes its connections only when
+    the group and its pending work are freed, and that is what makes the peers still waiting on this rank
+    fail within a second instead of at the timeout (measured here: 0.3 s, against the whole 60 s timeout
+    while the failed rank kept the group).
+    """
+
+    def __init__(self, store: dist.Store, address: tuple[str, int], host: str, timeout_s: float) -> None:
+        """Use `serve` or `connect`. host: this process's address, where its gloo sockets listen."""
+        self.store, self.address, self.host = store, address, host
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.group: dist.ProcessGroup | None = None
+        self.generation = 0
+
+    @classmethod
+    def serve(cls, host: str, timeout_s: float) -> SyncGroup:
+        """Host the store on a free port of this node (trainer rank 0); `address` is what the others connect to."""
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_delta(timeout_s))
+        return cls(store, (host, store.port), host, timeout_s)
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], host: str, timeout_s: float) -> SyncGroup:
+        """Connect to the store served at `address`; host: this process's address."""
+        store = dist.TCPStore(address[0], address[1], is_master=False, timeout=_delta(timeout_s))
+        return cls(store, tuple(address), host, timeout_s)  # type: ignore[arg-type]
+
+    def open(self, generation: int, rank: int, size: int) -> None:
+        """Close the current group; build generation `generation` as rank `rank` of `size` (all members at once)."""
+        self.close()
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = self.timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=self.host)]
+        prefix = dist.PrefixStore(f"loopline-sync/{generation}/", self.store)
+        self.group = dist.ProcessGroupGloo(prefix, rank, size, options)
+        self.generation = generation
+
+    def sync(
+        self,
+        plan: TransferPlan,
+        src_shards: Mapping[str, torch.Tensor] | None,
+        dst_tensors: Mapping[str, torch.Tensor] | None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> SyncStats:
+        """`sync_weights` over this group; on failure the group is closed and SyncError raised."""
+        if self.group is None:
+            raise SyncError(
+                "no sync group is open on this rank (a failed sync closed it; open the next generation)"
+            )
+        failure = ""
+        try:
+            return sync_weights(plan, src_shards, dst_tensors, bucket_bytes, group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo raises RuntimeError and DistError subclasses alike
+            failure = f"{type(e).__name__}: {e}"
+        # Out of the except block the traceback is gone, and with it the frames holding the group's pending work.
+        self.close()
+        raise SyncError(f"weight sync (generation {self.generation}) failed: {failure}")
+
+    def close(self) -> None:
+        """Drop the group: its connections close, and peers blocked on them fail now."""
+        if self.group is not None:
+            self.group = None
+            gc.collect()  # the group goes only with its last reference (pending work may sit in cycles)
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,9 +9,13 @@ environment, so a worker can call torch.distributed.init_process_group("gloo") w
 rendezvous. Failures name the role, the rank and the method: a method that raised (WorkerError), a call
 that did not finish in time (WorkerTimeoutError), a rank whose process is gone (WorkerDiedError).
 
-Simplified on purpose: no restart policy yet (`max_restarts` is passed to Ray as is; a restarted actor
-runs its constructor again with the same arguments and environment); local calls run in the caller's
-thread, so the local backend cannot time a call out.
+On ray a running group can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
+starts more ranks in bundles the caller found, `remove_ranks` stops the last ones; `settle` collects every
+outcome of a call, so a caller can recover from some failures (the roles decide which; roles.RayRollout).
+
+Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor
+again with the same arguments and environment); local calls run in the caller's thread, so the local
+backend cannot time a call out. WORLD_SIZE in a rank's environment is the group's size when it started.
 """
 
 from __future__ import annotations
@@ -67,6 +71,19 @@ def _master_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), _free_port()
 
 
+def _in_bundle(pool: Pool, i: int) -> Any:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=i)
+
+
+def _check_role(role: str, pool: Pool) -> None:
+    if role not in pool.roles:
+        raise ValueError(
+            f"role '{role}' is not placed on pool '{pool.name}' (roles there: {list(pool.roles)})"
+        )
+
+
 def _rank_env(
     rank: int, world: int, local_rank: int, local_world: int, addr: str, port: int
 ) -> dict[str, str]:
@@ -111,6 +128,7 @@ class WorkerGroup:
         self.cls, self.role, self.backend, self.world_size = cls, role, backend, num_ranks
         self.timeout_s = timeout_s
         self._ranks: list[Any] = []  # local: [the worker object]; ray: one actor handle per rank
+        self._places: list[tuple[Pool, int]] = []  # ray: (pool, bundle index) of each rank
         init_kwargs, env_vars = dict(init_kwargs or {}), dict(env_vars or {})
         if backend == "local":
             if num_ranks != 1 or pool is not None:
@@ -135,7 +153,6 @@ class WorkerGroup:
         max_restarts: int,
     ) -> None:
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         role, n = self.role, self.world_size
         if not ray.is_initialized():
@@ -144,23 +161,33 @@ class WorkerGroup:
             )
         if pool is None:
             raise ValueError(f"role '{role}': the ray backend needs a pool (from placement.place_pools)")
-        if role not in pool.roles:
-            raise ValueError(
-                f"role '{role}' is not placed on pool '{pool.name}' (roles there: {list(pool.roles)})"
-            )
         if n > pool.num_bundles:
             raise ValueError(
                 f"role '{role}': {n} ranks but pool '{pool.name}' has {pool.num_bundles} bundles"
             )
-
-        def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
-            return PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=i)
-
+        _check_role(role, pool)
         # Rendezvous address: rank 0's node and a port free there (asked on that node, which may be remote).
-        probe = ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=in_bundle(0)).remote()
-        addr, port = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
+        probe = (
+            ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=_in_bundle(pool, 0)).remote()
+        )
+        self._master = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
+        self._spawn = (init_args, init_kwargs, env_vars, max_restarts)
+        self._places = [(pool, i) for i in range(n)]
         nodes = pool.bundle_nodes()[:n]
+        try:
+            for i in range(n):
+                self._ranks.append(self._start_rank(i, nodes))
+            self._wait_ready(range(n))
+        except BaseException:
+            self.shutdown()  # no half-started group left behind
+            raise
 
+    def _start_rank(self, i: int, nodes: list[str]) -> Any:
+        """Start the actor of rank i in its place (pool, bundle); `nodes` holds the node of every rank's bundle."""
+        import ray
+
+        pool, bundle = self._places[i]
+        init_args, init_kwargs, env_vars, max_restarts = self._spawn
         share = pool.rank_resources()
         options: dict[str, Any] = {
             "num_cpus": share.pop("CPU", 0.0),
@@ -170,23 +197,95 @@ class WorkerGroup:
         if "memory" in share:
             options["memory"] = share.pop("memory")
         options["resources"] = share
-        actor_cls = ray.remote(self.cls)
-        try:
-            for i in range(n):
-                env = {
-                    **env_vars,
-                    **_rank_env(i, n, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port),
-                }
-                handle = actor_cls.options(
-                    **options, scheduling_strategy=in_bundle(i), runtime_env={"env_vars": env}
-                ).remote(*init_args, **init_kwargs)
-                self._ranks.append(handle)
-            self.wait(
-                [RankFuture(i, "__init__", h.__ray_ready__.remote()) for i, h in enumerate(self._ranks)]
+        addr, port = self._master
+        local = _rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
+        return (
+            ray.remote(self.cls)
+            .options(
+                **options,
+                scheduling_strategy=_in_bundle(pool, bundle),
+                runtime_env={"env_vars": {**env_vars, **local}},
             )
+            .remote(*init_args, **init_kwargs)
+        )
+
+    def _wait_ready(self, ranks: range | list[int]) -> None:
+        self.wait([RankFuture(i, "__init__", self._ranks[i].__ray_ready__.remote()) for i in ranks])
+
+    def _nodes(self) -> list[str]:
+        """Node id of every rank's bundle, in rank order."""
+        by_pool: dict[int, list[str]] = {}
+        for pool, _ in self._places:
+            if id(pool) not in by_pool:
+                by_pool[id(pool)] = pool.bundle_nodes()
+        return [by_pool[id(pool)][b] for pool, b in self._places]
+
+    # -----------------------------------------------------------------------------------------------------
+    # Changing the ranks of a running group (ray): replace one, add some, remove the last ones
+    # -----------------------------------------------------------------------------------------------------
+
+    def restart_rank(self, rank: int) -> None:
+        """Kill rank `rank`'s actor (if still alive) and start a new one in its bundle, with the same arguments
+        and environment; wait (at most timeout_s) until it is built. The other ranks are not touched."""
+        import ray
+
+        self._ray_only("restart_rank")
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
+        ray.kill(self._ranks[rank], no_restart=True)
+        self._ranks[rank] = self._start_rank(rank, self._nodes())
+        self._wait_ready([rank])
+
+    def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
+        """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;
+        on failure the new ones are stopped and the group is as before."""
+        import ray
+
+        self._ray_only("add_ranks")
+        for pool, _ in places:
+            _check_role(self.role, pool)
+        first = self.world_size
+        self._places += places
+        self.world_size += len(places)
+        try:
+            nodes = self._nodes()
+            for i in range(first, self.world_size):
+                self._ranks.append(self._start_rank(i, nodes))
+            self._wait_ready(range(first, self.world_size))
         except BaseException:
-            self.shutdown()  # no half-started group left behind
+            for handle in self._ranks[first:]:
+                ray.kill(handle, no_restart=True)
+            del self._ranks[first:], self._places[first:]
+            self.world_size = first
             raise
+
+    def remove_ranks(self, keep: int) -> list[tuple[Pool, int]]:
+        """Stop the ranks from `keep` on (their actors are killed); return their places, last rank last."""
+        import ray
+
+        self._ray_only("remove_ranks")
+        if not 1 <= keep <= self.world_size:
+            raise ValueError(
+                f"role '{self.role}': cannot keep {keep} of {self.world_size} ranks (1 at least)"
+            )
+        for handle in self._ranks[keep:]:
+            ray.kill(handle, no_restart=True)
+        removed = self._places[keep:]
+        del self._ranks[keep:], self._places[keep:]
+        self.world_size = keep
+        return removed
+
+    def places(self) -> list[tuple[Pool, int]]:
+        """(pool, bundle index) of every rank, in rank order (ray)."""
+        return list(self._places)
+
+    def _ray_only(self, what: str) -> None:
+        if self.backend != "ray":
+            raise ValueError(
+                f"role '{self.role}' {what}(): the local backend runs one fixed rank in this process"
+            )
+        if not self._ranks:
+            raise ValueError(f"role '{self.role}' {what}(): the worker group is shut down")
 
     # -----------------------------------------------------------------------------------------------------
     # Calls
@@ -210,6 +309,12 @@ class WorkerGroup:
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
         """Start `method(*args, **kwargs)` on every rank without waiting; collect with wait()."""
         return [self._submit(r, method, args, kwargs) for r in range(self.world_size)]
+
+    def submit(self, rank: int, method: str, *args: Any, **kwargs: Any) -> RankFuture:
+        """Start `method(*args, **kwargs)` on one rank without waiting; collect with wait() or settle()."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"role '{self.role}' {method}(): no rank {rank} among {self.world_size}")
+        return self._submit(rank, method, args, kwargs)
 
     def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RankFuture:
         if not self._ranks:
@@ -258,6 +363,22 @@ class WorkerGroup:
             i = pending.pop(ready[0])
             results[i] = self._result(futures[i])
         return [results[i] for i in range(len(futures))]
+
+    def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
+        """Like wait, but waits for every call and puts a WorkerError in the place of each failed one; a call
+        still running at the deadline raises WorkerTimeoutError. For callers that recover from some failures."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outcomes: list[Any] = []
+        for f in futures:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                outcomes.append(self.wait([f], left)[0])
+            except WorkerTimeoutError:
+                raise
+            except WorkerError as e:
+                outcomes.append(e)
+        return outcomes
 
     def _result(self, f: RankFuture) -> Any:
         """The value of one finished call, or its failure as a WorkerError naming role, rank and method."""

@@ -1,8 +1,9 @@
 """Parallelism for the trainer: a process group, a device mesh, tensor parallelism and FSDP2 on an HF model.
 
 The trainer's ranks are global ranks 0..n-1 of a torch.distributed world (gloo on CPU, NCCL for CUDA
-tensors plus gloo for CPU ones on GPU machines). The world may hold more ranks than the trainer, e.g.
-the rollout engines that receive weights from it; every rank of the world builds the same mesh.
+tensors plus gloo for CPU ones on GPU machines). On the ray backend the world is the trainer ranks alone:
+the rollout engines receive weights over a group of their own (runtime.weight_sync.SyncGroup), so they can
+die, join or leave without touching the trainer's groups. Every rank of the world builds the same mesh.
 
 FSDP2 is set to *sum* gradients over ranks (not average): each rank back-propagates its share of the
 global loss, with shares taken over global denominators (`PolicyTrainer`), so the summed gradient is

@@ -176,3 +176,68 @@ def test_planned_sync_moves_the_lower_bound_and_stages_a_bucket(synced: Path) ->
     colocated = _stats(synced, "planned_colocated_tp2")
     assert all(colocated[r]["bytes_local"] > 0 for r in range(TRAINER))
     assert colocated[2]["bytes_sent"] == colocated[3]["bytes_sent"] == 0  # ranks 2-3 take no part
+
+
+# ---------------------------------------------------------------------------------------------------------
+# SyncGroup: the ray backend's communicator, rebuilt when an engine dies (here: threads of one process)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _in_threads(fn, members: list[int]) -> dict[int, object]:
+    """fn(member) in one thread per member (gloo blocks until every member takes part); result or exception."""
+    import threading
+
+    out: dict[int, object] = {}
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_syncs() -> None:
+    import time
+
+    from loopline.runtime.weight_sync import SyncError, SyncGroup, engines_plan
+
+    trainer, _ = load_policy(ModelConfig(), seed=0)
+    engines = [load_policy(ModelConfig(), seed=1 + e)[0] for e in range(2)]
+    plan = engines_plan(param_specs(trainer), TrainerLayout(1), (0, 1))  # group ranks: trainer 0, engines 1-2
+    timeout_s = 60.0
+    server = SyncGroup.serve("127.0.0.1", timeout_s)
+    groups = [server] + [SyncGroup.connect(server.address, "127.0.0.1", timeout_s) for _ in engines]
+
+    def sync(i: int):
+        src = local_shards(trainer) if i == 0 else None
+        dst = engine_tensors(engines[i - 1]) if i > 0 else None
+        return groups[i].sync(plan, src, dst, bucket_bytes=BUCKET_BYTES)
+
+    _in_threads(lambda i: groups[i].open(1, i, 3), [0, 1, 2])
+    groups[2].close()  # engine 1 is gone (as its process would be): its connections close
+    start = time.perf_counter()
+    failed = _in_threads(sync, [0, 1])
+    took = time.perf_counter() - start
+    # the trainer fails on the closed connection and closes its group, so engine 0 fails too: in seconds,
+    # not at the 60 s timeout
+    assert all(isinstance(failed[i], SyncError) for i in (0, 1)), failed
+    assert took < 15, took
+    assert groups[0].group is None and groups[1].group is None  # a failed sync leaves no half-open group
+
+    groups[2] = SyncGroup.connect(server.address, "127.0.0.1", timeout_s)  # the replacement engine
+    _in_threads(lambda i: groups[i].open(2, i, 3), [0, 1, 2])
+    stats = _in_threads(sync, [0, 1, 2])
+    assert all(not isinstance(s, Exception) for s in stats.values()), stats
+    want = trainer.state_dict()
+    for engine in engines:
+        for k, v in engine.state_dict().items():
+            assert _bitwise_equal(v, want[k]), k
+    largest = max(s.nbytes for s in param_specs(trainer))
+    assert max(s.peak_buffer_bytes for s in stats.values()) <= max(BUCKET_BYTES, largest) + 1024
