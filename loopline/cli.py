@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, bench."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, bench, scale."""
 
 from __future__ import annotations
 
@@ -67,10 +67,46 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("sandbox", help="run or check code in the sandbox (see `loopline sandbox -h`)")
     p.add_argument("args", nargs=argparse.REMAINDER)
 
+    p = sub.add_parser(
+        "scale", help="change a running ray job's workers: loopline scale OUT_DIR engines=N env_workers=M"
+    )
+    p.add_argument("run_dir", help="the run's out_dir")
+    p.add_argument("counts", nargs="+", help="engines=N and/or env_workers=M (applied between two steps)")
+
     p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
     p.add_argument("name", help="benchmark name (sandbox, sync, restart)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
+
+
+def _scale(run_dir: str, counts: list[str]) -> int:
+    """Write a scale request into a running job's directory; its loop applies it before the next step."""
+    from pathlib import Path
+
+    from loopline.loops.context import SCALABLE, write_scale_request
+
+    def fail(why: str) -> int:
+        print(f"loopline scale: {why}", file=sys.stderr)
+        return 2
+
+    config = Path(run_dir) / "config.yaml"
+    if not config.exists():
+        return fail(f"{run_dir} is not a run directory (no config.yaml): give the run's out_dir")
+    request = {}
+    for item in counts:
+        key, _, value = item.partition("=")
+        if key not in SCALABLE or not value.isdigit() or int(value) < 1:
+            return fail(f"{item!r}: give engines=N and/or env_workers=M, integers >= 1")
+        request[key] = int(value)
+    backend = load_config(str(config)).runtime.backend
+    if backend != "ray":
+        return fail(
+            f"the run in {run_dir} uses runtime.backend={backend}, one engine and one scorer in one process: "
+            "nothing to scale (runtime.backend=ray runs worker groups that can grow and shrink)"
+        )
+    path = write_scale_request(run_dir, request)
+    print(f"wrote {path}: applied before the run's next step")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             from loopline.envs.cli import main as sandbox_main
 
             return sandbox_main(args.args)
+        if args.command == "scale":
+            return _scale(args.run_dir, args.counts)
         if args.command == "bench":
             try:
                 module = importlib.import_module(f"loopline.bench.{args.name}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,3 +132,64 @@ def evaluate(ctx: RunContext) -> dict[str, float]:
             lengths += len(c.token_ids)
     torch.set_rng_state(saved)
     return {"eval_accuracy": correct / len(rows), "eval_response_len": lengths / len(rows)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Elastic workers: `loopline scale OUT_DIR engines=N env_workers=M` asks, the loop applies between steps
+# ---------------------------------------------------------------------------------------------------------
+
+SCALE_REQUEST = "scale_request.json"
+SCALABLE = {"engines": "rollout engines", "env_workers": "env workers"}
+
+
+def write_scale_request(run_dir: str | Path, request: dict[str, int]) -> Path:
+    """Ask the run in `run_dir` for these worker counts (keys of SCALABLE, >= 1); merged with a request not yet
+    applied, written whole (rename) so that the loop never reads half a file."""
+    bad = {k: v for k, v in request.items() if k not in SCALABLE or not isinstance(v, int) or v < 1}
+    if bad or not request:
+        raise ValueError(
+            f"a scale request sets {' and/or '.join(SCALABLE)} to an integer >= 1; got {request}"
+        )
+    path = Path(run_dir) / SCALE_REQUEST
+    pending = json.loads(path.read_text()) if path.exists() else {}
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({**pending, **request}))
+    tmp.replace(path)
+    return path
+
+
+def apply_scale_request(ctx: RunContext) -> dict[str, float]:
+    """Apply and delete the run's scale request, if there is one (call between steps); the new counts and the
+    seconds it took, for the metrics row ({} without a request). A request that cannot be applied is reported
+    and dropped: the run goes on with the workers it has."""
+    path = ctx.run_dir / SCALE_REQUEST
+    if not path.exists():
+        return {}
+    try:
+        request = json.loads(path.read_text())
+    finally:
+        path.unlink(missing_ok=True)
+    start, applied = time.perf_counter(), {}
+    for key, count in request.items():
+        role = ctx.rollout if key == "engines" else ctx.scorer
+        resize = getattr(role, "resize", None)
+        try:
+            if key not in SCALABLE:
+                raise ValueError(f"unknown key {key!r} (known: {', '.join(SCALABLE)})")
+            if ctx.cfg.runtime.backend == "local" or resize is None:
+                raise ValueError(
+                    f"runtime.backend={ctx.cfg.runtime.backend} cannot change its {SCALABLE[key]} while it runs "
+                    "(the local backend runs one of each in this process; use runtime.backend=ray)"
+                )
+            resize(int(count))
+            applied[key] = float(count)
+        except ValueError as e:  # PlacementError (no room in the cluster) is a ValueError too
+            print(f"loopline: scale request {key}={count} not applied: {e}", flush=True)
+    if applied:
+        applied["scale_s"] = time.perf_counter() - start
+        print(
+            f"loopline: scaled to {', '.join(f'{k}={int(v)}' for k, v in applied.items() if k != 'scale_s')} "
+            f"in {applied['scale_s']:.1f}s",
+            flush=True,
+        )
+    return applied

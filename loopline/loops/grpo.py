@@ -31,7 +31,14 @@ from loopline.checkpoint.state import RunState, load_loop_state
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler, SampleRef
-from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
+from loopline.loops.context import (
+    RunContext,
+    apply_scale_request,
+    encode_prompt,
+    evaluate,
+    sampling_params,
+    sync_engine,
+)
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.runtime.watchdog import Watchdog
@@ -257,6 +264,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps:
         timer = StageTimer(ctx.watchdog)
+        scaled = apply_scale_request(ctx)  # `loopline scale`: engines / env workers join or leave between steps
 
         # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
         scored = collect(ctx, sampler, params, timer, reward)
@@ -335,6 +343,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
             **{f"time_{k}": v for k, v in timer.seconds.items()},
             **ctx.scorer.take_stats(),  # ray: chunks scored again, env workers replaced, env workers now
         }
+        row.update(scaled)
         if cfg.kl_coef > 0:
             row.update(kl_coef=kl_coef, measured_kl=measured_kl)
         if cfg.dynamic_sampling:

@@ -1,0 +1,208 @@
+"""Rollout engines that die are replaced, and engines join or leave a running ray GRPO job.
+
+A local Ray (started once for this file) runs short GRPO jobs in this process: 1 FSDP2 trainer rank,
+engines, env workers. The engine actors are killed for real (SIGKILL of their process, found among this
+process's descendants by its Ray process title), at points the loop reaches deterministically: one in
+step 1 after generate (the death surfaces in the weight sync), one after step 2's row (it surfaces in
+step 3's generate). The run must finish every step with nothing lost or duplicated and without
+restarting the trainer, and every engine must then hold the trainer's weights, bitwise. Resizing goes
+through the real `loopline scale` command, written while a step runs and applied before the next.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
+
+import pytest
+import torch
+
+from loopline.checkpoint.ledger import read_ledger, repeats
+from loopline.checkpoint.state import RunState
+from loopline.cli import main
+from loopline.config import ClusterConfig, load_config
+from loopline.loops.context import RunContext, build_context, sync_engine
+from loopline.loops.grpo import train_grpo
+from loopline.metrics.logger import read_metrics
+from loopline.runtime.placement import PlacementError
+
+ARGS = [
+    "grpo.steps=3", "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.micro_batch_size=6",
+    "grpo.entropy_coef=0.01", "grpo.eval_every=0", "grpo.sampling.max_new_tokens=8",
+    "data.task.num_train=20", "data.task.num_eval=2", "eval.num_prompts=2", "checkpoint_every=0",
+    "progress=false", "tensorboard=false", "threads=1",
+    "runtime.backend=ray", "runtime.trainer_ranks=1", "runtime.env_workers=1", "runtime.call_timeout_s=180",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray for this file: 1 trainer rank, up to 3 engines, 1 env worker (5 CPU slots), stopped at the end."""
+    import ray
+
+    from loopline.runtime.cluster import start_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray is already initialised in this process")
+    saved = os.environ.get("RAY_TMPDIR")
+    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
+    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
+    try:
+        start_ray(ClusterConfig(num_cpus=5, object_store_mb=200))
+        yield
+    finally:
+        ray.shutdown()
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _engine_pids() -> list[int]:
+    """Pids of the live engine actors under this process (Ray titles them ray::EngineWorker[.method])."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            tree.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            todo.append(child)
+            try:
+                if (Path("/proc") / str(child) / "cmdline").read_bytes().startswith(b"ray::EngineWorker"):
+                    found.append(child)
+            except OSError:
+                pass
+    return sorted(found)
+
+
+def _kill_an_engine() -> None:
+    pids = _engine_pids()
+    assert pids, "no engine actor process found"
+    os.kill(pids[-1], signal.SIGKILL)
+
+
+class Hooked:
+    """Delegates to a role, running hooks[n] before its n-th call of `method` (1-based): a test's seam into
+    the loop at a point it reaches deterministically (the role itself does the real work)."""
+
+    def __init__(self, role: object, method: str, hooks: dict) -> None:
+        self._role, self._method, self._hooks, self._calls = role, method, hooks, 0
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._role, name)
+        if name != self._method:
+            return attr
+
+        def call(*args, **kwargs):
+            self._calls += 1
+            if self._calls in self._hooks:
+                self._hooks[self._calls]()
+            return attr(*args, **kwargs)
+
+        return call
+
+
+def _grpo(ctx: RunContext) -> RunState:
+    ctx.logger.clear()
+    ctx.ledger.clear()
+    sync_engine(ctx, version=0)
+    return train_grpo(ctx, RunState(phase="grpo", step=0), None)
+
+
+def _assert_engines_hold_the_trainers_weights(ctx: RunContext) -> None:
+    model, _ = ctx.actor.state()  # the trainer's whole weights, gathered from its shards
+    want = model.state_dict()
+    for rank, held in enumerate(ctx.rollout.group.call("weights")):
+        assert held.keys() == want.keys()
+        for k in want:
+            assert torch.equal(held[k].view(torch.uint8), want[k].view(torch.uint8)), (rank, k)
+
+
+def _assert_every_sample_trained_once(ctx: RunContext, steps: int) -> None:
+    ledger = read_ledger(ctx.run_dir)
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1))
+    assert not repeats(ledger)
+    size = ctx.cfg.grpo.prompts_per_step * ctx.cfg.grpo.group_size
+    assert all(len(r["samples"]) == size for r in ledger)  # each step trained all its completions
+
+
+def test_killed_engines_are_replaced_and_resynced(ray_cluster, tmp_path: Path, capsys) -> None:
+    cfg = load_config(overrides=[*ARGS, "runtime.engines=2", f"out_dir={tmp_path / 'run'}"])
+    ctx = build_context(cfg)
+    try:
+        # step 1: an engine dies after generating, before the weight sync; after step 2's row: before generating
+        ctx.scorer = Hooked(ctx.scorer, "score", {1: _kill_an_engine})
+        ctx.logger = Hooked(ctx.logger, "log", {2: _kill_an_engine})  # its rows: grpo 1, 2, 3
+        state = _grpo(ctx)
+        assert state.step == 3
+        out = capsys.readouterr().out
+        assert "died in receive_weights(): replaced in" in out, out
+        assert "died in generate(): replaced in" in out, out
+        print("\n".join(line for line in out.splitlines() if "replaced in" in line))  # the time it took
+        assert ctx.rollout.engines == 2 and ctx.rollout.replacements == 2
+        assert [r["step"] for r in read_metrics(ctx.run_dir) if r["phase"] == "grpo"] == [1, 2, 3]
+        _assert_every_sample_trained_once(ctx, 3)
+        _assert_engines_hold_the_trainers_weights(ctx)
+    finally:
+        ctx.close()
+
+
+def test_engines_join_and_leave_through_loopline_scale(ray_cluster, tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    cfg = load_config(overrides=[*ARGS, "grpo.steps=4", "runtime.engines=1", f"out_dir={run}"])
+    ctx = build_context(cfg)
+    try:
+        with pytest.raises(PlacementError, match=r"8 rollout engines \(7 more\).* room for only 2 more"):
+            ctx.rollout.resize(
+                8
+            )  # the cluster's 5 CPUs hold 1 trainer rank, 1 engine, 1 env worker and 2 more
+        assert ctx.rollout.engines == 1
+        # asked while steps 1 and 2 run (scoring), applied before steps 2 and 3
+        ctx.scorer = Hooked(
+            ctx.scorer,
+            "score",
+            {
+                1: lambda: main(["scale", str(run), "engines=2"]),
+                2: lambda: main(["scale", str(run), "engines=1"]),
+            },
+        )
+        _grpo(ctx)
+        rows = {r["step"]: r for r in read_metrics(run) if r["phase"] == "grpo"}
+        assert sorted(rows) == [1, 2, 3, 4]
+        assert "engines" not in rows[1] and rows[2]["engines"] == 2 and rows[3]["engines"] == 1
+        assert "engines" not in rows[4] and rows[2]["scale_s"] > 0
+        assert not (run / "scale_request.json").exists()
+        print("\n".join(line for line in capsys.readouterr().out.splitlines() if "scaled to" in line))
+        assert ctx.rollout.engines == 1
+        _assert_every_sample_trained_once(ctx, 4)
+        _assert_engines_hold_the_trainers_weights(ctx)
+    finally:
+        ctx.close()
+
+
+def test_scale_refuses_a_local_run_and_bad_counts(tmp_path: Path, capsys) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    assert main(["scale", str(run), "engines=2"]) == 2  # no config.yaml: not a run directory
+    from loopline.config import save_config
+
+    save_config(load_config(overrides=[f"out_dir={run}"]), run / "config.yaml")
+    assert main(["scale", str(run), "engines=2"]) == 2
+    assert "runtime.backend=local" in capsys.readouterr().err
+    save_config(load_config(overrides=[f"out_dir={run}", "runtime.backend=ray"]), run / "config.yaml")
+    assert main(["scale", str(run), "engines=0"]) == 2
+    assert main(["scale", str(run), "trainers=2"]) == 2
+    assert not (run / "scale_request.json").exists()
+    assert main(["scale", str(run), "engines=3", "env_workers=2"]) == 0
+    assert (run / "scale_request.json").exists()
