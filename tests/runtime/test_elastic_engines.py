@@ -163,17 +163,16 @@ def test_engines_join_and_leave_through_loopline_scale(ray_cluster, tmp_path: Pa
     cfg = load_config(overrides=[*ARGS, "grpo.steps=4", "runtime.engines=1", f"out_dir={run}"])
     ctx = build_context(cfg)
     try:
+        # the cluster's 5 CPUs hold 1 trainer rank, 1 engine, 1 env worker and 2 more engines, not 7
         with pytest.raises(PlacementError, match=r"8 rollout engines \(7 more\).* room for only 2 more"):
-            ctx.rollout.resize(
-                8
-            )  # the cluster's 5 CPUs hold 1 trainer rank, 1 engine, 1 env worker and 2 more
+            ctx.rollout.resize(8)
         assert ctx.rollout.engines == 1
         # asked while steps 1 and 2 run (scoring), applied before steps 2 and 3
         ctx.scorer = Hooked(
             ctx.scorer,
             "score",
             {
-                1: lambda: main(["scale", str(run), "engines=2"]),
+                1: lambda: main(["scale", str(run), "engines=2", "env_workers=2"]),
                 2: lambda: main(["scale", str(run), "engines=1"]),
             },
         )
@@ -182,6 +181,7 @@ def test_engines_join_and_leave_through_loopline_scale(ray_cluster, tmp_path: Pa
         assert sorted(rows) == [1, 2, 3, 4]
         assert "engines" not in rows[1] and rows[2]["engines"] == 2 and rows[3]["engines"] == 1
         assert "engines" not in rows[4] and rows[2]["scale_s"] > 0
+        assert rows[1]["env_workers"] == 1 and rows[2]["env_workers"] == rows[4]["env_workers"] == 2
         assert not (run / "scale_request.json").exists()
         print("\n".join(line for line in capsys.readouterr().out.splitlines() if "scaled to" in line))
         assert ctx.rollout.engines == 1
