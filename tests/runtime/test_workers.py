@@ -246,3 +246,29 @@ def test_dead_rank_is_reported_by_role_and_rank(cluster: dict[str, str]) -> None
                 group.call("where")  # rank 0 still answers; rank 1 stays dead (no restarts asked for)
     finally:
         remove_pools(pools)
+
+
+def test_a_running_group_replaces_adds_and_removes_ranks(cluster: dict[str, str]) -> None:
+    pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
+    extra = _place([("gen", 1, {"gen": 1})], {"env": "gen"})  # a one-bundle pool elsewhere, as resize makes
+    try:
+        with WorkerGroup(Probe, 1, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+            group.add_ranks([(pools["env"], 1)])  # the pool's free bundle
+            assert group.world_size == 2 and group.places() == [(pools["env"], 0), (pools["env"], 1)]
+            # settle: every outcome, a dead rank's as a WorkerDiedError in its place
+            outcomes = group.settle(group.call_async("exit_on_rank", 1))
+            assert outcomes[0] == "alive" and isinstance(outcomes[1], WorkerDiedError)
+            group.restart_rank(1)  # a new actor in bundle 1, with rank 1's environment
+            assert [w["RANK"] for w in group.call("where")] == ["0", "1"]
+            group.add_ranks([(extra["env"], 0)])
+            where = group.call("where")
+            assert [w["RANK"] for w in where] == ["0", "1", "2"] and where[2]["node"] == cluster["gen"]
+            assert group.remove_ranks(1) == [(pools["env"], 1), (extra["env"], 0)]
+            assert group.world_size == 1 and group.call("nap", 0.0) == ["awake"]
+            with pytest.raises(ValueError, match="cannot keep 0 of 1 ranks"):
+                group.remove_ranks(0)
+    finally:
+        remove_pools(pools)
+        remove_pools(extra)
+    with pytest.raises(ValueError, match="the local backend runs one fixed rank"):
+        WorkerGroup(Accumulator, role="critic", init_args=(1.0,)).add_ranks([])
