@@ -248,11 +248,19 @@ class PreferenceDataConfig(Section):
     margin_field: str = Field("margin", description="Optional row field with a Bradley-Terry margin.")
     num_train: int = Field(4096, gt=0, description="Built-in pairs made from the first N training prompts.")
     num_eval: int = Field(500, gt=0, description="Held-out pairs scored (at most the split size).")
+    rejected: Literal["synthetic", "policy"] = Field(
+        "synthetic",
+        description="builtin pairs' rejected side: a synthetic wrong sum, or each distinct wrong sample of "
+        "the policy (after SFT; grpo.sampling, policy_samples per prompt): the mistakes RL will meet.",
+    )
+    policy_samples: int = Field(4, gt=0, description="Samples per prompt with rejected=policy.")
 
     @model_validator(mode="after")
     def _paths_given(self) -> PreferenceDataConfig:
         if self.source == "jsonl" and not self.train_path:
             raise ValueError("source 'jsonl' needs train_path")
+        if self.rejected == "policy" and self.source != "builtin":
+            raise ValueError("rejected 'policy' needs source 'builtin' (the verifier labels the samples)")
         return self
 
 
@@ -309,6 +317,14 @@ class RewardConfig(Section):
     )
     model_path: str = Field("", description="A reward model directory written by `loopline rm`.")
     model_coef: float = Field(1.0, description="Weight of the reward model's score.")
+    model_norm: Literal["none", "batch"] = Field(
+        "none",
+        description="none: raw scores; batch: whitened over each generate round (a step's batch; mean 0, std 1) "
+        "before model_coef, so the coefficient means the same for any reward model.",
+    )
+    model_clip: float | None = Field(
+        None, gt=0.0, description="Clamp the (whitened) score to [-model_clip, model_clip]; null = no clip."
+    )
     batch_size: int = Field(256, gt=0, description="Completions per reward-model forward.")
 
     @model_validator(mode="after")

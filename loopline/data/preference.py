@@ -9,7 +9,8 @@ before the last assistant message of each side:
 An optional numeric margin field gives the reward model's Bradley-Terry margin for that pair.
 
 Built-in pairs: the task's prompts with chosen = the correct sum and rejected = a plausible wrong one
-(one digit changed, off by one or ten, a dropped carry), zero-padded like the answer.
+(one digit changed, off by one or ten, a dropped carry), zero-padded like the answer; or, with
+preference.rejected=policy, the policy's own wrong samples (policy_pairs), the mistakes RL will meet.
 """
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def builtin_pairs(rows: list[PromptRow], seed: int, limit: int | None = None) ->
         pairs.append(
             PreferencePair(len(pairs), row.prompt, row.completion, wrong_sum(row.answer, rng) + suffix)
         )
+    return pairs
+
+
+def policy_pairs(
+    rows: list[PromptRow], samples: list[list[str]], correct: list[list[bool]], seed: int
+) -> list[PreferencePair]:
+    """Pairs from the policy's samples of each row: chosen = the row's SFT target, rejected = each distinct
+    wrong sample, in sample order. A row whose samples were all right gets one synthetic wrong sum instead.
+
+    A reward model that only ever saw synthetic wrong sums learns their quirks and misses the policy's own
+    mistakes (measured: RL against such a model drove answers to a leading "1" it had learned to like).
+    """
+    if not len(rows) == len(samples) == len(correct):
+        raise ValueError(f"need one sample list per row: {len(rows)} rows, {len(samples)}, {len(correct)}")
+    rng = random.Random(f"policy-pairs-{seed}")
+    pairs: list[PreferencePair] = []
+    for row, texts, right in zip(rows, samples, correct):
+        if len(texts) != len(right):
+            raise ValueError(f"row {row.index}: {len(texts)} samples but {len(right)} verdicts")
+        wrong = list(dict.fromkeys(t for t, ok in zip(texts, right) if not ok))  # distinct, in order
+        if not wrong:
+            wrong = [wrong_sum(row.answer, rng) + row.completion[len(row.answer) :]]
+        for w in wrong:
+            pairs.append(PreferencePair(len(pairs), row.prompt, row.completion, w, row.messages))
     return pairs
 
 

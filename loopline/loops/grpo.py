@@ -25,6 +25,7 @@ from tqdm import tqdm
 from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
 from loopline.algorithms.losses import kl_estimate
+from loopline.algorithms.reward import whiten_clip
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import SampleId
 from loopline.checkpoint.state import RunState, load_loop_state
@@ -139,7 +140,8 @@ def verifier_reward(
 
 
 def reward_function(ctx: RunContext) -> RewardFn:
-    """The reward of reward.source: the verifier's, a trained reward model's, or their sum (RLHF)."""
+    """The reward of reward.source: the verifier's, a trained reward model's, or their sum (RLHF); the model's
+    scores whitened over the step's batch and/or clipped first (reward.model_norm, model_clip)."""
     cfg = ctx.cfg.reward
     if cfg.source == "verifier":
         return verifier_reward
@@ -151,6 +153,10 @@ def reward_function(ctx: RunContext) -> RewardFn:
         verified: torch.Tensor, prompts: list[list[int]], completions: list[Completion]
     ) -> torch.Tensor:
         learned = model.score(prompts, [c.token_ids for c in completions])  # (B,)
+        if cfg.model_norm == "batch":
+            learned = whiten_clip(learned, cfg.model_clip)
+        elif cfg.model_clip is not None:
+            learned = learned.clamp(-cfg.model_clip, cfg.model_clip)
         return verifier_weight * verified + cfg.model_coef * learned
 
     return reward

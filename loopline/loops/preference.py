@@ -7,6 +7,8 @@ each batch (online). DPO reports the implicit-reward preference accuracy (TRL's 
 the start, where policy = reference) and the policy's own preference, log p(chosen) > log p(rejected).
 dpo.nll_coef adds the chosen completion's NLL (RPO): on near-duplicate pairs, such as the built-in ones
 that differ in a digit, plain DPO lowers the likelihood of both completions and with it task accuracy.
+With preference.rejected=policy the built-in pairs are rebuilt from the policy's own samples (after the
+SFT warm start), labelled by the verifier, for both the training and the held-out pairs.
 
 Simplified: these run on the local backend, and write their final model (no mid-run checkpoints).
 """
@@ -22,9 +24,9 @@ from transformers import PreTrainedModel
 
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
-from loopline.data.preference import PairBatch, PreferencePair
+from loopline.data.preference import PairBatch, PreferencePair, policy_pairs
 from loopline.data.sampler import Sampler
-from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine
+from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
 from loopline.training.critic import RewardTrainer, ScalarModel, pairwise_accuracy
 from loopline.training.policy import PolicyTrainer, sequence_logprobs
 
@@ -47,6 +49,42 @@ def encode_pairs(ctx: RunContext, pairs: list[PreferencePair]) -> PairBatch:
     chosen = collate(prompts, [target(p.chosen) for p in pairs], tok.pad_token_id)
     rejected = collate(prompts, [target(p.rejected) for p in pairs], tok.pad_token_id)
     return PairBatch(chosen, rejected, torch.tensor([p.margin for p in pairs], dtype=torch.float32))
+
+
+def sample_policy_pairs(ctx: RunContext, rows: list[PromptRow], seed: int) -> list[PreferencePair]:
+    """Pairs of `rows` against the current policy's wrong samples (data.preference.policy_pairs): the
+    engine samples preference.policy_samples completions per prompt with grpo.sampling (as RL will),
+    the verifier labels them."""
+    k = ctx.cfg.preference.policy_samples
+    params = sampling_params(ctx.cfg.grpo.sampling, seed=seed)
+    sync_engine(ctx, version=0)
+    samples: list[list[str]] = []
+    correct: list[list[bool]] = []
+    for start in range(0, len(rows), _EVAL_CHUNK):
+        part = rows[start : start + _EVAL_CHUNK]
+        prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in part]
+        completions = ctx.rollout.generate(prompts, params, n=k)  # k per prompt, contiguous
+        verdicts = ctx.scorer.score(
+            [c.text for c in completions], [part[c.prompt_index].answer for c in completions]
+        )
+        for i in range(len(part)):
+            samples.append([c.text for c in completions[i * k : (i + 1) * k]])
+            correct.append([bool(v > 0) for v in verdicts[i * k : (i + 1) * k].tolist()])
+    return policy_pairs(rows, samples, correct, seed)
+
+
+def _pairs(
+    ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]
+) -> tuple[list[PreferencePair], list[PreferencePair]]:
+    """The pairs to train and score: as given, or (rejected=policy) rebuilt from the policy's samples of the
+    same prompts; held-out pairs capped at preference.num_eval prompts."""
+    cfg = ctx.cfg.preference
+    eval_pairs = eval_pairs[: cfg.num_eval]
+    if cfg.rejected == "synthetic":
+        return train_pairs, eval_pairs
+    train = sample_policy_pairs(ctx, ctx.train_rows[: len(train_pairs)], ctx.cfg.seed)
+    held_out = sample_policy_pairs(ctx, ctx.eval_rows[: len(eval_pairs)], ctx.cfg.seed + 1)
+    return train, held_out
 
 
 def pair_logprobs(ctx: RunContext, model: PreTrainedModel, pairs: list[PreferencePair]) -> torch.Tensor:
@@ -81,7 +119,7 @@ def dpo_eval(ctx: RunContext, pairs: list[PreferencePair], ref: torch.Tensor) ->
 def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]) -> int:
     """DPO from the current policy for cfg.dpo.steps; logs phase 'dpo' rows; returns the steps run."""
     cfg = ctx.cfg.dpo
-    eval_pairs = eval_pairs[: ctx.cfg.preference.num_eval]
+    train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
     trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
     # The reference is the policy as DPO starts, frozen: its log-probs up front, or a copy asked per batch.
     eval_ref = pair_logprobs(ctx, ctx.model, eval_pairs)  # (N_eval, 2)
@@ -134,7 +172,7 @@ def train_rm(
 ) -> ScalarModel:
     """Fit a reward model (the policy's body, copied, + a scalar head) for cfg.rm.steps; returns it."""
     cfg = ctx.cfg.rm
-    eval_pairs = eval_pairs[: ctx.cfg.preference.num_eval]
+    train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
     trainer = RewardTrainer(ScalarModel.from_policy(ctx.model), cfg, cfg.steps)
     sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 3)
     ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, trainer, eval_pairs)})

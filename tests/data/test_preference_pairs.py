@@ -1,4 +1,4 @@
-"""Preference pairs: built-in wrong sums, jsonl rows in text and chat formats, bad rows, micro-batches."""
+"""Preference pairs: built-in wrong sums, pairs from policy samples, jsonl rows in text and chat formats, bad rows, micro-batches."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 
 from loopline.config import PreferenceDataConfig, TaskConfig
 from loopline.data.batches import collate
-from loopline.data.datasets import DataError
-from loopline.data.preference import PairBatch, builtin_pairs, load_pairs, wrong_sum
+from loopline.data.datasets import DataError, PromptRow
+from loopline.data.preference import PairBatch, builtin_pairs, load_pairs, policy_pairs, wrong_sum
 from loopline.data.tasks import arithmetic_splits
 
 
@@ -31,6 +31,24 @@ def test_builtin_pairs_chosen_is_the_sft_target_and_rejected_differs():
         assert p.prompt == row.prompt and p.chosen == row.completion  # "0427\n"
         assert p.rejected.endswith("\n") and p.rejected != p.chosen and len(p.rejected) == len(p.chosen)
     assert builtin_pairs(train, seed=0, limit=20) == pairs  # deterministic
+
+
+def test_policy_pairs_reject_each_distinct_wrong_sample():
+    rows = [PromptRow(0, "12+30=", "042", "042\n"), PromptRow(1, "01+01=", "002", "002\n")]
+    samples = [["042\n", "041\n", "1\x05", "041\n"], ["002\n", "002\n"]]
+    correct = [[True, False, False, False], [True, True]]
+    pairs = policy_pairs(rows, samples, correct, seed=0)
+    # row 0: its two distinct wrong samples, malformed one included, in order; row 1 (all right): one synthetic
+    assert [(p.index, p.prompt, p.chosen, p.rejected) for p in pairs[:2]] == [
+        (0, "12+30=", "042\n", "041\n"),
+        (1, "12+30=", "042\n", "1\x05"),
+    ]
+    assert len(pairs) == 3 and pairs[2].index == 2 and pairs[2].chosen == "002\n"
+    assert pairs[2].rejected != "002\n" and pairs[2].rejected.endswith("\n") and len(pairs[2].rejected) == 4
+    with pytest.raises(ValueError, match="one sample list per row"):
+        policy_pairs(rows, samples[:1], correct, seed=0)
+    with pytest.raises(ValueError, match="row 1: 2 samples but 1 verdicts"):
+        policy_pairs(rows, samples, [correct[0], [True]], seed=0)
 
 
 def _write(tmp_path, rows) -> str:

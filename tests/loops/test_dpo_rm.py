@@ -104,8 +104,34 @@ def test_rm_trains_a_reward_model_that_reloads(tmp_path, capsys):
     assert set(model.body.state_dict()) == set(policy.base_model.state_dict())
 
 
+def test_rm_on_the_policys_own_wrong_samples(tmp_path):
+    out = tmp_path / "rm"
+    rm = ["rm.steps=2", "rm.batch_size=8", "rm.eval_every=0", "preference.rejected=policy"]
+    assert main(["rm", *TINY, *rm, "preference.policy_samples=3", f"out_dir={out}"]) == 0
+    rows = [r for r in read_metrics(out) if r["phase"] == "rm"]
+    assert [r["step"] for r in rows] == [0, 1, 2] and "eval_pair_accuracy" in rows[-1]
+    # the pairs themselves: the SFT'd policy's samples, at most 3 distinct wrong ones per prompt
+    from loopline.loops.context import build_context
+    from loopline.loops.preference import sample_policy_pairs
+
+    cfg = load_config(out / "config.yaml", [f"out_dir={tmp_path / 'pairs'}", "sft.steps=0"])
+    ctx = build_context(cfg)
+    try:
+        pairs = sample_policy_pairs(ctx, ctx.train_rows[:8], seed=0)
+    finally:
+        ctx.close()
+    assert 8 <= len(pairs) <= 24 and [p.index for p in pairs] == list(range(len(pairs)))
+    answers = {r.prompt: r for r in ctx.train_rows[:8]}
+    for p in pairs:
+        assert p.chosen == answers[p.prompt].completion
+        assert p.rejected.split("\n")[0].strip() != answers[p.prompt].answer  # the verifier's "wrong"
+
+
 def test_preference_commands_check_their_config(tmp_path, capsys):
     assert main(["rm", *TINY, "data.source=jsonl", "data.train_path=x.jsonl", f"out_dir={tmp_path}"]) == 2
     assert "preference.source 'builtin' needs data.source 'builtin'" in capsys.readouterr().err
     assert main(["dpo", *TINY, "dpo.loss=nope", f"out_dir={tmp_path}"]) == 2
     assert "dpo.loss" in capsys.readouterr().err
+    assert main(["rm", *TINY, "preference.source=jsonl", "preference.train_path=p.jsonl",
+                 "preference.rejected=policy", f"out_dir={tmp_path}"]) == 2  # fmt: skip
+    assert "rejected 'policy' needs source 'builtin'" in capsys.readouterr().err

@@ -136,6 +136,8 @@ def test_minibatch_rows_cover_the_batch_once():
         (["grpo.advantage=nope"], "grpo.advantage"),
         (["grpo.dual_clip=0.5"], "grpo.dual_clip"),
         (["grpo.minibatches=3"], "grpo.minibatches"),
+        (["reward.model_clip=0"], "reward.model_clip"),
+        (["reward.model_norm=rank"], "reward.model_norm"),
     ],
 )
 def test_bad_variant_settings_fail_at_load_naming_the_field(override, field):
@@ -167,6 +169,36 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, source):
     rows = read_metrics(tmp_path)
     assert all(r["accuracy"] == 0.0 for r in rows)  # accuracy is the verifier's
     assert all(r["reward_std"] > 0 for r in rows)  # the rewards are the model's
+
+
+def test_reward_model_scores_whitened_and_clipped(tmp_path):
+    from loopline.loops.grpo import reward_function
+    from loopline.models import load_policy
+    from loopline.rollout.engine import SamplingParams
+    from loopline.training.critic import ScalarModel
+
+    cfg = load_config(None, [*TINY, f"out_dir={tmp_path}"])
+    rm = ScalarModel.from_policy(load_policy(cfg.model, seed=cfg.seed)[0])
+    torch.nn.init.normal_(rm.head.weight, std=1.0)
+    rm.save(tmp_path / "rm")
+    rm_args = ["reward.source=sum", f"reward.model_path={tmp_path / 'rm'}", "reward.model_coef=0.5"]
+    ctx = build_context(load_config(None, [*TINY, f"out_dir={tmp_path}", *rm_args]))
+    try:
+        prompts = [ctx.tokenizer("12+34=")["input_ids"], ctx.tokenizer("5+6=")["input_ids"]]
+        completions = ctx.rollout.generate(prompts, SamplingParams(max_new_tokens=6, seed=0), n=8)
+        ids = [prompts[c.prompt_index] for c in completions]
+        verified = torch.zeros(16)
+        verified[3] = 1.0
+        raw = reward_function(ctx)(verified, ids, completions) - verified  # 0.5 * raw scores
+        ctx.cfg.reward.model_norm = "batch"
+        white = reward_function(ctx)(verified, ids, completions) - verified
+        ctx.cfg.reward.model_clip = 1.0
+        clipped = reward_function(ctx)(verified, ids, completions) - verified
+    finally:
+        ctx.close()
+    expected = 0.5 * (raw - raw.mean()) / ((raw - raw.mean()).pow(2).mean().sqrt() + 1e-6)  # coef cancels
+    assert raw.std() > 0 and torch.allclose(white, expected, atol=1e-5)
+    assert white.abs().max() > 0.5 and torch.allclose(clipped, expected.clamp(-0.5, 0.5), atol=1e-5)
 
 
 def test_reward_source_model_needs_a_path():
