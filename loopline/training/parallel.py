@@ -91,7 +91,10 @@ def dp_tp_mesh(num_ranks: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # HF models name their decoder layer class in _no_split_modules (e.g. Qwen2DecoderLayer)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [(n, m) for n, m in model.named_modules() if type(m).__name__ in layer_classes]
+    # by the class's MRO: under FSDP2 a Qwen2DecoderLayer is an FSDPQwen2DecoderLayer (a subclass)
+    layers = [
+        (n, m) for n, m in model.named_modules() if any(c.__name__ in layer_classes for c in type(m).__mro__)
+    ]
     if not layers:
         raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules to shard")
     return layers

@@ -100,6 +100,7 @@ def _rank_main(rank: int, world: int, tp: int, batch: RolloutBatch, out: str) ->
     # each rank holds exactly the planner's box of every parameter (FSDP2 dim-0 chunks inside TP chunks)
     model, whole = parallelize(_model(), mesh), _model().state_dict()
     dims, layout = tp_param_dims(_model()), TrainerLayout(fsdp=dp, tp=tp)
+    assert tp_param_dims(model) == dims  # the sharded model gives the planner the same rule
     for name, shard in local_shards(model).items():
         box = trainer_shard_box(tuple(whole[name].shape), dims[name], layout, rank)
         expected = whole[name][tuple(slice(lo, hi) for lo, hi in box)]
