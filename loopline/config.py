@@ -498,8 +498,6 @@ class RunConfig(Section):
             )
         if self.model.lora.r and self.runtime.backend != "local":
             raise ValueError("model.lora (r > 0) runs on runtime.backend 'local' only for now")
-        if self.grpo.advantage == "gae" and self.runtime.backend != "local":
-            raise ValueError("grpo.advantage 'gae' (a critic) runs on runtime.backend 'local' only for now")
         if self.sft.batch_size % n:
             raise ValueError(
                 f"sft.batch_size ({self.sft.batch_size}) must be a multiple of runtime.trainer_ranks ({n})"

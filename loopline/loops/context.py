@@ -22,6 +22,7 @@ from loopline.data.tasks import exact_match
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
 from loopline.rollout.engine import SamplingParams
+from loopline.runtime.critic_workers import Critic
 from loopline.runtime.roles import Actor, Rollout, Scorer, build_roles
 from loopline.runtime.watchdog import Watchdog
 
@@ -44,6 +45,7 @@ class RunContext:
     checkpoints: Checkpointer  # saves through the actor (every trainer rank writes its shards); resumes
     ledger: Ledger  # which samples each step trained (ledger.jsonl)
     watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
+    critic: Critic | None = None  # PPO's value model (grpo.advantage=gae), on the runtime's backend
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""
@@ -81,7 +83,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     watchdog = Watchdog(rt.stage_timeout_s, ranks)
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
-        roles.shutdown, checkpoints, Ledger(run_dir), watchdog,
+        roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic,
     )  # fmt: skip
 
 

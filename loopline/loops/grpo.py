@@ -17,10 +17,12 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 from tqdm import tqdm
+from transformers import PreTrainedModel
 
 from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
@@ -42,8 +44,9 @@ from loopline.loops.context import (
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
+from loopline.runtime.critic_workers import CheckpointWithCritic, Critic, LocalCritic
 from loopline.runtime.watchdog import Watchdog
-from loopline.training.critic import CriticTrainer, RewardModelScorer, ScalarModel, ValueBatch
+from loopline.training.critic import RewardModelScorer, ValueBatch
 
 B = TypeVar("B", bound=TokenBatch)
 log = logging.getLogger(__name__)
@@ -207,13 +210,11 @@ def _restore_loop(
     state: RunState,
     loop: dict,
     kl_control: FixedKLController | AdaptiveKLController,
-    critic: CriticTrainer | None,
 ) -> None:
-    """A resumed phase: the KL controller, critic and engine generators as the checkpoint holds them."""
+    """A resumed phase: the KL controller and engine generators as the checkpoint holds them (the critic
+    restores itself as it starts: _start_critic)."""
     if "kl" in loop:
         kl_control.load_state_dict(loop["kl"])
-    if critic is not None:
-        critic.load_state_dict(loop["critic"])
     # a different number of engines cannot replay the samples: each engine is seeded from (seed, step, rank)
     reseed = ctx.cfg.seed + 1 + 1_000_003 * state.step
     if not ctx.rollout.set_rng_states(loop.get("engine_rng", []), reseed):
@@ -227,13 +228,27 @@ def _restore_loop(
 
 
 def _loop_state(
-    ctx: RunContext, kl_control: FixedKLController | AdaptiveKLController, critic: CriticTrainer | None
+    ctx: RunContext, kl_control: FixedKLController | AdaptiveKLController, critic: Critic | None
 ) -> dict:
     """What a checkpoint needs of the loop beyond the policy: KL controller, critic, engine generators."""
     loop = {"kl": kl_control.state_dict(), "engine_rng": ctx.rollout.rng_states()}
     if critic is not None:
-        loop["critic"] = critic.state_dict()
+        loop["critic"] = critic.state()  # local: its whole state; ray: where its shards are (critic/)
     return loop
+
+
+def _start_critic(
+    ctx: RunContext, policy: PreTrainedModel, total_steps: int, loop: dict, trainer_state: dict | None
+) -> Critic | None:
+    """PPO's critic (grpo.advantage=gae) from the policy's body, or as the resumed checkpoint holds it; from
+    now on its part of each checkpoint is written with the actor's."""
+    if ctx.cfg.grpo.advantage != "gae":
+        return None
+    critic = ctx.critic if ctx.critic is not None else LocalCritic()
+    checkpoint = str(Path(trainer_state["dcp"]).parent) if trainer_state and "dcp" in trainer_state else None
+    critic.start_phase(policy, ctx.cfg.critic, total_steps, loop.get("critic"), checkpoint)
+    ctx.checkpoints.actor = CheckpointWithCritic(ctx.actor, critic)
+    return critic
 
 
 def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
@@ -246,6 +261,10 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     loop = load_loop_state(trainer_state) if state.step > 0 else {}
     if state.step > 0:
         _check_resumable(cfg, state, trainer_state, loop)
+    # PPO's critic starts from the policy as RL starts: on ray the driver's copy takes the trained weights here,
+    # before start_phase makes the phase's optimizer (gathering a fresh optimizer's state would initialise it)
+    ray_ppo = cfg.advantage == "gae" and ctx.cfg.runtime.backend != "local"
+    policy = ctx.actor.state()[0] if ray_ppo else ctx.model
     # The reference policy is the policy as RL starts (after SFT), frozen (a resumed run reads it back).
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
     estimate = ESTIMATORS[cfg.advantage]
@@ -254,14 +273,10 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     with torch.random.fork_rng(devices=[]):
         reward = reward_function(ctx)
         # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
-        critic = (
-            CriticTrainer(ScalarModel.from_policy(ctx.model), ctx.cfg.critic, updates)
-            if cfg.advantage == "gae"
-            else None
-        )
+        critic = _start_critic(ctx, policy, updates, loop, trainer_state)
     kl_control = _kl_controller(cfg)
     if state.step > 0:
-        _restore_loop(ctx, state, loop, kl_control, critic)
+        _restore_loop(ctx, state, loop, kl_control)
     # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
     need_old = cfg.epochs_per_step * cfg.minibatches > 1 or cfg.kl_in == "reward"
     sync_engine(ctx, version=state.step)

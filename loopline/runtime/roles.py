@@ -53,6 +53,7 @@ from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
 
 if TYPE_CHECKING:
+    from loopline.runtime.critic_workers import Critic
     from loopline.runtime.placement import Pool
 
 B = TypeVar("B", bound=TokenBatch)
@@ -142,6 +143,7 @@ class Roles:
     rollout: Rollout
     scorer: Scorer
     shutdown: Callable[[], None]
+    critic: Critic | None = None  # PPO's critic (grpo.advantage=gae): in this process, or its ranks on ray
 
 
 def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
@@ -151,7 +153,10 @@ def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTok
         engine = TorchEngine(copy.deepcopy(model), tokenizer)
         if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
             apply_lora(model, cfg.model.lora)
-        return Roles(LocalActor(model), LocalRollout(engine), LocalScorer(), shutdown=lambda: None)
+        from loopline.runtime.critic_workers import LocalCritic
+
+        critic = LocalCritic() if cfg.grpo.advantage == "gae" else None
+        return Roles(LocalActor(model), LocalRollout(engine), LocalScorer(), lambda: None, critic)
     return _ray_roles(cfg, model)
 
 
@@ -890,6 +895,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     pools: dict[str, Pool] = {}
     scorer: RayScorer | None = None
     rollout: RayRollout | None = None
+    critic: Critic | None = None
 
     def shutdown() -> None:
         if scorer is not None:
@@ -910,20 +916,30 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
+        where = dict(pools)
+        if cfg.grpo.advantage == "gae":  # PPO's critic: as many ranks as the actor, placed like it
+            from loopline.runtime.critic_workers import CriticWorker, colocated_pool
+
+            workers["critic"] = (CriticWorker, rt.trainer_ranks, (cfg,))
+            where["critic"] = colocated_pool("critic", pools["actor"], pools)
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         options = {"backend": "ray", "timeout_s": rt.call_timeout_s}
         with ThreadPoolExecutor(len(workers)) as threads:
             starting = [
-                threads.submit(WorkerGroup, cls, n, role=role, pool=pools[role], init_args=args, **options)
+                threads.submit(WorkerGroup, cls, n, role=role, pool=where[role], init_args=args, **options)
                 for role, (cls, n, args) in workers.items()
             ]
         groups.extend(f.result() for f in starting if f.exception() is None)
-        trainer, engines = (f.result() for f in starting)  # raises the first failure
+        trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
         # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
         # over the trainer ranks and the engines (RayRollout opens it), so the engines can change.
         address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
         rollout = RayRollout(engines, trainer, pools["rollout"], address, layout, rt.max_engine_replacements)
+        if others:
+            from loopline.runtime.critic_workers import RayCritic
+
+            critic = RayCritic(others[0])  # its ranks join a world of their own
     except BaseException:
         shutdown()
         raise
-    return Roles(RayActor(trainer, model), rollout, scorer, shutdown)
+    return Roles(RayActor(trainer, model), rollout, scorer, shutdown, critic=critic)

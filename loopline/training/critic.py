@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PreTrainedModel
@@ -21,6 +22,7 @@ from loopline.algorithms.preference import bradley_terry_loss
 from loopline.config import CriticConfig, RewardModelConfig
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
+from loopline.training.parallel import all_reduce_sum
 from loopline.training.policy import StepStats, build_optimizer, optimizer_step
 
 
@@ -90,9 +92,18 @@ class ValueBatch(TokenBatch):
 class CriticTrainer:
     """Owns the value model and its optimizer: values for GAE, and clipped value-loss steps."""
 
-    def __init__(self, model: ScalarModel, cfg: CriticConfig, total_steps: int) -> None:
+    def __init__(
+        self,
+        model: ScalarModel,
+        cfg: CriticConfig,
+        total_steps: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """group: the data-parallel ranks of a model under FSDP2 (training.parallel.shard_model sums gradients);
+        each rank then steps on its slice and the loss is weighted by global token counts, as PolicyTrainer."""
         self.model = model
         self.cfg = cfg
+        self.group = group
         self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, total_steps)
 
     def state_dict(self) -> dict:
@@ -120,7 +131,11 @@ class CriticTrainer:
     def step(self, batch: ValueBatch) -> StepStats:
         """One optimizer step of token-mean clipped value loss over micro-batches."""
         self.model.train()
-        tokens = float(batch.response_mask.sum().clamp(min=1.0))
+        if self.group is None:
+            tokens = float(batch.response_mask.sum().clamp(min=1.0))
+        else:  # the global batch's tokens: each rank's loss is its share of the whole batch's token mean
+            local = batch.response_mask.sum().to(torch.float64).reshape(1)
+            tokens = max(float(all_reduce_sum(local, self.group)[0]), 1.0)
         sums = {"value_loss": 0.0, "value_clip_fraction": 0.0, "value_mean": 0.0}
         for micro in split_rows(batch, self.cfg.micro_batch_size):
             share = float(micro.response_mask.sum()) / tokens  # token_mean over the whole batch
@@ -134,6 +149,9 @@ class CriticTrainer:
             sums["value_clip_fraction"] += float(out.clip_fraction) * share
             sums["value_mean"] += float(mean) * share
         grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
+        if self.group is not None:  # each rank holds its share of each global mean
+            total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
+            sums = dict(zip(sums, total.tolist()))
         loss = sums.pop("value_loss")
         return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
 
