@@ -9,6 +9,10 @@
 - `Scorer`, the task verifier. local: in this process. ray: an elastic env pool (envs.pool.WorkerPool) of
   CPU worker actors in the env pool's bundles, scoring chunks of the completions; a worker that dies or hangs
   is replaced and its chunk retried on another (bounded), and `resize` changes the workers, also mid-step.
+- `Critic` (PPO, grpo.advantage=gae; runtime.critic_workers) and, on ray, the frozen reference (grpo.kl_coef > 0;
+  runtime.reference_workers): local, in this process (the reference inside LocalActor); ray, a WorkerGroup each
+  of as many FSDP2 ranks as the actor, in a torch.distributed world of its own, placed like the actor (in its
+  bundles at no resources of their own, or on the pool placement.roles maps "critic" / "ref" to).
 
 Weight sync on ray: the trainer ranks form a torch.distributed world of their own (FSDP2, checkpoints); the
 sync runs over a separate gloo group (weight_sync.SyncGroup) of the trainer ranks (ranks 0..n-1) and the
@@ -18,8 +22,8 @@ every trainer rank sends its own FSDP2 shards straight to the engines, a bucket 
 the model.
 Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
 (`save_state`) into the checkpoint directory (a filesystem all ranks and the driver share), and reads them
-back (`load_state`) into however many ranks the resumed run has: DCP reshards. The frozen reference is
-sharded like the policy and saved and resharded the same way. Each engine samples from its own generator
+back (`load_state`) into however many ranks the resumed run has: DCP reshards. The frozen reference's ranks
+(and the critic's) save and reshard their shards the same way. Each engine samples from its own generator
 (seeded per engine rank); the loop checkpoints the generators' states (`rng_states`) and restores them,
 so a resumed ray run repeats the uninterrupted one bit for bit, as the local backend does.
 
@@ -55,6 +59,7 @@ from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
 if TYPE_CHECKING:
     from loopline.runtime.critic_workers import Critic
     from loopline.runtime.placement import Pool
+    from loopline.runtime.reference_workers import RayReference
 
 B = TypeVar("B", bound=TokenBatch)
 
@@ -345,7 +350,6 @@ class ActorWorker:
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.plan: Any = None  # the weight-sync TransferPlan of the last sync
         self.trainer: PolicyTrainer | None = None
-        self.reference: PreTrainedModel | None = None
         self.writer = ShardWriter()
         self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
 
@@ -385,28 +389,15 @@ class ActorWorker:
             self.sync = SyncGroup.connect(address, _node_address(), self.cfg.runtime.call_timeout_s)
         self.sync.open(generation, self.rank, self.ranks + engines)
 
-    def start_phase(
-        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool
-    ) -> None:
-        """New optimizer over this rank's shards (restored from the whole trainer_state); a frozen reference."""
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-        from loopline.training.parallel import shard_model
-
+    def start_phase(self, optim: OptimConfig, total_steps: int, trainer_state: dict | None) -> None:
+        """New optimizer over this rank's shards (restored from the whole trainer_state)."""
         self.trainer = PolicyTrainer(self.model, optim, total_steps, group=self.mesh.get_group())
         if trainer_state:
             restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
-        self.reference = None
-        if reference:  # a second model sharded alike, holding a copy of this rank's shards
-            frozen = shard_model(load_policy(self.cfg.model, seed=self.cfg.seed)[0].to(_device()), self.mesh)
-            set_model_state_dict(frozen, get_model_state_dict(self.model))
-            self.reference = frozen.eval().requires_grad_(False)
-            if trainer_state and "reference" in trainer_state:  # a resumed phase: its reference, resharded
-                load_shards(trainer_state["reference"], self.reference, group=self.checkpoint_group)
 
-    def logprobs(self, batch: TokenBatch, reference: bool) -> torch.Tensor:
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
-        return _logprobs(self.reference if reference else self.model, _to(batch, _device())).cpu()
+        return _logprobs(self.model, _to(batch, _device())).cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         return _started(self.trainer).sft_step(_to(batch, _device()), micro_batch_size)
@@ -420,6 +411,14 @@ class ActorWorker:
 
         self.plan = _sync_plan(self.plan, self.model, self.layout, targets)
         self.sync.sync(self.plan, local_shards(self.model), None)
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Whole weights on rank 0 (None elsewhere); every rank must take part. Unlike state(), this leaves a
+        fresh optimizer alone (gathering its state would initialise it)."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(self.model)
+        return weights if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
         """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part."""
@@ -435,16 +434,14 @@ class ActorWorker:
 
         load_full_model_state(self.model, weights)
 
-    def save_state(self, path: str, hf_dir: str | None, blocking: bool, reference: str | None = None) -> None:
-        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (gathered from all); with
-        `reference`, this rank's shards of the frozen reference there."""
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
+        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (gathered from all)."""
         from loopline.training.parallel import full_model_state
 
         weights = full_model_state(self.model) if hf_dir else {}  # a collective: every rank takes part
         hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
         state = shard_state(self.model, self.trainer)
-        extra = [(reference, shard_state(_frozen(self.reference), None))] if reference else []
-        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking, extra=extra)
+        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.writer.wait(timeout_s)
@@ -520,11 +517,15 @@ def _chunks(items: list[Any], parts: int) -> list[tuple[int, list[Any]]]:
 
 
 class RayActor:
-    """The FSDP2 ranks of the policy trainer, as a WorkerGroup of ActorWorkers."""
+    """The FSDP2 ranks of the policy trainer, as a WorkerGroup of ActorWorkers; the frozen reference, when the
+    run has one, is a group of its own (reference_workers.RayReference) that this class drives."""
 
-    def __init__(self, group: WorkerGroup, model: PreTrainedModel) -> None:
+    def __init__(
+        self, group: WorkerGroup, model: PreTrainedModel, reference: RayReference | None = None
+    ) -> None:
         self.group = group
         self.model = model  # the driver's copy: filled with the trained weights by state()
+        self.reference = reference
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
@@ -534,11 +535,24 @@ class RayActor:
         state = (
             ray.put(trainer_state) if trainer_state else None
         )  # one copy in the object store for all ranks
-        self.group.call("start_phase", optim, total_steps, state, reference)
+        self.group.call("start_phase", optim, total_steps, state)
+        if reference:  # the policy as the phase starts, frozen; a resumed phase reads its shards back
+            restore = (trainer_state or {}).get("reference")
+            weights = None if restore else self.group.call("weights")[0]
+            self._reference().start(weights, restore)
+
+    def _reference(self) -> RayReference:
+        if self.reference is None:
+            raise ValueError(
+                "no reference group: the ray roles start one when the config has grpo.kl_coef > 0"
+            )
+        return self.reference
 
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        if reference:
+            return self._reference().logprobs(batch)
         slices = _even_slices(batch, self.group.world_size)
-        return torch.cat(self.group.call_each("logprobs", [(s, reference) for s in slices]))
+        return torch.cat(self.group.call_each("logprobs", [(s,) for s in slices]))
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         slices = _even_slices(batch, self.group.world_size)
@@ -561,10 +575,15 @@ class RayActor:
     def save_state(
         self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
     ) -> None:
-        self.group.call("save_state", path, hf_dir, blocking, reference)
+        saves = self.group.call_async("save_state", path, hf_dir, blocking)
+        if reference:  # the reference's ranks write its shards there meanwhile
+            self._reference().save(reference, blocking)
+        self.group.wait(saves)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.group.call("wait_saved", timeout_s, timeout_s=timeout_s + 30.0)
+        if self.reference is not None:
+            self.reference.wait_saved(timeout_s)
 
     def load_state(self, path: str) -> None:
         self.group.call("load_state", path)
@@ -916,12 +935,18 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
-        where = dict(pools)
-        if cfg.grpo.advantage == "gae":  # PPO's critic: as many ranks as the actor, placed like it
-            from loopline.runtime.critic_workers import CriticWorker, colocated_pool
+        # PPO's critic and the frozen reference (KL): as many ranks as the actor each, placed like it
+        from loopline.runtime.critic_workers import CriticWorker, colocated_pool
+        from loopline.runtime.reference_workers import RayReference, ReferenceWorker
 
-            workers["critic"] = (CriticWorker, rt.trainer_ranks, (cfg,))
-            where["critic"] = colocated_pool("critic", pools["actor"], pools)
+        where = dict(pools)
+        for role, cls, wanted in (
+            ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
+            ("ref", ReferenceWorker, cfg.grpo.kl_coef > 0),
+        ):
+            if wanted:
+                workers[role] = (cls, rt.trainer_ranks, (cfg,))
+                where[role] = colocated_pool(role, pools["actor"], pools)
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         options = {"backend": "ray", "timeout_s": rt.call_timeout_s}
         with ThreadPoolExecutor(len(workers)) as threads:
@@ -931,15 +956,17 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             ]
         groups.extend(f.result() for f in starting if f.exception() is None)
         trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
+        more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
         # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
         # over the trainer ranks and the engines (RayRollout opens it), so the engines can change.
         address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
         rollout = RayRollout(engines, trainer, pools["rollout"], address, layout, rt.max_engine_replacements)
-        if others:
+        if "critic" in more:
             from loopline.runtime.critic_workers import RayCritic
 
-            critic = RayCritic(others[0])  # its ranks join a world of their own
+            critic = RayCritic(more["critic"])  # its ranks join a world of their own
+        reference = RayReference(more["ref"]) if "ref" in more else None  # so do the reference's
     except BaseException:
         shutdown()
         raise
-    return Roles(RayActor(trainer, model), rollout, scorer, shutdown, critic=critic)
+    return Roles(RayActor(trainer, model, reference), rollout, scorer, shutdown, critic=critic)

@@ -175,3 +175,20 @@ def test_ppo_on_ray_resumes_exactly(ppo_run: Path, tmp_path: Path) -> None:
         two = read_full_state(checkpoints / "grpo-000003" / part)
         for name, w in one["model"].items():
             assert torch.equal(two["model"][name], w), (part, name)
+
+
+def test_a_ray_ppo_checkpoint_resumes_on_the_local_backend(ppo_run: Path, tmp_path: Path) -> None:
+    """The 2-rank critic shards load into the one local critic (DCP reshards); the engine samples change."""
+    resumed = tmp_path / "run"
+    shutil.copytree(ppo_run, resumed)
+    checkpoints = resumed / "checkpoints"
+    shutil.rmtree(checkpoints / "grpo-000003")
+    (checkpoints / "latest").write_text("grpo-000002")
+    assert main(["train", "--resume", f"out_dir={resumed}", *ARGS]) == 0
+    rows = _rows(resumed)
+    assert sorted(rows) == [0, 1, 2, 3] and math.isfinite(rows[3]["value_loss"])
+    # the local critic (whole, in loop.pt) continued the ray critic's step-2 state: its LR schedule counts the
+    # 4 steps of the shards and the 2 of step 3 (a fresh critic would count 2), AdamW's step counts alike
+    local3 = torch.load(checkpoints / "grpo-000003" / "loop.pt", weights_only=False)["critic"]
+    assert local3["scheduler"]["last_epoch"] == 6
+    assert {float(s["step"]) for s in local3["optimizer"]["state"].values()} == {6.0}
