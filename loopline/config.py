@@ -358,6 +358,13 @@ class RuntimeConfig(Section):
         gt=0,
         description="FSDP2 ranks of the actor (ray); each gets an equal slice, micro_batch_size is per rank.",
     )
+    trainer_tp: int = Field(
+        1,
+        gt=0,
+        description="Tensor-parallel size of the actor (ray): trainer_ranks form a (trainer_ranks/trainer_tp, "
+        "trainer_tp) mesh; each group of trainer_tp ranks splits the decoder layers (the model's HF TP plan) "
+        "and shares one data slice.",
+    )
     engines: int = Field(
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
@@ -396,6 +403,14 @@ class RuntimeConfig(Section):
         description="Pools and role -> pool map (roles actor, rollout, env); None = one pool per role "
         "with a {CPU: 1} bundle per rank.",
     )
+
+    @model_validator(mode="after")
+    def _tp_divides(self) -> RuntimeConfig:
+        if self.trainer_ranks % self.trainer_tp:
+            raise ValueError(
+                f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_tp={self.trainer_tp}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _roles_fit(self) -> RuntimeConfig:

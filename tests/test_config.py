@@ -30,6 +30,7 @@ def test_unknown_key_names_the_dotted_key(override, key):
         ("sft.steps=abc", "sft.steps", "integer"),
         ("grpo.sampling.top_p=1.5", "grpo.sampling.top_p", "less than or equal to 1"),
         ("model.tiny.num_heads=3", "model.tiny", "divisible by num_heads"),
+        ("runtime.trainer_tp=2", "runtime", "trainer_ranks=1 must be divisible by trainer_tp=2"),
         ("data.task.min_digits=4", "data.task", "min_digits"),
         ("seed.x=1", "seed", "integer"),
     ],

@@ -326,7 +326,9 @@ def _node_address() -> str:
 
 def _sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int, ...]) -> Any:
     """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one."""
+    from loopline.runtime.resharding import default_tp_dim
     from loopline.runtime.weight_sync import engines_plan, param_specs
+    from loopline.training.parallel import tp_param_dims
 
     targets = tuple(targets)
     if (
@@ -335,7 +337,8 @@ def _sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[in
         and tuple(plan.dst_ranks.reshape(-1)) == tuple(layout.size + i for i in targets)
     ):
         return plan
-    return engines_plan(param_specs(model), layout, targets)
+    rule = tp_param_dims(model) if layout.tp > 1 else default_tp_dim  # where the trainer's TP split them
+    return engines_plan(param_specs(model), layout, targets, rule)
 
 
 class ActorWorker:
@@ -362,13 +365,14 @@ class ActorWorker:
         hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
         from loopline.runtime.resharding import TrainerLayout
         from loopline.runtime.weight_sync import SyncGroup
-        from loopline.training.parallel import init_distributed, shard_model, trainer_mesh
+        from loopline.training.parallel import dp_tp_mesh, init_distributed, parallelize
 
         timeout_s = self.cfg.runtime.call_timeout_s
         device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
-        self.mesh = trainer_mesh(self.ranks, device.type)
-        self.model = shard_model(self.model, self.mesh)
-        self.layout = TrainerLayout(self.ranks)
+        tp = self.cfg.runtime.trainer_tp
+        self.mesh = dp_tp_mesh(self.ranks, tp, device.type)  # (dp, tp); tp=1 is FSDP2 over all the ranks
+        self.model = parallelize(self.model, self.mesh)  # TP inside each group of tp ranks, FSDP2 across
+        self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
         self.checkpoint_group = torch.distributed.new_group(
             list(range(self.ranks)),
@@ -391,7 +395,7 @@ class ActorWorker:
 
     def start_phase(self, optim: OptimConfig, total_steps: int, trainer_state: dict | None) -> None:
         """New optimizer over this rank's shards (restored from the whole trainer_state)."""
-        self.trainer = PolicyTrainer(self.model, optim, total_steps, group=self.mesh.get_group())
+        self.trainer = PolicyTrainer(self.model, optim, total_steps, group=self.mesh["dp"].get_group())
         if trainer_state:
             restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
 
@@ -521,11 +525,16 @@ class RayActor:
     run has one, is a group of its own (reference_workers.RayReference) that this class drives."""
 
     def __init__(
-        self, group: WorkerGroup, model: PreTrainedModel, reference: RayReference | None = None
+        self, group: WorkerGroup, model: PreTrainedModel, reference: RayReference | None = None, tp: int = 1
     ) -> None:
         self.group = group
         self.model = model  # the driver's copy: filled with the trained weights by state()
         self.reference = reference
+        self.tp = tp  # runtime.trainer_tp: ranks i*tp .. i*tp+tp-1 split the model and share slice i
+
+    def _slices(self, batch: B) -> list[B]:
+        """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks."""
+        return [s for s in _even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
@@ -551,15 +560,15 @@ class RayActor:
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
         if reference:
             return self._reference().logprobs(batch)
-        slices = _even_slices(batch, self.group.world_size)
-        return torch.cat(self.group.call_each("logprobs", [(s,) for s in slices]))
+        outs = self.group.call_each("logprobs", [(s,) for s in self._slices(batch)])
+        return torch.cat(outs[:: self.tp])
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
-        slices = _even_slices(batch, self.group.world_size)
+        slices = self._slices(batch)
         return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
-        slices = _even_slices(batch, self.group.world_size)
+        slices = self._slices(batch)
         return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
 
     def state(self) -> tuple[PreTrainedModel, dict]:
@@ -908,6 +917,10 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     from loopline.runtime.placement import place_pools, remove_pools
 
     rt = cfg.runtime
+    if rt.trainer_tp > 1:  # a model without a TP plan, or sizes that do not divide: say so before Ray starts
+        from loopline.training.parallel import check_tp
+
+        check_tp(model, rt.trainer_tp)
     placement = rt.placement or default_placement(rt)
     started = start_ray(_local_cluster(rt.cluster, placement))
     groups: list[WorkerGroup] = []
@@ -969,4 +982,4 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     except BaseException:
         shutdown()
         raise
-    return Roles(RayActor(trainer, model, reference), rollout, scorer, shutdown, critic=critic)
+    return Roles(RayActor(trainer, model, reference, rt.trainer_tp), rollout, scorer, shutdown, critic=critic)

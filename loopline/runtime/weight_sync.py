@@ -33,10 +33,12 @@ from torch.distributed.tensor import DTensor
 from loopline.runtime.resharding import (
     EngineLayout,
     ParamSpec,
+    TpRule,
     TrainerLayout,
     Transfer,
     TransferPlan,
     box_numel,
+    default_tp_dim,
     plan_transfers,
 )
 
@@ -244,10 +246,14 @@ class SyncError(RuntimeError):
     """A weight sync failed on this rank (a peer died, or a timeout); its group is closed already."""
 
 
-def engines_plan(specs: list[ParamSpec], trainer: TrainerLayout, targets: tuple[int, ...]) -> TransferPlan:
-    """The plan into the engines `targets` (engine indices) of a SyncGroup, where engine i is rank trainer.size + i."""
+def engines_plan(
+    specs: list[ParamSpec], trainer: TrainerLayout, targets: tuple[int, ...], tp_dims: TpRule = default_tp_dim
+) -> TransferPlan:
+    """The plan into the engines `targets` (engine indices) of a SyncGroup, where engine i is rank trainer.size + i.
+
+    tp_dims: where the trainer's TP split each parameter (training.parallel.tp_param_dims when trainer.tp > 1)."""
     ranks = tuple(trainer.size + i for i in targets)
-    return plan_transfers(specs, trainer, EngineLayout(len(targets), ranks=ranks))
+    return plan_transfers(specs, trainer, EngineLayout(len(targets), ranks=ranks), tp_dims)
 
 
 class SyncGroup:
