@@ -285,7 +285,9 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps:
         timer = StageTimer(ctx.watchdog)
-        scaled = apply_scale_request(ctx)  # `loopline scale`: engines / env workers join or leave between steps
+        scaled = apply_scale_request(
+            ctx
+        )  # `loopline scale`: engines / env workers join or leave between steps
 
         # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
         scored = collect(ctx, sampler, params, timer, reward)
