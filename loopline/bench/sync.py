@@ -78,6 +78,7 @@ def _world_entry(rank: int, fn: Callable[..., None], world_size: int, store_path
     )
     try:
         fn(rank, world_size, *args)
+        dist.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

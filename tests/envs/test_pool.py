@@ -96,15 +96,18 @@ def test_sigkill_mid_batch_loses_nothing_and_counts_nothing_twice() -> None:
     assert len(killer.killed) == 2
     by_id = _check_exactly_once(outcomes, ids)
     assert all(o.ok and o.value[0] == i * i for i, o in by_id.items())
-    # Each kill loses the task its worker was on (the next one, if it had just answered): that
-    # task, and only that, ran again, and says where its first attempt died.
+    # Each kill loses the task its worker was on (the next one, if it had just answered): exactly those
+    # tasks ran again, each failure names a killed worker, and the answer came from another one. Under load
+    # both kills can hit the same task (its retry landed on the next worker killed): then it ran 3 times.
     killed_pids = {pid for pid, _ in killer.killed}
     retried = [o for o in outcomes if o.attempts > 1]
     assert 1 <= len(retried) <= 2
+    assert sum(len(o.failures) for o in outcomes) == 2  # one lost attempt per kill, none twice
     for o in retried:
-        assert o.attempts == 2 and len(o.failures) == 1
-        dead_pid = next(pid for pid in killed_pids if f"(pid {pid}) died" in o.failures[0])
-        assert o.value[1] != dead_pid  # the retry ran on another worker
+        assert o.attempts == 1 + len(o.failures)
+        died_on = {pid for pid in killed_pids for failure in o.failures if f"(pid {pid}) died" in failure}
+        assert len(died_on) == len(o.failures)  # each failure names a killed worker, a different one
+        assert o.value[1] not in died_on  # the retry ran on another worker
 
 
 def test_hung_task_is_killed_retried_then_reported() -> None:
