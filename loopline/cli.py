@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
 
-    p = sub.add_parser("sandbox", help="run or check code in the sandbox (see `loopline sandbox -h`)")
+    p = sub.add_parser(
+        "sandbox", add_help=False, help="run or check code in the sandbox (see `loopline sandbox -h`)"
+    )
     p.add_argument("args", nargs=argparse.REMAINDER)
 
     p = sub.add_parser(
@@ -117,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from loopline.loops.agent import main as agent_main
 
         return agent_main(argv[1:])
+    if argv[:1] == ["sandbox"]:  # likewise: `loopline sandbox -h` lists run and check
+        from loopline.envs.cli import main as sandbox_main
+
+        return sandbox_main(argv[1:])
     parser = build_parser()
     # argparse fills the overrides list only up to the first option; key=value words after an option
     # (`train run.yaml --resume grpo.steps=5`) come back unrecognised and are overrides too
@@ -142,10 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             for path in plot_run(args.run_dir):
                 print(path)
             return 0
-        if args.command == "sandbox":
-            from loopline.envs.cli import main as sandbox_main
-
-            return sandbox_main(args.args)
         if args.command == "scale":
             return _scale(args.run_dir, args.counts)
         if args.command == "bench":

@@ -90,3 +90,12 @@ def test_agent_gets_its_own_options(capsys):
     assert "grpo:\n  steps: 3\n" in out and "sft:\n  steps: 7\n" in out
     assert main(["agent", "--print-config", "grpo.stepz=1"]) == 2
     assert "unknown config key 'grpo.stepz'" in capsys.readouterr().err
+
+
+def test_sandbox_help_lists_its_subcommands(capsys):
+    # `loopline sandbox -h` is the sandbox's own help (run, check), not the top-level stub
+    with pytest.raises(SystemExit) as e:
+        main(["sandbox", "-h"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "{run,check}" in out and "passed: N/M" in out
