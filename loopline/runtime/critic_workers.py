@@ -15,7 +15,6 @@ does not resume on ray (a ray checkpoint's critic/ shards do resume on local).
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -165,16 +164,10 @@ class CriticWorker:
 
     def join(self, init_method: str) -> None:
         """Join the critic's own world (the critic ranks only) as rank RANK."""
-        from loopline.training.parallel import init_distributed, trainer_mesh
+        from loopline.training.parallel import join_sharded_world
 
-        timeout_s = self.cfg.runtime.call_timeout_s
-        device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
-        self.mesh = trainer_mesh(self.ranks, device.type)
-        self.checkpoint_group = torch.distributed.new_group(
-            list(range(self.ranks)),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            use_local_synchronization=True,
+        self.mesh, self.checkpoint_group = join_sharded_world(
+            init_method, self.rank, self.ranks, self.cfg.runtime.call_timeout_s
         )
 
     def start_phase(

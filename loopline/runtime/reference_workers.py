@@ -10,7 +10,6 @@ into the checkpoint's reference/ directory, as the actor ranks wrote them before
 
 from __future__ import annotations
 
-import datetime
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -45,16 +44,10 @@ class ReferenceWorker:
 
     def join(self, init_method: str) -> None:
         """Join the reference's own world (its ranks only) as rank RANK."""
-        from loopline.training.parallel import init_distributed, trainer_mesh
+        from loopline.training.parallel import join_sharded_world
 
-        timeout_s = self.cfg.runtime.call_timeout_s
-        device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
-        self.mesh = trainer_mesh(self.ranks, device.type)
-        self.checkpoint_group = torch.distributed.new_group(
-            list(range(self.ranks)),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            use_local_synchronization=True,
+        self.mesh, self.checkpoint_group = join_sharded_world(
+            init_method, self.rank, self.ranks, self.cfg.runtime.call_timeout_s
         )
 
     def start(self, weights: dict[str, torch.Tensor] | None, restore: str | None) -> None:

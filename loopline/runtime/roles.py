@@ -33,7 +33,6 @@ Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine 
 from __future__ import annotations
 
 import copy
-import datetime
 import math
 import os
 import time
@@ -365,7 +364,7 @@ class ActorWorker:
         hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
         from loopline.runtime.resharding import TrainerLayout
         from loopline.runtime.weight_sync import SyncGroup
-        from loopline.training.parallel import dp_tp_mesh, init_distributed, parallelize
+        from loopline.training.parallel import checkpoint_group, dp_tp_mesh, init_distributed, parallelize
 
         timeout_s = self.cfg.runtime.call_timeout_s
         device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
@@ -374,12 +373,7 @@ class ActorWorker:
         self.model = parallelize(self.model, self.mesh)  # TP inside each group of tp ranks, FSDP2 across
         self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
-        self.checkpoint_group = torch.distributed.new_group(
-            list(range(self.ranks)),
-            backend="gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
-            use_local_synchronization=True,
-        )
+        self.checkpoint_group = checkpoint_group(self.ranks, timeout_s)
         if self.rank != 0:
             return None
         self.sync = SyncGroup.serve(_node_address(), timeout_s)

@@ -74,6 +74,25 @@ def trainer_mesh(num_ranks: int, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh(device_type, torch.arange(num_ranks))
 
 
+def checkpoint_group(num_ranks: int, timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of global ranks 0..num_ranks-1 for DCP's collectives: an async save runs them in a thread
+    beside training's own, which must not share their group."""
+    return dist.new_group(
+        list(range(num_ranks)),
+        backend="gloo",
+        timeout=datetime.timedelta(seconds=timeout_s),
+        use_local_synchronization=True,
+    )
+
+
+def join_sharded_world(
+    init_method: str, rank: int, num_ranks: int, timeout_s: float
+) -> tuple[DeviceMesh, dist.ProcessGroup]:
+    """Join a world of FSDP2 ranks only (a critic's or a reference's): its 1-D mesh and its checkpoint group."""
+    device = init_distributed(init_method, rank, num_ranks, timeout_s)
+    return trainer_mesh(num_ranks, device.type), checkpoint_group(num_ranks, timeout_s)
+
+
 def dp_tp_mesh(num_ranks: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
     """A 2-D ("dp", "tp") mesh over global ranks 0..num_ranks-1, tp innermost (TP ranks are neighbours).
 
