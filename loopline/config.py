@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from loopline.errors import UserError
+
 
 class Section(BaseModel):
     """Base for config sections: unknown keys are errors, assignments are validated."""
@@ -99,7 +101,18 @@ class DataConfig(Section):
     answer_field: str = Field("answer", description="Row field holding the reference answer.")
     completion_field: str = Field("completion", description="Row field holding an SFT target completion.")
     messages_field: str = Field("messages", description="Row field holding chat messages (SFT).")
-    skip_bad_rows: bool = Field(False, description="Skip and count malformed rows instead of failing.")
+    skip_bad_rows: bool = Field(
+        False, description="Skip malformed rows (bad bytes, JSON, fields; no answer for RL) and count them."
+    )
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="Longest prompt in tokens; 0 = the model's max positions minus max_new_tokens."
+    )
+    max_seq_len: int = Field(
+        0, ge=0, description="Longest prompt + SFT target in tokens; 0 = the model's max positions."
+    )
+    overlong: Literal["error", "skip"] = Field(
+        "error", description="A row over a length limit: stop naming file and row, or skip and count it."
+    )
     task: TaskConfig = Field(default_factory=TaskConfig, description="Built-in task settings.")
 
 
@@ -520,7 +533,7 @@ class RunConfig(Section):
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override is wrong; the message names the key and what is accepted."""
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loopline.config import DataConfig
+from loopline.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -25,44 +27,103 @@ class PromptRow:
     messages: tuple[dict[str, str], ...] = ()
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset row or file is malformed; the message names the file and row."""
 
 
-def _iter_raw(path: Path, source: str) -> Iterator[tuple[int, Any]]:
-    """Yield (row number, raw row) from a file; row numbers are 1-based lines for jsonl."""
-    if source == "jsonl":
-        with path.open() as f:
+@dataclass(frozen=True)
+class LengthLimits:
+    """The longest rows a run takes, in tokens, and how to count a row's tokens."""
+
+    count: Callable[[PromptRow], tuple[int, int]]  # row -> (prompt tokens, prompt + SFT target tokens)
+    max_prompt_tokens: int
+    max_seq_len: int
+    overlong: str = "error"  # 'error' names file and row; 'skip' drops the row and counts it
+
+
+# Why a row was skipped (the keys of the counts load_rows returns, and of the metrics' data_skipped_* fields).
+SKIP_REASONS = {
+    "encoding": "not valid UTF-8",
+    "json": "not valid JSON",
+    "fields": "malformed",
+    "no_answer": "without an answer",
+    "too_long": "too long",
+}
+
+
+class _BadRow(DataError):
+    """A row that data.skip_bad_rows (or data.overlong=skip) may skip; `reason` is a key of SKIP_REASONS."""
+
+    def __init__(self, message: str, reason: str = "fields") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _columns_check(path: Path, columns: list[str], cfg: DataConfig, need_answer: bool) -> None:
+    """A table whose columns cannot make prompt rows fails at once, listing the columns it has."""
+    has = ", ".join(columns) or "none"
+    if cfg.prompt_field not in columns and cfg.messages_field not in columns:
+        raise DataError(
+            f"{path}: no column '{cfg.prompt_field}' (data.prompt_field) or '{cfg.messages_field}' "
+            f"(data.messages_field); its columns: {has}"
+        )
+    if need_answer and cfg.answer_field not in columns:
+        raise DataError(f"{path}: no column '{cfg.answer_field}' (data.answer_field); its columns: {has}")
+
+
+def _iter_raw(path: Path, cfg: DataConfig, need_answer: bool) -> Iterator[tuple[int, Any]]:
+    """Yield (row number, raw row) from a file; row numbers are 1-based (lines for jsonl). A row that cannot
+    be read (bad bytes, bad JSON) comes as a _BadRow in place of the row."""
+    if cfg.source == "jsonl":
+        with path.open("rb") as f:  # bytes, decoded per row: a bad byte names its row and can be skipped
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
                 try:
-                    yield lineno, json.loads(line)
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    bad = f"byte 0x{line[e.start]:02x} at column {e.start + 1}"
+                    yield lineno, _BadRow(f"{path}: row {lineno}: not valid UTF-8 ({bad})", "encoding")
+                    continue
+                try:
+                    yield lineno, json.loads(text)
                 except json.JSONDecodeError as e:
-                    yield lineno, DataError(f"{path}: row {lineno}: not valid JSON ({e.msg})")
-    elif source == "parquet":
+                    yield lineno, _BadRow(f"{path}: row {lineno}: not valid JSON ({e.msg})", "json")
+    elif cfg.source == "parquet":
         import pyarrow.parquet as pq
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from None
+        _columns_check(path, table.column_names, cfg, need_answer)
+        for i, row in enumerate(table.to_pylist(), start=1):
             yield i, row
-    elif source == "hf_disk":
+    elif cfg.source == "hf_disk":
         from datasets import load_from_disk
 
-        ds = load_from_disk(str(path))
+        try:
+            ds = load_from_disk(str(path))
+        except Exception as e:  # FileNotFoundError and others for a directory that is no saved dataset
+            raise DataError(
+                f"{path}: not a dataset saved with save_to_disk ({type(e).__name__}: {e})"
+            ) from None
         if hasattr(ds, "keys"):  # a DatasetDict: take its only split, or 'train'
             keys = list(ds.keys())
             ds = ds["train"] if "train" in keys else ds[keys[0]]
-        for i, row in enumerate(ds):
+        _columns_check(path, list(ds.column_names), cfg, need_answer)
+        for i, row in enumerate(ds, start=1):
             yield i, row
     else:
-        raise DataError(f"unknown data source {source!r}")
+        raise DataError(f"unknown data source {cfg.source!r}")
 
 
 def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool) -> PromptRow:
     if isinstance(raw, DataError):
         raise raw
     if not isinstance(raw, dict):
-        raise DataError(f"{where}: expected an object, got {type(raw).__name__}")
+        raise _BadRow(f"{where}: expected an object, got {type(raw).__name__}")
+    has = f"(the row has: {', '.join(map(str, raw)) or 'no fields'})"
     messages = raw.get(cfg.messages_field)
     if messages is not None:
         if (
@@ -73,59 +134,116 @@ def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool
                 for m in messages
             )
         ):
-            raise DataError(
+            raise _BadRow(
                 f"{where}: field '{cfg.messages_field}' must be a list of {{role, content}} strings"
             )
         # a chat row may carry a reference answer too (RL on chat prompts): keep it
-        answer = raw.get(cfg.answer_field, "")
+        answer = raw.get(cfg.answer_field)
+        answer = "" if answer is None else answer
         if not isinstance(answer, str | int | float):
-            raise DataError(f"{where}: field '{cfg.answer_field}' must be a string or number")
+            raise _BadRow(f"{where}: field '{cfg.answer_field}' must be a string or number")
+        if need_answer and str(answer) == "":
+            # RL scores against the answer: with "" any completion whose first line is blank would earn 1.0
+            raise _BadRow(
+                f"{where}: chat row without '{cfg.answer_field}', needed to score it in RL {has} "
+                "(`loopline sft` trains on chat rows that end with an assistant message)",
+                "no_answer",
+            )
         return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages))
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
-        raise DataError(f"{where}: missing or empty string field '{cfg.prompt_field}'")
-    answer = raw.get(cfg.answer_field, "")
-    completion = raw.get(cfg.completion_field, "")
+        raise _BadRow(f"{where}: missing or empty string field '{cfg.prompt_field}' {has}")
+    answer = raw.get(cfg.answer_field)
+    answer = "" if answer is None else answer
+    completion = raw.get(cfg.completion_field)
+    completion = "" if completion is None else completion
     if need_answer and not isinstance(answer, str | int | float):
-        raise DataError(f"{where}: field '{cfg.answer_field}' must be a string or number")
-    if need_answer and answer == "":
-        raise DataError(f"{where}: missing field '{cfg.answer_field}'")
+        raise _BadRow(f"{where}: field '{cfg.answer_field}' must be a string or number")
+    if need_answer and str(answer) == "":
+        raise _BadRow(f"{where}: missing field '{cfg.answer_field}' {has}", "no_answer")
     if not isinstance(completion, str):
-        raise DataError(f"{where}: field '{cfg.completion_field}' must be a string")
+        raise _BadRow(f"{where}: field '{cfg.completion_field}' must be a string")
     return PromptRow(index=index, prompt=prompt, answer=str(answer), completion=completion)
 
 
-def load_rows(path: str | Path, cfg: DataConfig, need_answer: bool = True) -> tuple[list[PromptRow], int]:
-    """Read prompt rows from a file; returns (rows, number skipped). Bad rows raise DataError
-    naming file and row, or are skipped and counted when cfg.skip_bad_rows is set."""
+# No tokenizer in use makes tokens of this many characters on average: a row with more characters than this per
+# token allowed is over its limit without being tokenized (a 10 MB line is refused at once, not fed to the model).
+MAX_CHARS_PER_TOKEN = 64
+
+
+def _over_limit(row: PromptRow, limits: LengthLimits) -> str:
+    """Why `row` is over the limits ("" when it is not)."""
+    prompt_chars = len(row.prompt) + sum(len(m["content"]) for m in row.messages)
+    seq_chars = prompt_chars + len(row.completion) + len(row.answer)
+    if prompt_chars > MAX_CHARS_PER_TOKEN * limits.max_prompt_tokens:
+        return (
+            f"prompt of {prompt_chars} characters, far over data.max_prompt_tokens={limits.max_prompt_tokens}"
+        )
+    if seq_chars > MAX_CHARS_PER_TOKEN * limits.max_seq_len:
+        return f"row of {seq_chars} characters, far over data.max_seq_len={limits.max_seq_len}"
+    prompt_tokens, seq_tokens = limits.count(row)
+    if prompt_tokens > limits.max_prompt_tokens:
+        return f"prompt of {prompt_tokens} tokens > data.max_prompt_tokens={limits.max_prompt_tokens}"
+    if seq_tokens > limits.max_seq_len:
+        return f"prompt + completion of {seq_tokens} tokens > data.max_seq_len={limits.max_seq_len}"
+    return ""
+
+
+def load_rows(
+    path: str | Path, cfg: DataConfig, need_answer: bool = True, limits: LengthLimits | None = None
+) -> tuple[list[PromptRow], dict[str, int]]:
+    """Read prompt rows from a file; returns (rows, skipped rows by reason, keys of SKIP_REASONS). Bad rows
+    raise DataError naming file and row, or are skipped and counted when cfg.skip_bad_rows is set; rows
+    over `limits` likewise, by limits.overlong. One summary line reports what was skipped."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"dataset '{p}' does not exist")
+    if cfg.source in ("jsonl", "parquet") and not p.is_file():
+        raise DataError(f"dataset '{p}' is not a file (data.source={cfg.source} reads one file)")
+    if cfg.source == "hf_disk" and not p.is_dir():
+        raise DataError(
+            f"dataset '{p}' is not a directory (data.source=hf_disk reads a save_to_disk directory)"
+        )
     rows: list[PromptRow] = []
-    skipped = 0
-    for rownum, raw in _iter_raw(p, cfg.source):
+    skipped: Counter[str] = Counter()
+    for rownum, raw in _iter_raw(p, cfg, need_answer):
+        where = f"{p}: row {rownum}"
         try:
-            rows.append(_to_row(raw, len(rows), cfg, f"{p}: row {rownum}", need_answer))
-        except DataError as e:
+            row = _to_row(raw, len(rows), cfg, where, need_answer)
+        except _BadRow as e:
             if not cfg.skip_bad_rows:
                 raise DataError(f"{e} (set data.skip_bad_rows=true to skip such rows)") from None
-            skipped += 1
-            log.warning("skipping bad row: %s", e)
+            skipped[e.reason] += 1
+            continue
+        too_long = _over_limit(row, limits) if limits is not None else ""
+        if too_long and limits.overlong == "error":
+            raise DataError(f"{where}: {too_long} (data.overlong=skip skips such rows)")
+        if too_long:
+            skipped["too_long"] += 1
+            continue
+        rows.append(row)
+    if skipped:
+        reasons = ", ".join(f"{n} {SKIP_REASONS[k]}" for k, n in skipped.items())
+        log.warning("%s: skipped %d of %d rows: %s", p, skipped.total(), skipped.total() + len(rows), reasons)
     if not rows:
-        raise DataError(f"dataset '{p}' has no usable rows ({skipped} skipped)")
-    return rows, skipped
+        raise DataError(f"dataset '{p}' has no usable rows ({skipped.total()} skipped)")
+    return rows, dict(skipped)
 
 
 def load_splits(
-    cfg: DataConfig, seed: int, need_answer: bool = True
-) -> tuple[list[PromptRow], list[PromptRow]]:
-    """Train and held-out rows for a run: the built-in task or files named in the config."""
+    cfg: DataConfig, seed: int, need_answer: bool = True, limits: LengthLimits | None = None
+) -> tuple[list[PromptRow], list[PromptRow], dict[str, int]]:
+    """Train and held-out rows for a run (the built-in task or files named in the config), and the rows
+    skipped in both by reason. Held-out rows always need answers: eval scores them by exact match."""
     if cfg.source == "builtin":
         from loopline.data.tasks import arithmetic_splits
 
-        return arithmetic_splits(cfg.task, seed)
+        return (*arithmetic_splits(cfg.task, seed), {})
     if not cfg.train_path:
         raise DataError(f"data.train_path is required when data.source is '{cfg.source}'")
-    train, _ = load_rows(cfg.train_path, cfg, need_answer)
-    held_out = load_rows(cfg.eval_path, cfg, need_answer)[0] if cfg.eval_path else []
-    return train, held_out
+    train, skipped = load_rows(cfg.train_path, cfg, need_answer, limits)
+    held_out: list[PromptRow] = []
+    if cfg.eval_path:
+        held_out, eval_skipped = load_rows(cfg.eval_path, cfg, True, limits)
+        skipped = dict(Counter(skipped) + Counter(eval_skipped))
+    return train, held_out, skipped

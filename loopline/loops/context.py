@@ -16,8 +16,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.ledger import Ledger
 from loopline.checkpoint.state import Checkpointer
-from loopline.config import RunConfig, SamplingConfig, save_config
-from loopline.data.datasets import PromptRow, load_splits
+from loopline.config import ConfigError, RunConfig, SamplingConfig, save_config
+from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import exact_match
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
@@ -74,9 +74,17 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    train_rows, eval_rows = load_splits(cfg.data, cfg.seed, need_answer=need_answer)
+    limits = length_limits(cfg, model, tokenizer)
+    train_rows, eval_rows, skipped = load_splits(cfg.data, cfg.seed, need_answer=need_answer, limits=limits)
     roles = build_roles(cfg, model, tokenizer)
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
+    if skipped:  # rows the data config let go (skip_bad_rows, overlong=skip), by reason, on the next row
+        logger.note(
+            {
+                "data_skipped_rows": sum(skipped.values()),
+                **{f"data_skipped_{k}": n for k, n in skipped.items()},
+            }
+        )
     checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
     rt = cfg.runtime
     ranks = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
@@ -85,6 +93,33 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
         roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic,
     )  # fmt: skip
+
+
+def length_limits(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> LengthLimits:
+    """The longest rows the model can take (data.max_prompt_tokens and data.max_seq_len, or derived from its
+    max positions): a longer row would grow memory without bound before failing deep in the model."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if not positions:
+        positions = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 32_768
+    new_tokens = max(cfg.grpo.sampling.max_new_tokens, cfg.eval.sampling.max_new_tokens)
+    max_prompt = cfg.data.max_prompt_tokens or positions - new_tokens
+    if max_prompt < 1:
+        raise ConfigError(
+            f"grpo/eval sampling.max_new_tokens ({new_tokens}) leaves no room for a prompt in the model's "
+            f"{positions} positions: lower it, or set data.max_prompt_tokens"
+        )
+    use_chat_template = cfg.model.use_chat_template
+
+    def count(row: PromptRow) -> tuple[int, int]:
+        prompt = len(encode_prompt(tokenizer, row, use_chat_template))
+        # the SFT target, as loops.sft.sft_pair builds it (plus its EOS)
+        if row.messages and row.messages[-1]["role"] == "assistant":
+            target = row.messages[-1]["content"]
+        else:
+            target = row.completion or row.answer
+        return prompt, prompt + len(tokenizer(target, add_special_tokens=False)["input_ids"]) + 1
+
+    return LengthLimits(count, max_prompt, cfg.data.max_seq_len or positions, cfg.data.overlong)
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_template: bool) -> list[int]:

@@ -18,6 +18,7 @@ class MetricsLogger:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb = None
+        self._notes: dict[str, Any] = {}
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -26,7 +27,12 @@ class MetricsLogger:
             except ImportError:
                 log.info("tensorboard not installed: logging to metrics.jsonl only")
 
+    def note(self, fields: dict[str, Any]) -> None:
+        """Fields to add to the next row logged (e.g. the data rows skipped at load, once per process)."""
+        self._notes.update(fields)
+
     def log(self, row: dict[str, Any]) -> None:
+        row, self._notes = {**row, **self._notes}, {}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")

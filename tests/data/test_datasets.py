@@ -36,7 +36,7 @@ def test_jsonl_with_field_mapping(tmp_path):
     path.write_text(path.read_text() + "\n   \n" + json.dumps(ROWS[2]) + "\n")  # blank lines are skipped
     rows, skipped = load_rows(path, DataConfig(source="jsonl", **MAPPING))
     _check_rows(rows)
-    assert skipped == 0
+    assert skipped == {}
 
 
 def test_parquet_with_field_mapping(tmp_path):
@@ -65,10 +65,15 @@ def test_chat_rows_keep_messages_and_answer(tmp_path):
         {"messages": [{"role": "user", "content": "2+2="}, {"role": "assistant", "content": "4"}]},
         {"messages": [{"role": "user", "content": "3+3="}], "answer": "6"},
     ]
-    rows, _ = load_rows(_write_jsonl(tmp_path / "chat.jsonl", chat), DataConfig(source="jsonl"))
+    path = _write_jsonl(tmp_path / "chat.jsonl", chat)
+    # SFT: the assistant turn is the target, no answer needed
+    rows, _ = load_rows(path, DataConfig(source="jsonl"), need_answer=False)
     assert rows[0].messages == tuple(chat[0]["messages"]) and rows[0].prompt == ""
     # the reference answer of a chat prompt is what RL scores against: it must not be dropped
     assert rows[1].answer == "6"
+    # for RL a chat row without an answer is refused: "" would pay 1.0 for any blank first line
+    with pytest.raises(DataError, match=f"{path}: row 1: chat row without 'answer'"):
+        load_rows(path, DataConfig(source="jsonl"))
 
 
 @pytest.mark.parametrize(
@@ -98,7 +103,7 @@ def test_skip_bad_rows_counts_them(tmp_path):
     bad = ["{not json", json.dumps({"question": "9+9="}), json.dumps({"solution": "1"})]
     path = _write_jsonl(tmp_path / "bad.jsonl", ROWS[:2], raw_lines=bad + [json.dumps(ROWS[2])])
     rows, skipped = load_rows(path, DataConfig(source="jsonl", skip_bad_rows=True, **MAPPING))
-    assert skipped == 3
+    assert skipped == {"json": 1, "no_answer": 1, "fields": 1}  # by reason, for the summary line and metrics
     _check_rows(rows)  # indices stay dense over the kept rows
 
 
@@ -122,7 +127,7 @@ def test_load_splits_from_files(tmp_path):
     train = _write_jsonl(tmp_path / "train.jsonl", ROWS)
     held_out = _write_jsonl(tmp_path / "eval.jsonl", ROWS[:1])
     cfg = DataConfig(source="jsonl", train_path=str(train), eval_path=str(held_out), **MAPPING)
-    tr, ev = load_splits(cfg, seed=0)
+    tr, ev, _ = load_splits(cfg, seed=0)
     assert len(tr) == 3 and [r.prompt for r in ev] == ["1+1="]
     assert load_splits(cfg.model_copy(update={"eval_path": ""}), seed=0)[1] == []
     with pytest.raises(DataError, match="data.train_path is required"):
