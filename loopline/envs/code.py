@@ -21,6 +21,9 @@ that claim unforgeable, the completion never runs in the process that runs the t
   and cannot touch the judge; `sys.exit(0)`/`os._exit(0)` only end the solution process, which
   the judge reports as a failure; a printed fake verdict goes to stderr and lacks the nonce.
 
+The judge is `loopline/envs/sandbox/inside/judge.py`, a standalone program (standard library
+only) handed to the sandbox as text.
+
 Departure from the usual `exec(prompt + completion + test)`: a test cannot observe mutation of
 its arguments by the candidate (calls pass copies) nor get anything but built-in data back;
 HumanEval's tests need neither (all 164 canonical solutions pass).
@@ -31,7 +34,6 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.util
-import inspect
 import json
 import marshal
 import secrets
@@ -40,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxResult
+from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxResult, inside_source
 
 PROBLEM_FIELDS = ("task_id", "prompt", "entry_point", "test")
 
@@ -208,193 +210,6 @@ def _verdict(stdout: str) -> str:
     return lines[-1][len(VERDICT) + 1 :]
 
 
-# ---------------------------------------------------------------------------------------------
-# The two programs that run inside the sandbox. They are ordinary functions here (linted,
-# readable) and shipped as source; they may use only the standard library.
-# ---------------------------------------------------------------------------------------------
-
-
-# Frame = 8-byte little-endian length + marshal bytes. marshal is built in (no import cost at
-# start-up) and only ever builds built-in types; what the judge reads is checked by `_plain`
-# anyway, and a frame that does not parse is a failed check.
-MAX_FRAME = 64 << 20
-
-
-def _plain(value: Any, depth: int = 0) -> Any:
-    """`value` if it is built-in data all the way down (exact types), else TypeError."""
-    kind = type(value)
-    if value is None or kind in (bool, int, float, complex, str, bytes):
-        return value
-    if depth > 200:
-        raise TypeError("value nested too deeply to cross the sandbox boundary")
-    if kind in (list, tuple, set, frozenset):
-        for item in value:
-            _plain(item, depth + 1)
-        return value
-    if kind is dict:
-        for key, item in value.items():
-            _plain(key, depth + 1)
-            _plain(item, depth + 1)
-        return value
-    raise TypeError(f"a value of type {kind.__name__} cannot cross the sandbox boundary (built-in data only)")
-
-
-def _send(fd: int, value: Any) -> None:
-    """Write one frame holding `value` to a blocking fd."""
-    import marshal
-    import os
-
-    body = marshal.dumps(value, 4)
-    data = memoryview(len(body).to_bytes(8, "little") + body)
-    while data:
-        data = data[os.write(fd, data) :]
-
-
-def _receive(stream: Any) -> Any:
-    """Read one frame from a binary stream; EOFError if the writer is gone."""
-    import marshal
-
-    header = stream.read(8)
-    if len(header) < 8:
-        raise EOFError("the other process exited (or closed its pipe) before answering")
-    size = int.from_bytes(header, "little")
-    if size > MAX_FRAME:
-        raise ValueError(f"frame of {size} bytes exceeds the {MAX_FRAME}-byte limit")
-    body = stream.read(size)
-    if len(body) < size:
-        raise EOFError("the other process exited in the middle of a message")
-    return marshal.loads(body)
-
-
-def _flush(*streams: Any) -> None:
-    """Flush Python-level buffers before os._exit (which skips that)."""
-    for stream in streams:
-        try:  # noqa: SIM105 - no contextlib import at start-up
-            stream.flush()
-        except Exception:
-            pass  # a stream the solution closed or replaced
-
-
-def _solution_main(requests_fd: int, answers_fd: int) -> None:
-    """Solution process: run prompt + completion, then answer calls until the judge hangs up."""
-    requests = open(requests_fd, "rb")  # noqa: SIM115 - lives as long as this process
-    first = _receive(requests)
-    namespace: dict[str, Any] = {"__name__": "__solution__"}
-    try:
-        exec(compile(first["source"], "<solution>", "exec"), namespace)
-        function = namespace[first["entry_point"]]
-    except BaseException as e:  # noqa: BLE001 - any failure to load is reported, not raised
-        _send(answers_fd, {"error": f"{type(e).__name__} while loading the solution: {e}"})
-        return
-    _send(answers_fd, {"ok": True})
-    while True:
-        try:
-            args, kwargs = _receive(requests)
-        except EOFError:
-            return
-        try:
-            answer = {"return": _plain(function(*args, **kwargs))}
-        except Exception as e:
-            answer = {"raise": type(e).__name__, "message": str(e)[:2000]}
-        _send(answers_fd, answer)
-
-
-def _judge_main() -> None:
-    """Judge process: fork the solution process, run the test against it, print the verdict."""
-    import builtins
-    import marshal
-    import os
-    import sys
-
-    # Fork the solution process first, while this process holds nothing secret (the payload and
-    # its nonce are still unread on stdin): the child shares no secret memory with the judge, and
-    # costs no interpreter start-up of its own.
-    requests_r, requests_w = os.pipe()
-    answers_r, answers_w = os.pipe()
-    if os.fork() == 0:
-        try:
-            devnull = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(devnull, 0)  # not the payload
-            os.dup2(2, 1)  # not the verdict stream: the solution's prints go to stderr
-            os.close(devnull)
-            os.close(requests_w)
-            os.close(answers_r)
-            _solution_main(requests_r, answers_w)
-        finally:
-            _flush(sys.stdout, sys.stderr)
-            os._exit(0)  # never return into the judge's code, whatever the solution raised
-    os.close(requests_r)
-    os.close(answers_w)
-
-    import ctypes
-
-    verdict_fd = os.dup(1)  # only the judge writes the verdict stream...
-    os.dup2(2, 1)  # ...and anything the test prints goes to stderr
-
-    def verdict(line: str) -> None:
-        _flush(sys.stdout, sys.stderr)  # what the test printed, before the process ends
-        os.write(verdict_fd, ("\n" + VERDICT + " " + line.replace("\n", " ") + "\n").encode())
-
-    # Non-dumpable before the nonce enters memory: other processes of this uid (the solution)
-    # can then neither ptrace us nor open our /proc/<pid>/{mem,fd,environ}.
-    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
-        verdict("failed judge: prctl(PR_SET_DUMPABLE, 0) failed")
-        os._exit(2)
-    payload = marshal.loads(sys.stdin.buffer.read())
-    nonce = payload.pop("nonce")
-    answers = open(answers_r, "rb")  # noqa: SIM115 - lives as long as this process
-
-    def exchange(message: Any) -> dict[str, Any]:
-        _send(requests_w, message)
-        answer = _plain(_receive(answers))
-        if type(answer) is not dict:
-            raise ValueError("malformed answer from the solution process")
-        return answer
-
-    def candidate(*args: Any, **kwargs: Any) -> Any:
-        answer = exchange((_plain(args), _plain(kwargs)))
-        if "return" in answer:
-            return answer["return"]
-        name, message = str(answer.get("raise")), str(answer.get("message"))
-        error = getattr(builtins, name, None)
-        if isinstance(error, type) and issubclass(error, Exception):
-            raise error(message)
-        raise RuntimeError(f"{name}: {message}")
-
-    try:
-        loaded = exchange({"source": payload["solution"], "entry_point": payload["entry_point"]})
-        if loaded.get("ok") is not True:
-            raise RuntimeError(str(loaded.get("error", "the solution did not load")))
-        namespace: dict[str, Any] = {"__name__": "__judge__"}
-        # Helpers defined in the prompt (e.g. HumanEval/32's `poly`) come from the problem.
-        try:  # noqa: SIM105 - contextlib would cost an import at start-up
-            exec(compile(payload["prompt"], "<prompt>", "exec"), namespace)
-        except SyntaxError:
-            pass  # a prompt that is not valid code on its own defines no helpers
-        namespace[payload["entry_point"]] = candidate
-        exec(compile(payload["test"], "<test>", "exec"), namespace)
-        namespace["check"](candidate)
-    except BaseException as e:  # noqa: BLE001 - every failure is a verdict
-        tb = e.__traceback__
-        while tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next
-        where = f" ({tb.tb_frame.f_code.co_filename} line {tb.tb_lineno})" if tb else ""
-        verdict(f"failed {type(e).__name__}: {str(e)[:500]}{where}")
-        os._exit(1)
-    verdict(f"passed {nonce}")
-    os._exit(0)
-
-
-VERDICT = "loopline-verdict"
-
-
-def _program() -> str:
-    """Source of the judge program (which forks the solution process) as run in the sandbox."""
-    # Annotations stay unevaluated, so the program needs no `typing` import (start-up cost).
-    parts = ["from __future__ import annotations", f"VERDICT = {VERDICT!r}"]
-    parts.append(f"MAX_FRAME = {MAX_FRAME}")
-    parts += [inspect.getsource(f) for f in (_plain, _send, _receive, _flush, _solution_main, _judge_main)]
-    return "\n\n".join(parts) + "\n\n_judge_main()\n"
-
-
-JUDGE_PROGRAM = _program()
+VERDICT = "loopline-verdict"  # the judge's marker (inside/judge.py prints the same)
+# The judge, run in the sandbox as the program; it forks the solution process (see the top).
+JUDGE_PROGRAM = inside_source("judge.py")
