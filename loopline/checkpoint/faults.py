@@ -8,23 +8,37 @@ test can SIGKILL it at exactly that point: mid-save, right after a save, at a gi
 - `saved:<checkpoint>`: the checkpoint renamed into place and `latest` updated;
 - `step:<phase>:<step>`: the metrics row of that step logged, before its checkpoint;
 - `stage:<stage>`: at the start of a loop stage (e.g. `stage:score`), to test the watchdog.
-Unset (the normal case) they cost one dictionary lookup.
+Unset (the normal case) they cost one dictionary lookup. Set, the first point reached says so on stderr
+(once per process): a variable inherited by accident would otherwise hold a real run forever in silence.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
 PAUSE_ENV = "LOOPLINE_PAUSE_AT"
 PAUSE_DIR_ENV = "LOOPLINE_PAUSE_DIR"
+_warned = False
 
 
 def pause_point(name: str) -> None:
     """Sleep forever here when LOOPLINE_PAUSE_AT names this point (a test then kills the process)."""
+    global _warned
     points = os.environ.get(PAUSE_ENV)
-    if not points or name not in points.split(","):
+    if not points:
+        return
+    if not _warned:
+        _warned = True
+        print(
+            f"loopline: warning: {PAUSE_ENV}={points} is set (a test hook): this run will stop and wait "
+            "forever at those points; unset it for a real run",
+            file=sys.stderr,
+            flush=True,
+        )
+    if name not in points.split(","):
         return
     marker_dir = os.environ.get(PAUSE_DIR_ENV)
     if marker_dir:
