@@ -6,12 +6,21 @@ import argparse
 import importlib
 import sys
 
+from loopline.checkpoint.run_dir import RESUMABLE
 from loopline.config import ConfigError, load_config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.steps=10")
+
+
+def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="out_dir holds an earlier run: delete its files (config, metrics, checkpoints, ...) and start afresh",
+    )
 
 
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -29,10 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="SFT warm start then GRPO (the built-in default job with no config)")
     _add_config_args(p)
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in out_dir")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in out_dir from its newest whole checkpoint, with its saved config.yaml; a config "
+        f"and overrides given too may change only: {', '.join(RESUMABLE)}",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: let any other field change too (recorded in out_dir/config_history.jsonl)",
+    )
+    _add_overwrite_arg(p)
 
     p = sub.add_parser("sft", help="supervised fine-tuning only")
     _add_config_args(p)
+    _add_overwrite_arg(p)
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
     _add_config_args(p)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
-from loopline.checkpoint.state import RunState
+from loopline.checkpoint.run_dir import prepare_new_run, record_config, resume_config
+from loopline.checkpoint.state import RunState, checkpoint_name, checkpoint_root, newest_whole_checkpoint
 from loopline.config import ConfigError, RunConfig, describe, load_config
+from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
     build_context,
@@ -18,27 +22,63 @@ from loopline.loops.context import (
 )
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
+from loopline.loops.stop import Interrupted, StopFlag
 from loopline.runtime.workers import WorkerError
 from loopline.training.lora import merged_state_dict
 
 
 def _start_fresh(ctx: RunContext) -> None:
-    """A new run: without this, an earlier run's metrics and ledger lines would be read as this one's."""
+    """A new run (out_dir held none, or --overwrite deleted it), or a restart of this process's run before its
+    first save: without this, earlier metrics and ledger lines would be read as this run's."""
     ctx.logger.clear()
     ctx.ledger.clear()
 
 
-def _resume(ctx: RunContext) -> tuple[RunState, dict | None]:
-    """State and trainer state of the newest whole checkpoint (weights on the trainer ranks, RNG, metrics and
-    ledger cut back to it), or a fresh start."""
-    found = ctx.checkpoints.resume()
+def _run_config(
+    config: str | None, overrides: list[str], args: argparse.Namespace, command: str
+) -> tuple[RunConfig, dict[str, tuple]]:
+    """The run's config and, resumed, what differs from the one saved in out_dir (checkpoint.run_dir): a resume
+    needs something to resume from, a new run an out_dir that holds no run (or --overwrite)."""
+    if getattr(args, "resume", False):
+        cfg, changes = resume_config(config, overrides, args.allow_config_change)
+        run_dir = Path(cfg.out_dir)
+        metrics = run_dir / "metrics.jsonl"
+        newest, _ = newest_whole_checkpoint(run_dir)  # raises, before anything is written, if all are damaged
+        if newest is None and metrics.is_file() and metrics.stat().st_size > 0:
+            raise UserError(
+                f"cannot resume {run_dir}: it has metrics but no checkpoint (it stopped before its first save); "
+                f"start it again with `loopline {command} --overwrite out_dir={run_dir}` (deletes it)"
+            )
+        return cfg, changes
+    cfg = load_config(config, overrides)
+    prepare_new_run(cfg.out_dir, args.overwrite, command)
+    return cfg, {}
+
+
+def _resume(ctx: RunContext, changes: dict[str, tuple]) -> tuple[RunState, dict | None]:
+    """State and trainer state of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
+    ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics)."""
+    found = ctx.checkpoints.resume()  # raises when there are checkpoints and every one is damaged
+    for path, fault in ctx.checkpoints.skipped:
+        warning = f"loopline: warning: checkpoint {path} is damaged: {fault}; using an older one"
+        print(warning, file=sys.stderr)
     if found is None:
         print(f"no checkpoint in {ctx.run_dir}: starting fresh")
         _start_fresh(ctx)
+        record_config(ctx.run_dir, "start")
         return RunState(), None
     state, trainer_state = found
     print(f"resumed from {ctx.checkpoints.resumed_from} ({state.phase} step {state.step})")
+    record_config(ctx.run_dir, "resume", changes, checkpoint=ctx.checkpoints.resumed_from.name)
     return state, trainer_state
+
+
+def _stopped(e: Interrupted, run_dir: str, command: str) -> int:
+    """After SIGINT/SIGTERM stopped a run at a step's end (its checkpoint whole): where, and how to go on."""
+    print(f"{e}: checkpoint {checkpoint_root(run_dir) / checkpoint_name(e.state)}")
+    if command == "train":
+        print(f"continue with: loopline train --resume out_dir={run_dir}")
+    return e.exit_code
 
 
 def train(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
@@ -46,25 +86,17 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 
     A failed call on a worker group (ray: a rank that died, a collective broken by one, a call past its
     timeout) restarts the roles from the newest checkpoint, at most runtime.max_restarts times; the time
-    from the failure to the resumed run is printed.
+    from the failure to the resumed run is printed. SIGINT/SIGTERM: the step in progress ends, its checkpoint
+    is written, and the exit status is 130/143 (loops.stop).
     """
-    cfg = load_config(config, overrides)
+    cfg, changes = _run_config(config, overrides, args, "train")
     t0 = time.perf_counter()
-    resume, failed_at = args.resume, None
-    for attempt in range(cfg.runtime.max_restarts + 1):
-        ctx = build_context(cfg)
+    stop = StopFlag()
+    with stop.handling():
         try:
-            state = _train(ctx, resume, failed_at)
-            break
-        except WorkerError as e:
-            ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
-            if attempt == cfg.runtime.max_restarts:
-                raise
-            restarts = cfg.runtime.max_restarts
-            print(f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
-            resume, failed_at = True, time.perf_counter()
-        finally:
-            ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
+            ctx, state = _attempts(cfg, args.resume, changes, stop)
+        except Interrupted as e:
+            return _stopped(e, cfg.out_dir, "train")
     before = _accuracy_at(ctx, "grpo", 0)
     after = _accuracy_at(ctx, "grpo", state.step)
 
@@ -78,14 +110,37 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     return 0
 
 
-def _train(ctx: RunContext, resume: bool, failed_at: float | None) -> RunState:
+def _attempts(
+    cfg: RunConfig, resume: bool, changes: dict[str, tuple], stop: StopFlag
+) -> tuple[RunContext, RunState]:
+    """`train` until it ends, restarting the roles after a worker failure; the last context and final state."""
+    failed_at = None
+    for attempt in range(cfg.runtime.max_restarts + 1):
+        ctx = build_context(cfg)
+        ctx.stop = stop
+        try:
+            return ctx, _train(ctx, resume, failed_at, changes)
+        except WorkerError as e:
+            ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
+            if attempt == cfg.runtime.max_restarts:
+                raise
+            restarts = cfg.runtime.max_restarts
+            print(f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
+            resume, failed_at, changes = True, time.perf_counter(), {}
+        finally:
+            ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _train(ctx: RunContext, resume: bool, failed_at: float | None, changes: dict[str, tuple]) -> RunState:
     """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state."""
     if resume:
-        state, trainer_state = _resume(ctx)
+        state, trainer_state = _resume(ctx, changes)
         if failed_at is not None:
             print(f"recovered in {time.perf_counter() - failed_at:.1f}s (roles restarted, checkpoint loaded)")
     else:
         _start_fresh(ctx)
+        record_config(ctx.run_dir, "start")
         state, trainer_state = RunState(), None
 
     if state.phase == "sft":
@@ -114,12 +169,12 @@ def _pct(x: float | None) -> str:
     return "n/a (no held-out set)" if x is None else f"{100 * x:.1f}%"
 
 
-def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT only; the result is the checkpoint's model/ directory."""
-    cfg = load_config(config, overrides)
+def _sft(cfg: RunConfig, stop: StopFlag) -> None:
     ctx = build_context(cfg)
+    ctx.stop = stop
     try:
         ctx.logger.clear()
+        record_config(ctx.run_dir, "start")
         sync_engine(ctx, version=0)
         ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
         train_sft(ctx, RunState(), None)
@@ -127,8 +182,19 @@ def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
         model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(model))  # LoRA folded in
         ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
     finally:
-        ctx.close()
-    print(f"saved {ctx.run_dir / 'model'}")
+        ctx.close()  # a checkpoint in flight is whole before a stop prints its path
+
+
+def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """SFT only; the result is the checkpoint's model/ directory. SIGINT/SIGTERM: as for `train`."""
+    cfg, _ = _run_config(config, overrides, args, "sft")
+    stop = StopFlag()
+    with stop.handling():
+        try:
+            _sft(cfg, stop)
+        except Interrupted as e:
+            return _stopped(e, cfg.out_dir, "sft")
+    print(f"saved {Path(cfg.out_dir) / 'model'}")
     return 0
 
 

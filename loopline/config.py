@@ -588,8 +588,13 @@ def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a RunConfig from an optional YAML file and dotted overrides; raise ConfigError if bad."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, base: RunConfig | None = None
+) -> RunConfig:
+    """Load a RunConfig from an optional YAML file and dotted overrides; raise ConfigError if bad.
+
+    base: the config the file and overrides apply to (default: every field's default), e.g. a resumed run's.
+    """
     tree: dict[str, Any] = {}
     if path:
         p = Path(path)
@@ -605,7 +610,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     tree = merge_trees(tree, parse_overrides(overrides or []))
     # Start from the defaults, so a section given in part keeps the rest of its own defaults:
     # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
-    tree = merge_trees(RunConfig().model_dump(), tree)
+    tree = merge_trees((base if base is not None else RunConfig()).model_dump(), tree)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:

@@ -12,13 +12,18 @@ Layout of RUN_DIR/checkpoints/<phase>-<step>/:
   rng.pt        python, numpy and torch RNG states of the driver (the local engine samples from torch's)
   cursors.json  byte lengths of metrics.jsonl and ledger.jsonl when it was taken; a resume cuts them back
   config.yaml   the run's config
-RUN_DIR/checkpoints/latest names the newest whole checkpoint.
+RUN_DIR/checkpoints/latest names the newest whole checkpoint; it is a hint for people and tools: a resume scans
+the checkpoint directories itself (a kill between a rename and the pointer's update, or a lost pointer, must
+not hide a whole checkpoint).
 
 A checkpoint is written under `.tmp-<name>` and renamed when whole, then `latest` is replaced (a rename
 too), so a checkpoint that exists is complete and `latest` never names a partial one: a process killed
 at any moment leaves the previous checkpoint as the newest. With checkpoint.async_save the state is
 copied at the save call and written by a background thread while training continues; the next save (and
 the end of the run) waits for it, and it becomes `latest` only once whole.
+
+A resume takes the newest checkpoint whose files all read whole (checkpoint_fault): a damaged one (a disk
+that filled up, a copy cut short) is skipped, named with the file at fault, and the one before it is used.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import threading
 import time
@@ -41,6 +47,7 @@ from loopline.checkpoint.dcp import ShardWriter, copy_state, read_model_weights,
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import LEDGER_FILE
 from loopline.config import CheckpointConfig
+from loopline.errors import UserError
 
 # Append-only run files that a checkpoint records the length of, and a resume cuts back to that length.
 RUN_FILES = ("metrics.jsonl", LEDGER_FILE)
@@ -90,19 +97,82 @@ def checkpoint_name(state: RunState) -> str:
     return f"{state.phase}-{state.step:06d}"
 
 
+_CHECKPOINT_NAME = re.compile(r"[a-z_]+-\d+")  # checkpoint_name(); not .tmp-*, .trash-* or `latest`
+
+
+def checkpoints_newest_first(run_dir: str | Path) -> list[Path]:
+    """A run's checkpoint directories, newest first. Each was renamed into place when whole, so each is a
+    checkpoint; whether its files are intact is checkpoint_fault's question."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name)]
+    return sorted(found, key=_age_key, reverse=True)
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest whole checkpoint of a run, or None."""
-    pointer = checkpoint_root(run_dir) / "latest"
-    if not pointer.exists():
-        return None
-    path = checkpoint_root(run_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    """The newest checkpoint of a run, or None (found by name: the `latest` pointer is a hint only)."""
+    found = checkpoints_newest_first(run_dir)
+    return found[0] if found else None
 
 
 def _age_key(path: Path) -> tuple[int, str]:
     """Oldest first: SFT checkpoints precede RL ones (by name alone 'grpo-*' would sort before 'sft-*')."""
     phase = path.name.split("-", 1)[0]
     return ({"sft": 0, "grpo": 1}.get(phase, 2), path.name)
+
+
+def _shards_fault(shards: Path) -> str | None:
+    """Why the DCP directory `shards` is not whole (a missing or short shard file), or None. DCP keeps no
+    checksums: a shard of the right length with bad bytes shows only when it is loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(shards)).read_metadata()
+    except Exception as e:
+        return f"{shards.name}/.metadata: {type(e).__name__}: {e}"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        path = shards / name
+        if not path.is_file():
+            return f"{shards.name}/{name}: missing"
+        if path.stat().st_size < size:
+            return f"{shards.name}/{name}: truncated ({path.stat().st_size} of {size} bytes)"
+    return None
+
+
+def checkpoint_fault(path: Path) -> str | None:
+    """Why checkpoint `path` cannot be resumed from, starting with the file at fault ("loop.pt: EOFError: ..."),
+    or None when every file a resume reads is there and reads whole."""
+
+    def read_json(name: str) -> Any:
+        return json.loads((path / name).read_text())
+
+    def read_torch(name: str) -> Any:
+        return torch.load(path / name, weights_only=False)
+
+    checks = [
+        ("state.json", lambda: RunState(**read_json("state.json"))),
+        ("cursors.json", lambda: dict(read_json("cursors.json"))),
+        ("rng.pt", lambda: [read_torch("rng.pt")[k] for k in ("python", "numpy", "torch")]),
+    ]
+    optional = [name for name in (LOOP_FILE, "trainer.pt") if (path / name).exists()]
+    checks += [(name, lambda name=name: read_torch(name)) for name in optional]
+    for name, check in checks:
+        try:
+            check()
+        except Exception as e:
+            return f"{name}: {type(e).__name__}: {e}"
+    # dcp/ (the actor's shards) always; reference/ and the ray critic's critic/ where the checkpoint has them
+    shard_dirs = {path / "dcp"} | {p for p in path.iterdir() if p.is_dir() and (p / ".metadata").exists()}
+    for shards in sorted(shard_dirs):
+        fault = _shards_fault(shards)
+        if fault:
+            return fault
+    return None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -210,6 +280,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.last_save_s = 0.0  # wall time the last save() blocked the caller
         self.resumed_from: Path | None = None
+        self.skipped: list[tuple[Path, str]] = []  # checkpoints the last resume() passed over, and why
         # the frozen reference of this phase as a whole checkpoint holds it: later saves link its files
         self._reference: Path | None = None
 
@@ -286,14 +357,17 @@ class Checkpointer:
         self._pending, self._error = None, None
 
     def resume(self) -> tuple[RunState, dict[str, Any]] | None:
-        """Restore the newest whole checkpoint: weights on every trainer rank, RNG, run files cut back.
+        """Restore the newest checkpoint whose files read whole: weights on every trainer rank, RNG, run files cut
+        back. Damaged newer ones are passed over (self.skipped: path and the file at fault).
 
-        Returns (run state, trainer state for Actor.start_phase), or None when there is no checkpoint.
+        Returns (run state, trainer state for Actor.start_phase), or None when there is no checkpoint; raises
+        UserError when there are checkpoints and none is whole (the run files are left as they are).
         """
         for pattern in (".tmp-*", ".trash-*"):  # what killed saves left behind
             for leftover in self.root.glob(pattern):
                 shutil.rmtree(leftover, ignore_errors=True)
-        path = latest_checkpoint(self.run_dir)
+        # every file of the checkpoint read before anything is loaded or cut back
+        path, self.skipped = newest_whole_checkpoint(self.run_dir)
         if path is None:
             return None
         state = RunState(**json.loads((path / "state.json").read_text()))
@@ -303,6 +377,25 @@ class Checkpointer:
         self.resumed_from = path
         self._reference = path / REFERENCE_DIR if (path / REFERENCE_DIR).is_dir() else None
         return state, _trainer_state(path)
+
+
+def newest_whole_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest checkpoint of a run whose files read whole (checkpoint_fault), and the newer ones passed over
+    with the fault of each; (None, []) when the run has no checkpoint. Raises UserError when it has checkpoints
+    and every one is damaged."""
+    skipped = []
+    for path in checkpoints_newest_first(run_dir):
+        fault = checkpoint_fault(path)
+        if fault is None:
+            return path, skipped
+        skipped.append((path, fault))
+    if skipped:
+        faults = "; ".join(f"{path} ({fault})" for path, fault in skipped)
+        raise UserError(
+            f"no checkpoint of {run_dir} can be resumed from, every one is damaged: {faults}. The run's files are "
+            "left as they are; restore a checkpoint, or start afresh with --overwrite"
+        )
+    return None, []
 
 
 def load_weights(path: str | Path, model: PreTrainedModel) -> None:

@@ -7,7 +7,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, SamplingConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import exact_match
+from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
 from loopline.rollout.engine import SamplingParams
@@ -46,6 +47,7 @@ class RunContext:
     ledger: Ledger  # which samples each step trained (ledger.jsonl)
     watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
     critic: Critic | None = None  # PPO's value model (grpo.advantage=gae), on the runtime's backend
+    stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""

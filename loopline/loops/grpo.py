@@ -381,10 +381,14 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
                 row.update(evaluate(ctx))
         ctx.logger.log(row)
         pause_point(f"step:grpo:{state.step}")  # test hook: a kill between a step's row and its checkpoint
-        if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
+        stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
+        if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):
                 ctx.checkpoints.save(state, _loop_state(ctx, kl_control, critic), reference=cfg.kl_coef > 0)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
+        if stop:
+            bar.close()
+            ctx.stop.check(state)
     bar.close()
     return state

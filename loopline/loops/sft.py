@@ -65,10 +65,14 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
                 row.update(evaluate(ctx))
         ctx.logger.log(row)
         pause_point(f"step:sft:{state.step}")  # test hook: a kill between a step's row and its checkpoint
-        if last or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
+        stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
+        if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):
                 ctx.checkpoints.save(state)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_accuracy", "-"))
+        if stop:
+            bar.close()
+            ctx.stop.check(state)
     bar.close()
     return state

@@ -1,0 +1,145 @@
+"""A run directory kept safe across starts and resumes: a new run never writes over an old one, and a resumed
+run keeps the config it was started with.
+
+- A new run (no --resume) refuses an out_dir that holds a run (config.yaml, metrics.jsonl or checkpoints/);
+  --overwrite deletes that run's own files first (RUN_ENTRIES; anything else in the directory stays). The
+  old run is deleted, not moved aside: out_dir is often a mount point (a Kubernetes volume), which cannot be
+  renamed.
+- A resumed run starts from its saved config.yaml. A config file and overrides given with --resume apply on
+  top of it, but only the fields of RESUMABLE may differ (how and where the run executes, how often it saves
+  and evaluates, how long it goes): any other difference is refused, naming the fields and both values,
+  unless --allow-config-change.
+- config_history.jsonl records every start and resume (and restart after a failure), with what changed.
+
+No torch here: these checks run before any model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+from loopline.config import RunConfig, load_config
+from loopline.errors import UserError
+
+HISTORY_FILE = "config_history.jsonl"
+
+# What a run writes into its out_dir: --overwrite deletes these and nothing else.
+RUN_ENTRIES = (
+    "config.yaml", HISTORY_FILE, "metrics.jsonl", "ledger.jsonl", "checkpoints", "tensorboard", "curves.png",
+    "model", "reward_model", "scale_request.json",
+)  # fmt: skip
+# Their presence makes a directory a run's: a new run there would mix with or destroy it.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+# Config fields a resume may change (fnmatch patterns on dotted keys); what the run trains on, and how, stays.
+RESUMABLE = (
+    "out_dir",  # the run directory moved (copied elsewhere, mounted at another path)
+    "sft.steps", "grpo.steps",  # extend (or end) a phase; the LR schedule follows the new length
+    "runtime.*",  # rescale: backend, ranks, engines, env workers, timeouts, cluster
+    "checkpoint.*", "checkpoint_every",
+    "sft.eval_every", "grpo.eval_every", "eval.batch_size",  # when held-out eval runs, not what it measures
+    "threads", "deterministic", "progress", "tensorboard",
+)  # fmt: skip
+
+
+def holds_run(run_dir: str | Path) -> list[str]:
+    """The run files in `run_dir` (RUN_MARKERS present), [] for a directory no run has written to."""
+    return [name for name in RUN_MARKERS if (Path(run_dir) / name).exists()]
+
+
+def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train") -> None:
+    """Before a new run in `run_dir`: refuse one that holds a run, or (overwrite) delete that run's files."""
+    run_dir = Path(run_dir)
+    found = holds_run(run_dir)
+    if not found:
+        return
+    if not overwrite:
+        resume = (
+            f" continue it with `loopline {command} --resume out_dir={run_dir}`,"
+            if command == "train"
+            else ""
+        )
+        raise UserError(
+            f"out_dir {run_dir} holds a run ({', '.join(found)}):{resume} or pass --overwrite to delete it and "
+            "start afresh, or choose another out_dir"
+        )
+    deleted = []
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        deleted.append(name)
+    print(f"--overwrite: deleted the run in {run_dir} ({', '.join(deleted)})")
+
+
+def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a nested dict."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """{dotted key: (old value, new value)} of every field that differs."""
+    a, b = _leaves(old.model_dump(mode="json")), _leaves(new.model_dump(mode="json"))
+    return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+def resumable(key: str) -> bool:
+    return any(fnmatch(key, pattern) for pattern in RESUMABLE)
+
+
+def resume_config(
+    path: str | None, overrides: list[str], allow_change: bool
+) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
+    """The config of a resumed run, and what differs from its saved one.
+
+    The run's saved config.yaml is the base; the config file and overrides given apply on top. A difference
+    outside RESUMABLE raises UserError (one line) naming each field with the saved and the given value, unless
+    allow_change. A run directory without config.yaml (nothing to resume yet) takes the given config as is.
+    """
+    given = load_config(path, overrides)
+    saved_path = Path(given.out_dir) / "config.yaml"
+    if not saved_path.is_file():
+        return given, {}
+    saved = load_config(saved_path)
+    resumed = load_config(path, overrides, base=saved)
+    changes = config_changes(saved, resumed)
+    refused = {k: v for k, v in changes.items() if not resumable(k)}
+    if refused and not allow_change:
+        listed = "; ".join(f"{k}: saved {old!r}, given {new!r}" for k, (old, new) in refused.items())
+        raise UserError(
+            f"--resume keeps the run's config ({saved_path}), but these differ: {listed}. "
+            f"A resume may change only {', '.join(RESUMABLE)}: drop the others, or pass --allow-config-change"
+        )
+    return resumed, changes
+
+
+def record_config(
+    run_dir: str | Path, event: str, changes: dict[str, tuple[Any, Any]] | None = None, **extra: Any
+) -> None:
+    """Append one line to the run's config_history.jsonl: the event (start, resume, restart), when, what changed
+    from the saved config ({key: [old, new]}) and which of those only --allow-config-change let through."""
+    changes = changes or {}
+    line = {
+        "event": event,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "changes": {k: list(v) for k, v in changes.items()},
+        "forced": sorted(k for k in changes if not resumable(k)),
+        **extra,
+    }
+    with (Path(run_dir) / HISTORY_FILE).open("a") as f:
+        f.write(json.dumps(line) + "\n")
