@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
+import pkgutil
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 from loopline.checkpoint.run_dir import RESUMABLE
-from loopline.config import ConfigError, load_config
+from loopline.config import ConfigError, RunConfig, load_config
+from loopline.errors import UserError
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -33,8 +40,18 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="loopline", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    # allow_abbrev=False everywhere: `train --resum` must not pass for `--resume` (nor any future --resume-x)
+    parser = argparse.ArgumentParser(prog="loopline", description=__doc__, allow_abbrev=False)
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of a user error (accepted anywhere in the line)",
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False),
+    )
 
     p = sub.add_parser("train", help="SFT warm start then GRPO (the built-in default job with no config)")
     _add_config_args(p)
@@ -61,13 +78,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
     _add_config_args(p)
 
-    p = sub.add_parser("eval", help="held-out accuracy of a model directory or checkpoint")
+    p = sub.add_parser(
+        "eval",
+        help="held-out accuracy of a model: model.path=DIR, or DIR first (a Hugging Face model, a checkpoint, "
+        "or a run: its newest checkpoint, with the run's config); reads only, writes nothing",
+    )
     _add_config_args(p)
 
-    p = sub.add_parser("generate", help="sample completions for prompts")
+    p = sub.add_parser(
+        "generate", help="sample completions for prompts (the model as for eval); writes nothing"
+    )
     _add_config_args(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
-    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument(
+        "-n",
+        type=int,
+        default=1,
+        help="samples per prompt; n > 1 samples at temperature 1 unless --temperature",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=None, help="sampling temperature (default: eval.sampling's)"
+    )
 
     p = sub.add_parser("export", help="write a checkpoint (or a run's newest) as a Hugging Face model")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
@@ -132,8 +163,125 @@ def _scale(run_dir: str, counts: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+# ---------------------------------------------------------------------------------------------------------
+# Checks that need no torch: a bad path fails in a second, naming the key and the path
+# ---------------------------------------------------------------------------------------------------------
+
+RUN_COMMANDS = ("train", "sft", "dpo", "rm", "eval", "generate")  # build a run context (model and data)
+WRITING_COMMANDS = ("train", "sft", "dpo", "rm")  # write into out_dir
+
+
+def _is_model_source(path: Path) -> bool:
+    """A Hugging Face model directory, a checkpoint (dcp/ inside) or a run directory (checkpoints/ inside)."""
+    return (path / "config.json").is_file() or (path / "dcp").is_dir() or (path / "checkpoints").is_dir()
+
+
+def _check_file(key: str, value: str, want_dir: bool = False) -> None:
+    if not value:
+        raise UserError(f"{key} is required here (a {'directory' if want_dir else 'file'})")
+    path = Path(value)
+    if not path.exists():
+        raise UserError(f"{key}: '{path}' does not exist")
+    if want_dir and not path.is_dir():
+        raise UserError(f"{key}: '{path}' is not a directory")
+    if not want_dir and not path.is_file():
+        raise UserError(f"{key}: '{path}' is a directory, not a file")
+
+
+def _check_out_dir(value: str) -> None:
+    """out_dir must be a directory this process can write: made here (empty) when it does not exist."""
+    path = Path(value)
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == path else f"is under '{existing}', a file"
+        raise UserError(f"out_dir: '{path}' {where}, not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UserError(f"out_dir: '{path}' cannot be written ({e.strerror or e})") from None
+
+
+def _check_preference(cfg: RunConfig, command: str) -> None:
+    """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
+    if cfg.runtime.backend != "local":
+        raise ConfigError(f"runtime.backend: `loopline {command}` runs on 'local' only for now")
+    if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
+        raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
+
+
+def check_run(cfg: RunConfig, command: str) -> None:
+    """What a run command needs on disk, before torch is imported: the model, the data files, a writable
+    out_dir. Raises UserError (ConfigError for bad combinations of values) naming the key and the path."""
+    if command in ("dpo", "rm"):
+        _check_preference(cfg, command)
+    if cfg.model.path:
+        path = Path(cfg.model.path)
+        if not path.is_dir():
+            _check_file("model.path", cfg.model.path, want_dir=True)
+        readable = (
+            _is_model_source(path) if command in ("eval", "generate") else (path / "config.json").is_file()
+        )
+        if not readable:
+            raise UserError(
+                f"model.path: '{path}' is not a Hugging Face model directory (no config.json)"
+                + (
+                    ""
+                    if command in ("eval", "generate")
+                    else "; `loopline export` makes one from a checkpoint"
+                )
+            )
+    data = cfg.data
+    if data.source != "builtin":
+        if not data.train_path:
+            raise UserError(f"data.train_path is required when data.source is '{data.source}'")
+        for key in ("train_path", "eval_path"):
+            if getattr(data, key):
+                _check_file(f"data.{key}", getattr(data, key), want_dir=data.source == "hf_disk")
+    if command in ("dpo", "rm") and cfg.preference.source == "jsonl":
+        for key in ("train_path", "eval_path"):
+            if getattr(cfg.preference, key) or key == "train_path":
+                _check_file(f"preference.{key}", getattr(cfg.preference, key))
+    if command == "train" and cfg.reward.source != "verifier":
+        _check_file("reward.model_path", cfg.reward.model_path, want_dir=True)
+    if command in WRITING_COMMANDS:
+        _check_out_dir(cfg.out_dir)
+
+
+def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """`loopline eval DIR`: DIR is the model (a model, checkpoint or run directory); a run's or checkpoint's
+    config.yaml is the base config (its data, eval and model settings), later overrides on top."""
+    if config is None or not Path(config).is_dir():
+        return config, overrides
+    path = Path(config)
+    if not _is_model_source(path):
+        raise UserError(
+            f"'{path}' is not a model, checkpoint or run directory (no config.json, dcp/ or checkpoints/)"
+        )
+    base = path / "config.yaml"
+    return (str(base) if base.is_file() else None), [f"model.path={path}", *overrides]
+
+
+def _check_export(checkpoint: str, out: str) -> None:
+    """Export reads a checkpoint and writes a new model directory: both checked before any work."""
+    if not Path(checkpoint).is_dir():
+        what = "does not exist" if not Path(checkpoint).exists() else "is not a directory"
+        raise UserError(f"export: checkpoint '{checkpoint}' {what}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise UserError(f"export: destination '{out}' is a file: give a directory to write the model to")
+    existing = next((p for p in Path(out).parents if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise UserError(f"export: destination '{out}' is under '{existing}', a file")
+
+
+def _benchmarks() -> list[str]:
+    import loopline.bench
+
+    return sorted(m.name for m in pkgutil.iter_modules(loopline.bench.__path__) if not m.name.startswith("_"))
+
+
+def _run(argv: list[str]) -> int:
     if argv[:1] == ["agent"]:
         # every word after `agent` is the agent's own (its --print-config, its --help): argparse
         # would take leading options for the top-level parser's and reject them
@@ -152,36 +300,64 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    try:
-        if args.command in ("train", "sft", "dpo", "rm", "eval", "generate", "config"):
-            config, overrides = _split_config(args)
-            load_config(config, overrides)  # a bad config fails in a second, before torch is imported
-            from loopline import commands
+    if args.command in (*RUN_COMMANDS, "config"):
+        config, overrides = _split_config(args)
+        if args.command in ("eval", "generate"):
+            config, overrides = _model_dir_first(config, overrides)
+        cfg = load_config(config, overrides)  # a bad config fails in a second, before torch is imported
+        if args.command != "config":
+            check_run(cfg, args.command)  # and so do missing files and an out_dir that cannot be written
+        from loopline import commands
 
-            return getattr(commands, args.command)(config, overrides, args)
-        if args.command == "export":
-            from loopline.checkpoint.export import main as export_main
+        return getattr(commands, args.command)(config, overrides, args)
+    if args.command == "export":
+        _check_export(args.checkpoint, args.out)
+        from loopline.checkpoint.export import main as export_main
 
-            return export_main([args.checkpoint, args.out])
-        if args.command == "plot":
-            from loopline.metrics.plot import plot_run
+        return export_main([args.checkpoint, args.out])
+    if args.command == "plot":
+        if not (Path(args.run_dir) / "metrics.jsonl").is_file():
+            raise UserError(f"plot: '{args.run_dir}' is not a run directory (no metrics.jsonl)")
+        from loopline.metrics.plot import plot_run
 
-            for path in plot_run(args.run_dir):
-                print(path)
-            return 0
-        if args.command == "scale":
-            return _scale(args.run_dir, args.counts)
-        if args.command == "bench":
-            try:
-                module = importlib.import_module(f"loopline.bench.{args.name}")
-            except ModuleNotFoundError:
-                print(f"loopline: unknown benchmark '{args.name}'", file=sys.stderr)
-                return 2
-            return module.main(args.args)
-    except ConfigError as e:
-        print(f"loopline: bad config:\n{e}", file=sys.stderr)
-        return 2
+        for path in plot_run(args.run_dir):
+            print(path)
+        return 0
+    if args.command == "scale":
+        return _scale(args.run_dir, args.counts)
+    if args.command == "bench":
+        if args.name not in _benchmarks():
+            raise UserError(f"unknown benchmark '{args.name}': choose from {', '.join(_benchmarks())}")
+        return importlib.import_module(f"loopline.bench.{args.name}").main(args.args)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; user errors (bad config, path, file, row) are one line on stderr and exit status 2,
+    with the traceback only under --debug. Other exceptions are bugs and keep their traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        status = _run(argv)
+        sys.stdout.flush()  # a reader gone (`loopline config | head`) shows here, inside the handler below
+        return status
+    except BrokenPipeError:
+        # the reader of our output left: not an error. Point stdout at /dev/null so that the flush at exit
+        # does not fail again (the recipe of Python's signal docs)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except ConfigError as e:
+        if debug:
+            traceback.print_exc()
+        sep = "\n" if "\n" in str(e) else " "  # one line for one bad key; a line per key for several
+        print(f"loopline: bad config:{sep}{e}", file=sys.stderr)
+        return 2
+    except UserError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"loopline: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from loopline.checkpoint.run_dir import prepare_new_run, record_config, resume_config
 from loopline.checkpoint.state import RunState, checkpoint_name, checkpoint_root, newest_whole_checkpoint
-from loopline.config import ConfigError, RunConfig, describe, load_config
+from loopline.config import RunConfig, describe, load_config
 from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
@@ -170,7 +174,7 @@ def _pct(x: float | None) -> str:
 
 
 def _sft(cfg: RunConfig, stop: StopFlag) -> None:
-    ctx = build_context(cfg)
+    ctx = build_context(cfg, need_answer=False)  # SFT learns completions and assistant turns; no RL scoring
     ctx.stop = stop
     try:
         ctx.logger.clear()
@@ -198,34 +202,53 @@ def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     return 0
 
 
+@contextlib.contextmanager
+def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[RunContext]:
+    """The run context of a command that only reads (eval, generate): nothing is written into out_dir or any
+    run directory (the context's own files go to a temporary directory, removed at the end). model.path may
+    be a checkpoint or a run directory: its policy is exported there first."""
+    from loopline.checkpoint.export import export
+
+    cfg = load_config(config, overrides).model_copy(deep=True)
+    with tempfile.TemporaryDirectory(prefix="loopline-read-") as tmp:
+        cfg.out_dir, cfg.tensorboard = str(Path(tmp) / "run"), False
+        model = Path(cfg.model.path) if cfg.model.path else None
+        if model is not None and not (model / "config.json").is_file():  # a checkpoint or a run directory
+            cfg.model.path = str(export(model, Path(tmp) / "model"))
+        ctx = build_context(cfg)
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+
+
 def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:  # noqa: A001
-    """Held-out accuracy of model.path (or the built-in model)."""
-    cfg = load_config(config, overrides)
-    ctx = build_context(cfg)
-    try:
+    """Held-out accuracy of model.path (a model, checkpoint or run directory) or the built-in model."""
+    with _read_only_context(config, overrides) as ctx:
         sync_engine(ctx, version=0)
         print(json.dumps(evaluate(ctx)))
-    finally:
-        ctx.close()
     return 0
 
 
 def generate(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """Sample completions for --prompt texts; prints one JSON line per completion."""
+    """Sample completions for --prompt texts; prints one JSON line per completion. With -n > 1 and greedy
+    eval sampling (the default), samples at temperature 1: n greedy samples would all be the same."""
     from loopline.data.datasets import PromptRow
 
-    cfg = load_config(config, overrides)
-    ctx = build_context(cfg)
-    try:
+    with _read_only_context(config, overrides) as ctx:
+        cfg = ctx.cfg
         sync_engine(ctx, version=0)
         rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(args.prompt)]
         prompts = [encode_prompt(ctx.tokenizer, r, cfg.model.use_chat_template) for r in rows]
         params = sampling_params(cfg.eval.sampling, seed=cfg.seed)
+        temperature = args.temperature
+        if temperature is None and args.n > 1 and params.temperature == 0:
+            temperature = 1.0
+        if temperature is not None:
+            params = dataclasses.replace(params, temperature=temperature)
         for c in ctx.rollout.generate(prompts, params, n=args.n):
             row = {"prompt": args.prompt[c.prompt_index], "completion": c.text, "finish": c.finish_reason}
             print(json.dumps(row))
-    finally:
-        ctx.close()
     return 0
 
 
@@ -233,14 +256,6 @@ def config(config: str | None, overrides: list[str], args: argparse.Namespace) -
     """Print every field: dotted key = value  # description."""
     print("\n".join(describe(load_config(config, overrides))))
     return 0
-
-
-def _preference_run(cfg: RunConfig, command: str) -> None:
-    """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
-    if cfg.runtime.backend != "local":
-        raise ConfigError(f"runtime.backend: `loopline {command}` runs on 'local' only for now")
-    if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
-        raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
 
 
 def _warm_start(ctx: RunContext) -> None:
@@ -256,8 +271,7 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    cfg = load_config(config, overrides)
-    _preference_run(cfg, "dpo")
+    cfg = load_config(config, overrides)  # cli.check_run checked what dpo needs of it
     ctx = build_context(cfg)
     try:
         ctx.logger.clear()
@@ -284,8 +298,7 @@ def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> in
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_rm
 
-    cfg = load_config(config, overrides)
-    _preference_run(cfg, "rm")
+    cfg = load_config(config, overrides)  # cli.check_run checked what rm needs of it
     ctx = build_context(cfg)
     try:
         ctx.logger.clear()

@@ -172,7 +172,7 @@ def _timed(label: str, fn: Callable[[], dict[str, float]]) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="loopline bench restart", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loopline bench restart", description=__doc__, allow_abbrev=False)
     parser.add_argument(
         "--models", default="builtin", help=f"save bench models, comma list of {sorted(BENCH_MODELS)}"
     )

@@ -124,7 +124,7 @@ def _pool_run(problems: list[CodeProblem], workers: int, sandbox: SandboxConfig)
 
 def main(argv: list[str]) -> int:
     """Entry point of `loopline bench sandbox`; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="loopline bench sandbox", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loopline bench sandbox", description=__doc__, allow_abbrev=False)
     parser.add_argument("--limit", type=int, default=164, help="number of HumanEval problems (first N)")
     parser.add_argument("--workers", type=int, default=2, help="pool workers, and baseline concurrency")
     parser.add_argument("--repeats", type=int, default=10, help="repeats for the per-execution costs")

@@ -90,7 +90,9 @@ def _world_entry(rank: int, fn: Callable[..., None], world_size: int, store_path
 
 def main(argv: list[str]) -> int:
     """Entry point of `loopline bench sync ARGS...`."""
-    parser = argparse.ArgumentParser(prog="loopline bench sync", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="loopline bench sync", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("--trainer", type=int, default=2, help="FSDP ranks of the trainer")
     parser.add_argument("--engines", type=int, default=1, help="engine replicas")
     parser.add_argument("--engine-tp", type=int, default=2, help="TP ranks per engine")

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import LoRAConfig, load_config
+from loopline.errors import UserError
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -24,7 +25,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     newest = latest_checkpoint(path)
     if newest is None:
-        raise ValueError(f"'{path}' is neither a checkpoint (no dcp/ inside) nor a run directory with one")
+        raise UserError(f"'{path}' is neither a checkpoint (no dcp/ inside) nor a run directory with one")
     return newest
 
 
@@ -38,6 +39,8 @@ def _lora_config(ckpt: Path) -> LoRAConfig | None:
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer); returns `out`."""
+    if Path(out).exists() and not Path(out).is_dir():  # save_pretrained would only log an error and return
+        raise UserError(f"export: destination '{out}' is a file: give a directory to write the model to")
     ckpt = resolve_checkpoint(checkpoint)
     config = AutoConfig.from_pretrained(ckpt / "model")
     dtype = getattr(config, "dtype", None) or torch.float32
@@ -57,7 +60,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: loopline export CKPT OUT."""
-    parser = argparse.ArgumentParser(prog="loopline export", description=__doc__)
+    parser = argparse.ArgumentParser(prog="loopline export", description=__doc__, allow_abbrev=False)
     parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
     parser.add_argument("out", help="directory to write the Hugging Face model to")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -12,8 +12,6 @@ from typing import Any
 
 from loopline.config import DataConfig
 from loopline.errors import UserError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -224,7 +222,11 @@ def load_rows(
         rows.append(row)
     if skipped:
         reasons = ", ".join(f"{n} {SKIP_REASONS[k]}" for k, n in skipped.items())
-        log.warning("%s: skipped %d of %d rows: %s", p, skipped.total(), skipped.total() + len(rows), reasons)
+        total = skipped.total()
+        # one line for the file, on stderr whatever logging is set up (a warning per row drowned the run's output)
+        print(
+            f"loopline: warning: {p}: skipped {total} of {total + len(rows)} rows: {reasons}", file=sys.stderr
+        )
     if not rows:
         raise DataError(f"dataset '{p}' has no usable rows ({skipped.total()} skipped)")
     return rows, dict(skipped)

@@ -11,6 +11,7 @@ lines may share a task_id). Both commands use the same Sandbox as the code envir
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -45,9 +46,16 @@ def _sandbox_config(args: argparse.Namespace) -> SandboxConfig:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="loopline sandbox", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="loopline sandbox",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False),
+    )
 
     p = sub.add_parser("run", help="run FILE.py in the sandbox and print the result as JSON")
     p.add_argument("file", help="Python file to run")

@@ -353,7 +353,9 @@ REPORTED = ("eval_accuracy", "eval_tool_use_rate", "eval_tool_call_validity", "e
 
 def main(argv: list[str] | None = None) -> int:
     """`loopline agent [config.yaml] [key=value ...]`: run the agentic example and print before/after."""
-    parser = argparse.ArgumentParser(prog="loopline agent", description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        prog="loopline agent", description=__doc__.split("\n", 1)[0], allow_abbrev=False
+    )
     parser.add_argument(
         "args", nargs="*", help="optional YAML config file, then dotted overrides (grpo.steps=5)"
     )

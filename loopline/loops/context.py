@@ -19,6 +19,7 @@ from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, SamplingConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import exact_match
+from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
@@ -72,12 +73,13 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)
-    run_dir = Path(cfg.out_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     limits = length_limits(cfg, model, tokenizer)
     train_rows, eval_rows, skipped = load_splits(cfg.data, cfg.seed, need_answer=need_answer, limits=limits)
+    # the run directory only once model and data have loaded: a bad row leaves no half-made run behind
+    run_dir = Path(cfg.out_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
     roles = build_roles(cfg, model, tokenizer)
     logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
     if skipped:  # rows the data config let go (skip_bad_rows, overlong=skip), by reason, on the next row
@@ -126,6 +128,11 @@ def length_limits(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedT
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_template: bool) -> list[int]:
     """Prompt token ids: the chat template when asked for and available, else the plain text."""
+    if row.messages and not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "chat rows (data.messages_field) need a tokenizer with a chat template, and this model's has none "
+            "(the built-in model has none: give model.path a chat model)"
+        )
     if row.messages or (use_chat_template and getattr(tokenizer, "chat_template", None)):
         messages = list(row.messages) or [{"role": "user", "content": row.prompt}]
         if messages[-1]["role"] == "assistant":
