@@ -59,7 +59,9 @@ def test_dpo_trains_the_policy_and_logs_preference_metrics(tmp_path, capsys):
 def test_dpo_reference_online_matches_precomputed(tmp_path):
     pre = read_metrics(_dpo(tmp_path, "pre"))
     online = read_metrics(_dpo(tmp_path, "online", "dpo.reference=online"))
-    for a, b in zip(pre, online):
+    assert [(r["phase"], r["step"]) for r in online] == [(r["phase"], r["step"]) for r in pre]
+    assert len([r for r in pre if r["phase"] == "dpo"]) == 4  # eval row 0 and 3 steps
+    for a, b in zip(pre, online, strict=True):
         assert a.keys() == b.keys()
         for k in a:
             if k not in ("phase", "tokens_per_s") and not k.startswith("time_"):
@@ -98,10 +100,23 @@ def test_rm_trains_a_reward_model_that_reloads(tmp_path, capsys):
     assert [r["step"] for r in rows if "eval_pair_accuracy" in r] == [0, 2, 4]
     model = ScalarModel.load(out / "reward_model")
     assert model.head.weight.abs().sum() > 0  # the head trained
-    # the body started from the SFT'd policy's body
+    sft = load_file(out / "checkpoints" / "sft-000004" / "model" / "model.safetensors")
+    assert {f"model.{k}" for k in model.body.state_dict()} == set(sft) - {"lm_head.weight"}
+
+    # the body starts as the SFT'd policy's body, value for value: with no RM step it is saved unchanged
+    untrained = tmp_path / "rm0"
+    assert main(["rm", *TINY, "rm.steps=0", "rm.eval_every=0", f"out_dir={untrained}"]) == 0
+    start = ScalarModel.load(untrained / "reward_model")
+    sft = load_file(untrained / "checkpoints" / "sft-000004" / "model" / "model.safetensors")
     cfg = load_config(out / "config.yaml")
-    policy, _ = load_policy(cfg.model, seed=cfg.seed)
-    assert set(model.body.state_dict()) == set(policy.base_model.state_dict())
+    initial = load_policy(cfg.model, seed=cfg.seed)[0].base_model.state_dict()
+    for name, value in start.body.state_dict().items():
+        assert torch.equal(value, sft[f"model.{name}"]), name
+    # (and SFT had moved it: not the freshly initialised body)
+    assert any(not torch.equal(v, initial[k]) for k, v in start.body.state_dict().items())
+    assert (
+        float(start.head.weight.detach().abs().sum()) == 0.0
+    )  # a zero head: every pair tied before training
 
 
 def test_rm_on_the_policys_own_wrong_samples(tmp_path):
