@@ -44,6 +44,8 @@ def _run_config(
     """The run's config and, resumed, what differs from the one saved in out_dir (checkpoint.run_dir): a resume
     needs something to resume from, a new run an out_dir that holds no run (or --overwrite)."""
     if getattr(args, "resume", False):
+        if args.overwrite:
+            raise UserError("--resume continues the run in out_dir, --overwrite deletes it: give one of them")
         cfg, changes = resume_config(config, overrides, args.allow_config_change)
         run_dir = Path(cfg.out_dir)
         metrics = run_dir / "metrics.jsonl"

@@ -199,6 +199,8 @@ def test_new_run_refuses_an_out_dir_with_a_run(run, capsys):
     assert f"out_dir {run} holds a run" in err and "--resume" in err and "--overwrite" in err
     assert main(["sft", *TINY, f"out_dir={run}"]) == 2
     assert "--overwrite" in capsys.readouterr().err
+    assert main(["train", "--resume", "--overwrite", f"out_dir={run}"]) == 2
+    assert "give one of them" in capsys.readouterr().err
     assert _snapshot(run) == before
 
 
@@ -338,3 +340,30 @@ def test_second_sigint_exits_at_once_and_the_unsaved_run_is_not_resumed(uninterr
     assert again.returncode == 2
     assert "has metrics but no checkpoint" in again.stderr and "resumed from" not in again.stdout
     assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_sigterm_stops_loopline_sft_with_a_checkpoint(tmp_path):
+    run = tmp_path / "run"
+    args = [*[a for a in SIGNAL_ARGS if not a.startswith("sft.steps=")], "sft.steps=8"]
+    proc = subprocess.Popen(
+        _cli("sft", *args, f"out_dir={run}"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        metrics = run / "metrics.jsonl"
+        _wait_for(
+            proc, lambda: metrics.exists() and '"phase": "sft", "step": 1' in metrics.read_text(), "step 1"
+        )
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = _steps(run, "sft")[-1]
+    assert 1 <= step < 8
+    assert f"stopped by SIGTERM after sft step {step}: checkpoint {_ckpt(run, f'sft-{step:06d}')}" in out
+    assert checkpoint_fault(_ckpt(run, f"sft-{step:06d}")) is None
+    assert not (run / "model").exists()  # the finished model only when SFT ran to its end
