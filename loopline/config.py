@@ -81,6 +81,9 @@ class TaskConfig(Section):
     max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand.")
     num_train: int = Field(20000, gt=0, description="Training problems generated.")
     num_eval: int = Field(500, gt=0, description="Held-out problems, disjoint from training.")
+    num_val: int = Field(
+        256, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
+    )
 
     @model_validator(mode="after")
     def _digits_order(self) -> TaskConfig:
@@ -148,6 +151,15 @@ class SFTConfig(Section):
         default_factory=lambda: OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=30)
     )
     eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
+    stop_at_accuracy: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="End SFT at the first check where greedy accuracy on the validation split (data.task.num_val, "
+        "built-in task; file datasets have none, so SFT runs all steps) reaches this; null = run all steps. "
+        "Makes the warm start a fixed skill level, not a fixed step count whose result moves with float noise.",
+    )
+    check_every: int = Field(5, gt=0, description="Steps between validation checks (stop_at_accuracy).")
 
 
 class GRPOConfig(Section):

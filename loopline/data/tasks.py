@@ -18,19 +18,18 @@ def _operand(rng: random.Random, cfg: TaskConfig) -> int:
     return rng.randint(low, 10**digits - 1)
 
 
-def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
-    """Disjoint train and held-out splits of 'a+b=' prompts, the same for the same seed."""
+def _problems(cfg: TaskConfig, seed: int, count: int) -> list[PromptRow]:
+    """The first `count` distinct 'a+b=' problems of the seed's stream (a longer list extends a shorter one)."""
     rng = random.Random(f"arithmetic-{seed}")
     seen: set[tuple[int, int]] = set()
     rows: list[PromptRow] = []
-    wanted = cfg.num_train + cfg.num_eval
     space = sum(9 * 10 ** (d - 1) + (d == 1) for d in range(cfg.min_digits, cfg.max_digits + 1)) ** 2
-    if wanted > space // 2:
+    if count > space // 2:
         raise ValueError(
-            f"data.task asks for {wanted} distinct problems but only {space} exist with "
-            f"{cfg.min_digits}-{cfg.max_digits} digit operands; lower num_train/num_eval or raise max_digits"
+            f"data.task asks for {count} distinct problems but only {space} exist with "
+            f"{cfg.min_digits}-{cfg.max_digits} digit operands; lower num_train/num_eval/num_val or raise max_digits"
         )
-    while len(rows) < wanted:
+    while len(rows) < count:
         a, b = _operand(rng, cfg), _operand(rng, cfg)
         if (a, b) in seen:
             continue
@@ -40,8 +39,24 @@ def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list
         rows.append(
             PromptRow(index=len(rows), prompt=f"{a:0{w}d}+{b:0{w}d}=", answer=total, completion=total + "\n")
         )
-    eval_rows = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
-    return rows[: cfg.num_train], eval_rows
+    return rows
+
+
+def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
+    return [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows)]
+
+
+def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train and held-out splits of 'a+b=' prompts, the same for the same seed."""
+    rows = _problems(cfg, seed, cfg.num_train + cfg.num_eval + cfg.num_val)
+    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+
+
+def arithmetic_validation(cfg: TaskConfig, seed: int) -> list[PromptRow]:
+    """num_val problems disjoint from both splits (the stream's next ones): SFT's stopping rule reads them, so
+    the held-out split stays untouched by any choice the run makes."""
+    rows = _problems(cfg, seed, cfg.num_train + cfg.num_eval + cfg.num_val)
+    return _renumbered(rows[cfg.num_train + cfg.num_eval :])
 
 
 def exact_match(completion: str, answer: str) -> float:

@@ -62,3 +62,18 @@ def test_asking_for_more_problems_than_exist_fails():
 )
 def test_exact_match(completion, answer, expected):
     assert exact_match(completion, answer) == expected
+
+
+def test_validation_split_is_disjoint_and_leaves_the_other_splits_alone():
+    from loopline.data.tasks import arithmetic_validation
+
+    cfg = TaskConfig(min_digits=1, max_digits=2, num_train=300, num_eval=50, num_val=40)
+    train, held_out = arithmetic_splits(cfg, seed=0)
+    val = arithmetic_validation(cfg, seed=0)
+    assert len(val) == 40 and [r.index for r in val] == list(range(40))
+    seen = {_operands(r.prompt) for r in train} | {_operands(r.prompt) for r in held_out}
+    assert seen.isdisjoint(_operands(r.prompt) for r in val)
+    assert all(int(r.answer) == sum(_operands(r.prompt)) for r in val)
+    # the validation split extends the stream: train and held-out are those of a run without one
+    assert arithmetic_splits(cfg.model_copy(update={"num_val": 0}), seed=0) == (train, held_out)
+    assert arithmetic_validation(cfg, seed=0) == val
