@@ -103,6 +103,14 @@ def test_outcome_estimators_without_kl(advantage):
     _close(zero_coef, NO_KL_EXPECTED[advantage])
 
 
+@pytest.mark.parametrize("advantage", sorted(NO_KL_EXPECTED))
+def test_kl_in_the_loss_leaves_the_scores_as_rewards(advantage):
+    # kl_in=loss: the loop passes no KL tensor but the controller's coefficient (> 0); nothing is subtracted
+    cfg = _cfg(advantage=advantage, group_size=3, adv_eps=0.0, kl_coef=0.5)
+    advantages, _ = ESTIMATORS[cfg.advantage](Signals(SCORES, MASK, None, cfg.kl_coef), cfg)
+    _close(advantages, NO_KL_EXPECTED[advantage])
+
+
 def test_grpo_scale_and_eps_come_from_the_config():
     # adv_eps=0.5: group 1 centred [2, 0, -2] / (2 + 0.5) = [0.8, 0, -0.8]; group 2 [2, -1, -1] / (sqrt3 + 0.5)
     cfg = _cfg(group_size=3, adv_eps=0.5, kl_coef=0.5, kl_in="reward")
@@ -172,6 +180,10 @@ def test_reinforce_pp_discount_comes_from_the_config():
     cfg = _cfg(advantage="reinforce_pp", group_size=2, gamma=0.5)
     adv, _ = ESTIMATORS[cfg.advantage](Signals(TOK_SCORES, TOK_MASK), cfg)
     _close(adv, _place(_whiten([0.5, 1.0, 0.0, 1.5, 3.0, 3.0])))
+    # the baseline's centred scores [0.5, -0.5, 0, 0] with gamma 0.5: [0.25, 0.5] | [-0.5] | [0, 0] | [-, 0]
+    cfg = _cfg(advantage="reinforce_pp_baseline", group_size=2, gamma=0.5)
+    adv, _ = ESTIMATORS[cfg.advantage](Signals(TOK_SCORES, TOK_MASK), cfg)
+    _close(adv, _place(_whiten([0.25, 0.5, -0.5, 0.0, 0.0, 0.0])))
 
 
 # ---------------------------------------------------------------- gae (PPO with a critic)
@@ -199,7 +211,7 @@ def test_gae_estimator_with_kl_in_the_reward():
 
 def test_gae_needs_values():
     cfg = _cfg(advantage="gae")
-    with pytest.raises(ValueError, match="critic values"):
+    with pytest.raises(ValueError, match="^grpo.advantage 'gae' needs critic values$"):
         ESTIMATORS["gae"](Signals(torch.tensor([1.0]), torch.ones(1, 1)), cfg)
 
 
