@@ -1,6 +1,18 @@
-"""Shared fixtures: the byte tokenizer and a built-in model shrunk further so unit tests stay fast."""
+"""Shared fixtures: the byte tokenizer, a small built-in model, the session's one Ray, and strict skips.
+
+Strict skips: with LOOPLINE_STRICT_SKIPS=1 (scripts/test sets it, so CI and `make test` do) a test that would
+skip fails instead, naming what was missing (a dependency, a usable bubblewrap, a free Ray). Only skips whose
+reason starts with GPU_ONLY stay skips: a machine without a GPU cannot run them. Skip through `need()` /
+`need_module()`; a plain `pytest.skip`/`skipif`/`importorskip` is caught by the report hooks below as well.
+"""
 
 from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -9,12 +21,81 @@ from loopline.config import TinyModelConfig
 from loopline.models.load import build_tiny_model
 from loopline.models.tokenizer import build_byte_tokenizer
 
+if TYPE_CHECKING:
+    from ray.cluster_utils import Cluster
+
+# Ray reads this once, on import: every Ray node of the tests listens on 127.0.0.1 only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 # The models here are tiny: one thread is as fast as two, and does not fight the other test process
 # on a 2-core machine (oversubscribed, the same tests run 5-10x slower).
 torch.set_num_threads(1)
 
 # Smaller than the default built-in model; same architecture (Qwen2 with GQA and tied embeddings).
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Strict skips
+# ---------------------------------------------------------------------------------------------------------
+
+STRICT_SKIPS = os.environ.get("LOOPLINE_STRICT_SKIPS", "") not in ("", "0")
+GPU_ONLY = "GPU only:"  # the one kind of skip that strict mode lets through
+
+
+def need(ok: object, reason: str) -> None:
+    """Skip the calling test unless `ok` (under LOOPLINE_STRICT_SKIPS=1: fail it, naming the reason)."""
+    if ok:
+        return
+    if STRICT_SKIPS and not reason.startswith(GPU_ONLY):
+        pytest.fail(f"{reason} (LOOPLINE_STRICT_SKIPS=1: this test must run here)", pytrace=False)
+    pytest.skip(reason)
+
+
+def needs(ok: object, reason: str) -> pytest.MarkDecorator:
+    """`need` as a mark, for parametrised cases and whole tests: skips, or fails under strict mode."""
+    return pytest.mark.skipif(not ok, reason=reason)  # the report hooks below make it fail when strict
+
+
+def need_module(name: str, reason: str = "") -> ModuleType:
+    """`pytest.importorskip` that fails under LOOPLINE_STRICT_SKIPS=1; also usable at module level."""
+    try:
+        return __import__(name, fromlist=["_"])
+    except ImportError as e:
+        why = reason or f"{name} is not installed"
+        if STRICT_SKIPS:
+            pytest.fail(f"{why}: {e} (LOOPLINE_STRICT_SKIPS=1: this test must run here)", pytrace=False)
+        pytest.skip(why, allow_module_level=True)
+        raise  # unreachable: skip raises
+
+
+def _strict_failure(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Turn a skip report into a failure under strict mode, unless it is GPU-only."""
+    if not (STRICT_SKIPS and report.skipped) or getattr(report, "wasxfail", None) is not None:
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    if reason.removeprefix("Skipped: ").startswith(GPU_ONLY):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"skipped under LOOPLINE_STRICT_SKIPS=1: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    _strict_failure(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _strict_failure(outcome.get_result())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -31,3 +112,88 @@ def small_cfg() -> TinyModelConfig:
 def small_model(tokenizer):
     """A fresh, randomly initialised small model (seed 0) per test."""
     return build_tiny_model(SMALL, tokenizer, seed=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ray: one cluster for the whole session
+# ---------------------------------------------------------------------------------------------------------
+
+# Logical CPUs of the session's Ray: the most any module places at once (2 trainer ranks, 1 engine and 2 env
+# workers; or 1 trainer rank, 3 engines and 1 env worker). Logical: the ranks share the machine's cores.
+RAY_CPUS = 5
+RAY_NAMESPACE = "loopline"  # the namespace loopline's own runs use (ClusterConfig.namespace)
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Cluster]:
+    """The session's one Ray: a head node on 127.0.0.1 with RAY_CPUS CPUs, files in a private temp dir.
+
+    A ray.cluster_utils.Cluster, so that a module that needs a multi-node layout can add nodes to it
+    (`add_ray_nodes`) and remove them again. Runs started in this process
+    find Ray initialised and join it (loopline.runtime.cluster.start_ray); processes started by a test join it
+    with runtime.cluster.address=<its address>.
+    """
+    ray = need_module("ray", "Ray is not installed (pip install loopline[ray])")
+    from loopline.runtime.cluster import local_multinode_cluster
+
+    need(not ray.is_initialized(), "Ray is already initialised in this process (a test leaked it)")
+    with local_multinode_cluster([], head_cpus=RAY_CPUS, object_store_mb=300, namespace=RAY_NAMESPACE) as c:
+        yield c
+
+
+def _free_cpus() -> float:
+    from loopline.runtime.placement import cluster_free_resources
+
+    return sum(n.get("CPU", 0.0) for n in cluster_free_resources())
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(ray_session: Cluster) -> Iterator[Cluster]:
+    """The session's Ray for one module; afterwards every CPU must be free again (nothing leaked)."""
+    import ray
+
+    determinism = torch.are_deterministic_algorithms_enabled()  # runs in this process may switch it on
+    yield ray_session
+    torch.use_deterministic_algorithms(determinism)
+    assert ray.is_initialized(), "a test disconnected from the session's Ray"
+    deadline = time.monotonic() + 60  # actors and placement groups are released asynchronously
+    while _free_cpus() < RAY_CPUS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _free_cpus()
+    if left < RAY_CPUS:
+        pytest.fail(
+            f"Ray CPUs still held after the module: {RAY_CPUS - left} (a leaked actor or placement group)"
+        )
+
+
+@pytest.fixture(scope="module")
+def add_ray_nodes(ray_cluster: Cluster) -> Iterator[Callable[[Sequence[Mapping[str, float]]], list[str]]]:
+    """For a module that needs a multi-node layout: add nodes to the session's Ray, removed after the module.
+
+    `add_ray_nodes([{"CPU": 1, "trainer": 2}, ...])` starts one node per entry on 127.0.0.1 with those
+    resources (pools that ask for a custom resource land there, not on the head) and returns their node ids.
+    """
+    from loopline.runtime.cluster import _loopback
+
+    added = []
+
+    def add(nodes: Sequence[Mapping[str, float]]) -> list[str]:
+        new = []
+        with _loopback():
+            for res in nodes:
+                custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}
+                node = ray_cluster.add_node(
+                    num_cpus=int(res.get("CPU", 0)),
+                    num_gpus=int(res.get("GPU", 0)),
+                    resources=custom,
+                    object_store_memory=100 * 2**20,
+                    node_ip_address="127.0.0.1",
+                )
+                added.append(node)
+                new.append(node)
+            ray_cluster.wait_for_nodes()
+        return [node.node_id for node in new]
+
+    yield add
+    for node in reversed(added):
+        ray_cluster.remove_node(node)

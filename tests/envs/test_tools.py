@@ -234,10 +234,9 @@ def test_calculator_values(expression, value):
     ],
 )
 def test_calculator_refuses_anything_but_arithmetic(expression, message):
-    t0 = time.perf_counter()
+    # refused before evaluating: the huge powers would otherwise run until pytest-timeout ends the test
     with pytest.raises(ValueError, match=message):
         calculator(expression)
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_calculator_errors_reach_the_model_as_tool_raised():

@@ -8,6 +8,7 @@ import pytest
 
 from loopline.metrics.logger import MetricsLogger, read_metrics
 from loopline.metrics.plot import plot_run
+from tests.conftest import need_module
 
 
 def _fill(logger: MetricsLogger) -> None:
@@ -62,7 +63,7 @@ def test_read_metrics_without_a_file(tmp_path):
 
 
 def test_tensorboard_events_are_written(tmp_path):
-    pytest.importorskip("tensorboard")
+    need_module("tensorboard", "tensorboard is not installed (pip install loopline[tensorboard])")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     logger = MetricsLogger(tmp_path, tensorboard=True)

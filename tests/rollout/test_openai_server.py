@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -20,6 +21,7 @@ from loopline.models.load import build_tiny_model
 from loopline.rollout.engine import TorchEngine
 from loopline.rollout.openai_server import OpenAIServer, ServerConfig, builtin_chat_format, to_trajectories
 from loopline.training.policy import PolicyTrainer, response_logprobs
+from tests.conftest import need_module
 
 QUESTION = "What is 2+3?"
 CALL = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
@@ -101,9 +103,33 @@ def test_n_stop_and_the_user_field(server):
     assert server.pop_trajectories().keys() == {"u7", "u8"} and server.trajectories() == {}
 
 
+class HeldEngine(TorchEngine):
+    """The real engine, whose first generate call waits until the test lets it go."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.release, self.first_size = threading.Event(), threading.Event(), 0
+
+    def generate(self, prompts, *args, **kwargs):
+        if not self.entered.is_set():
+            self.first_size = len(prompts)
+            self.entered.set()
+            assert self.release.wait(120), "the test never released the engine"
+        return super().generate(prompts, *args, **kwargs)
+
+
+def _until(condition, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def test_concurrent_requests_are_batched_and_recorded_apart(tokenizer, small_model):
-    cfg = ServerConfig(batch_wait_s=0.3)
-    with OpenAIServer(TorchEngine(small_model, tokenizer), tokenizer, cfg) as server:
+    # The first batch is held inside the engine until every other request is queued behind it: then they
+    # must all go out together in one second batch (whatever the timing of their arrival).
+    engine = HeldEngine(small_model, tokenizer)
+    with OpenAIServer(engine, tokenizer, ServerConfig()) as server:
         results: dict[int, dict] = {}
 
         def one(i: int) -> None:
@@ -114,9 +140,13 @@ def test_concurrent_requests_are_batched_and_recorded_apart(tokenizer, small_mod
         threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
+        _until(engine.entered.is_set, "the first batch")
+        _until(lambda: server._queue.qsize() == 6 - engine.first_size, "the other requests to queue")
+        engine.release.set()
         for t in threads:
             t.join()
-        assert len(results) == 6 and max(server.batch_sizes) > 1 and sum(server.batch_sizes) == 6
+        first = engine.first_size
+        assert len(results) == 6 and server.batch_sizes == ([first, 6 - first] if first < 6 else [6])
         recorded = server.trajectories()
         assert sorted(recorded) == [f"q{i}" for i in range(6)]
         for i in range(6):
@@ -246,8 +276,9 @@ def test_calls_that_do_not_continue_start_new_sequences(server):
     assert len(trajs) == 2 and all(t.mask == [1] * len(t.tokens) for t in trajs)
 
 
-def test_an_openai_client_works_when_installed(server):
-    openai = pytest.importorskip("openai")
+def test_the_openai_client_talks_to_the_server(server):
+    openai = need_module("openai", "the openai client is not installed (pip install loopline[dev])")
+    assert server.base_url.startswith("http://127.0.0.1:")
     client = openai.OpenAI(base_url=server.base_url, api_key="unused")
     reply = client.chat.completions.create(
         model="loopline",
