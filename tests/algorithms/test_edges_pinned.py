@@ -15,6 +15,7 @@ from loopline.algorithms.advantages import (
     discounted_returns,
     gae_advantages,
     group_advantages,
+    masked_whiten,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
@@ -271,3 +272,18 @@ def test_whiten_clip_edges():
     # clip below 1 is valid and clamps both sides: [0, 0, 0, 4] -> centred [-1, -1, -1, 3], rms sqrt(3)
     got = whiten_clip(T([0.0, 0.0, 0.0, 4.0]), clip=0.5)
     torch.testing.assert_close(got, T([-0.5, -0.5, -0.5, 0.5]))
+
+
+def test_float64_masks_do_not_change_the_result_dtype():
+    # masks may arrive in another float dtype than the values (or as bool); results keep the values' dtype
+    v = torch.tensor([[0.5, -1.0, 2.0]])
+    m64 = torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64)
+    assert aggregate(v, m64, "token_mean").dtype == torch.float32
+    assert masked_whiten(v, m64).dtype == torch.float32
+    out = clipped_policy_loss(v, torch.zeros(1, 3), T([1.0]), m64)
+    assert out.loss.dtype == out.clip_fraction.dtype == out.approx_kl.dtype == torch.float32
+    assert gspo_policy_loss(v, torch.zeros(1, 3), T([1.0]), m64).loss.dtype == torch.float32
+    assert (
+        clipped_value_loss(v, torch.zeros(1, 3), torch.ones(1, 3), m64).clip_fraction.dtype == torch.float32
+    )
+    assert truncated_is_weights(v, torch.zeros(1, 3), m64).dtype == torch.float32
