@@ -168,7 +168,7 @@ def test_plot_command_rewrites_curves(base_run, tmp_path, capsys):
 def test_a_fresh_run_in_a_used_directory_starts_new_metrics(base_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(base_run, run)
-    _train(run, "grpo.steps=1", "sft.steps=1")
+    _train(run, "grpo.steps=1", "sft.steps=1", "--overwrite")  # without it the used directory is refused
     steps = [(r["phase"], r["step"]) for r in read_metrics(run)]
     assert steps == [("sft", 0), ("sft", 1), ("grpo", 0), ("grpo", 1)]
 
