@@ -61,6 +61,7 @@ class RunState:
     step: int = 0  # optimizer steps completed in this phase
     sampler: dict[str, int] = field(default_factory=dict)
     policy_version: int = 0  # the version of the weights the engines hold (RL: one per step)
+    done: bool = False  # the phase ended before its last step (SFT reached sft.stop_at_accuracy)
 
 
 class CheckpointActor(Protocol):

@@ -18,7 +18,7 @@ from loopline.checkpoint.ledger import Ledger
 from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, SamplingConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
-from loopline.data.tasks import exact_match
+from loopline.data.tasks import arithmetic_validation, exact_match
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
@@ -48,6 +48,7 @@ class RunContext:
     ledger: Ledger  # which samples each step trained (ledger.jsonl)
     watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
     critic: Critic | None = None  # PPO's value model (grpo.advantage=gae), on the runtime's backend
+    val_rows: list[PromptRow] = field(default_factory=list)  # validation split (built-in task): SFT's stop rule
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
 
     def close(self) -> None:
@@ -96,6 +97,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
         roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic,
+        val_rows=arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else [],
     )  # fmt: skip
 
 
@@ -161,9 +163,10 @@ def sync_engine(ctx: RunContext, version: int) -> None:
     ctx.rollout.update_weights(ctx.actor, version)
 
 
-def evaluate(ctx: RunContext) -> dict[str, float]:
-    """Held-out exact-match accuracy (greedy by default) and mean response length."""
-    rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts]
+def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, float]:
+    """Exact-match accuracy (greedy by default) and mean response length on `rows`, the held-out split by
+    default."""
+    rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts] if rows is None else rows
     if not rows:
         return {}
     params = sampling_params(ctx.cfg.eval.sampling, seed=ctx.cfg.seed)

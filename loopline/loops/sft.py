@@ -37,7 +37,7 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         sampler.load_state_dict(state.sampler)
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state)
     bar = tqdm(total=cfg.steps, initial=state.step, desc="sft", disable=not ctx.cfg.progress, leave=False)
-    while state.step < cfg.steps:
+    while state.step < cfg.steps and not state.done:
         t0 = time.perf_counter()
         refs = sampler.next_batch(cfg.batch_size)
         rows = [ctx.train_rows[ref.index] for ref in refs]
@@ -58,7 +58,13 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         }
         row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
         row["time_train"] = elapsed
-        last = state.step == cfg.steps
+        if cfg.stop_at_accuracy is not None and ctx.val_rows and state.step % cfg.check_every == 0:
+            with ctx.watchdog.stage("eval"):
+                sync_engine(ctx, version=0)
+                val = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
+            row["val_accuracy"] = val
+            state.done = val >= cfg.stop_at_accuracy  # a fixed skill level, whatever step float noise puts it at
+        last = state.step == cfg.steps or state.done
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
             with ctx.watchdog.stage("eval"):
                 sync_engine(ctx, version=0)

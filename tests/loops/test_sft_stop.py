@@ -1,0 +1,43 @@
+"""sft.stop_at_accuracy: SFT ends at a fixed skill level on the validation split, and a resume keeps it ended."""
+
+from __future__ import annotations
+
+import json
+
+from loopline.cli import main
+
+TINY = [
+    "sft.steps=12", "sft.check_every=3", "sft.eval_every=0", "grpo.steps=0",
+    "data.task.num_train=200", "data.task.num_eval=16", "data.task.num_val=16", "eval.num_prompts=16",
+    "checkpoint_every=0", "progress=false", "tensorboard=false",
+]  # fmt: skip
+
+
+def _rows(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sft_stops_at_the_first_check_that_reaches_the_target_and_resume_keeps_it_stopped(tmp_path):
+    run = tmp_path / "run"
+    # accuracy >= 0 holds at the first check: SFT must end at step check_every, not sft.steps
+    assert main(["train", f"out_dir={run}", "sft.stop_at_accuracy=0.0", *TINY]) == 0
+    sft = [r for r in _rows(run) if r["phase"] == "sft" and r["step"] > 0]
+    assert [r["step"] for r in sft] == [1, 2, 3]
+    assert "val_accuracy" in sft[-1] and "eval_accuracy" in sft[-1]  # the phase's last step is evaluated
+    state = json.loads(next(run.glob("checkpoints/sft-*/state.json")).read_text())
+    assert state["step"] == 3 and state["done"] is True
+    # resuming with more RL steps goes on with GRPO from the stopped SFT, never SFT steps 4..12
+    assert main(["train", "--resume", f"out_dir={run}", "grpo.steps=1"]) == 0
+    rows = _rows(run)
+    assert max(r["step"] for r in rows if r["phase"] == "sft") == 3
+    assert [r["step"] for r in rows if r["phase"] == "grpo"] == [0, 1]
+
+
+def test_sft_runs_every_step_when_the_target_is_not_reached(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "sft.stop_at_accuracy=1.0", *TINY]) == 0
+    sft = [r for r in _rows(run) if r["phase"] == "sft" and r["step"] > 0]
+    assert [r["step"] for r in sft] == list(range(1, 13))
+    checked = [r["step"] for r in sft if "val_accuracy" in r]
+    assert checked == [3, 6, 9, 12]
+    assert all(r["val_accuracy"] < 1.0 for r in sft if "val_accuracy" in r)
