@@ -48,7 +48,8 @@ class RunContext:
     ledger: Ledger  # which samples each step trained (ledger.jsonl)
     watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
     critic: Critic | None = None  # PPO's value model (grpo.advantage=gae), on the runtime's backend
-    val_rows: list[PromptRow] = field(default_factory=list)  # validation split (built-in task): SFT's stop rule
+    # the validation split (built-in task), read by SFT's stopping rule (sft.stop_at_accuracy)
+    val_rows: list[PromptRow] = field(default_factory=list)
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
 
     def close(self) -> None:

@@ -63,7 +63,8 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
                 sync_engine(ctx, version=0)
                 val = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
             row["val_accuracy"] = val
-            state.done = val >= cfg.stop_at_accuracy  # a fixed skill level, whatever step float noise puts it at
+            # a fixed skill level, whatever step float noise puts it at
+            state.done = val >= cfg.stop_at_accuracy
         last = state.step == cfg.steps or state.done
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
             with ctx.watchdog.stage("eval"):
