@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from loopline.cli import main
 from loopline.config import load_config
+from loopline.data.datasets import PromptRow
+from loopline.loops.context import encode_prompt
 from loopline.metrics.logger import read_metrics
 from loopline.models import load_policy
 
@@ -212,20 +214,37 @@ def test_chat_data_with_a_chat_template_model(tmp_path, small_model, tokenizer):
     tok = AutoTokenizer.from_pretrained(tmp_path / "model")
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     tok.save_pretrained(tmp_path / "model")
-    rows = [
+    rows_in = [
         {"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}],
          "answer": str(i + 1)}
         for i in range(20)
     ]  # fmt: skip
     data = tmp_path / "chat.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows_in))
     run = tmp_path / "run"
     _train(
         run, f"model.path={tmp_path / 'model'}", "model.use_chat_template=true", "data.source=jsonl",
         f"data.train_path={data}", f"data.eval_path={data}", "eval.num_prompts=4", "sft.steps=2", "grpo.steps=1",
     )  # fmt: skip
     assert _steps(run, "grpo") == [0, 1]
-    assert (_ckpt(run, "grpo-000001") / "model" / "model.safetensors").exists()
+    rows = read_metrics(run)
+    sft_rows = [r for r in rows if r["phase"] == "sft" and "loss" in r]
+    assert [r["step"] for r in sft_rows] == [1, 2] and all(0 < r["loss"] < 10 for r in sft_rows)
+    (rl,) = [r for r in rows if r["phase"] == "grpo" and r["step"] == 1]
+    assert 0.0 <= rl["reward_mean"] <= 1.0 and rl["response_len_mean"] > 0 and rl["entropy"] > 0
+    assert all(0.0 <= r["eval_accuracy"] <= 1.0 for r in rows if "eval_accuracy" in r)
+    # the checkpoint is the trained model with the template's tokenizer: it renders a chat row the same way
+    final = _ckpt(run, "grpo-000001") / "model"
+    saved_tok = AutoTokenizer.from_pretrained(final)
+    assert saved_tok.chat_template == tok.chat_template
+    row = PromptRow(0, "", messages=tuple(rows_in[3]["messages"]))
+    ids = encode_prompt(
+        saved_tok, row, use_chat_template=load_config(run / "config.yaml").model.use_chat_template
+    )
+    assert saved_tok.decode(ids) == "<user>3+1=\n<assistant>"  # the assistant turn is what SFT teaches
+    weights = load_file(final / "model.safetensors")
+    initial = small_model.state_dict()
+    assert any(not torch.equal(weights[k], initial[k]) for k in weights if k in initial)
 
 
 def test_sft_eval_and_generate_commands(base_run, tmp_path, capsys):
