@@ -61,7 +61,7 @@ def _run_config(
     return cfg, {}
 
 
-def _resume(ctx: RunContext, changes: dict[str, tuple]) -> tuple[RunState, dict | None]:
+def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState, dict | None]:
     """State and trainer state of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
     ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics)."""
     found = ctx.checkpoints.resume()  # raises when there are checkpoints and every one is damaged
@@ -75,7 +75,8 @@ def _resume(ctx: RunContext, changes: dict[str, tuple]) -> tuple[RunState, dict 
         return RunState(), None
     state, trainer_state = found
     print(f"resumed from {ctx.checkpoints.resumed_from} ({state.phase} step {state.step})")
-    record_config(ctx.run_dir, "resume", changes, checkpoint=ctx.checkpoints.resumed_from.name)
+    event = "resume" if changes is not None else "restart"  # restart: after a worker failure, same config
+    record_config(ctx.run_dir, event, changes, checkpoint=ctx.checkpoints.resumed_from.name)
     return state, trainer_state
 
 
@@ -117,7 +118,7 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 
 
 def _attempts(
-    cfg: RunConfig, resume: bool, changes: dict[str, tuple], stop: StopFlag
+    cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
 ) -> tuple[RunContext, RunState]:
     """`train` until it ends, restarting the roles after a worker failure; the last context and final state."""
     failed_at = None
@@ -132,14 +133,17 @@ def _attempts(
                 raise
             restarts = cfg.runtime.max_restarts
             print(f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
-            resume, failed_at, changes = True, time.perf_counter(), {}
+            resume, failed_at, changes = True, time.perf_counter(), None
         finally:
             ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _train(ctx: RunContext, resume: bool, failed_at: float | None, changes: dict[str, tuple]) -> RunState:
-    """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state."""
+def _train(
+    ctx: RunContext, resume: bool, failed_at: float | None, changes: dict[str, tuple] | None
+) -> RunState:
+    """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state.
+    changes: what a --resume changed in the saved config (None: a restart after a worker failure)."""
     if resume:
         state, trainer_state = _resume(ctx, changes)
         if failed_at is not None:
