@@ -220,17 +220,12 @@ def check_run(cfg: RunConfig, command: str) -> None:
         path = Path(cfg.model.path)
         if not path.is_dir():
             _check_file("model.path", cfg.model.path, want_dir=True)
-        readable = (
-            _is_model_source(path) if command in ("eval", "generate") else (path / "config.json").is_file()
-        )
-        if not readable:
+        if command in ("eval", "generate") and not _is_model_source(path):
+            raise UserError(f"model.path: '{path}' is not a model, checkpoint or run directory")
+        if command not in ("eval", "generate") and not (path / "config.json").is_file():
             raise UserError(
-                f"model.path: '{path}' is not a Hugging Face model directory (no config.json)"
-                + (
-                    ""
-                    if command in ("eval", "generate")
-                    else "; `loopline export` makes one from a checkpoint"
-                )
+                f"model.path: '{path}' is not a Hugging Face model directory (no config.json; "
+                "`loopline export` makes one from a checkpoint)"
             )
     data = cfg.data
     if data.source != "builtin":
