@@ -42,8 +42,11 @@ def readable_by_others(path: str) -> bool:
     return bool(p.stat().st_mode & stat.S_IXOTH)
 
 
-def bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, code_fd: int | None) -> list[str]:
-    """bwrap arguments: namespaces, a minimal read-only root, scratch tmpfs, cleared env."""
+def bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, files: dict[str, int]) -> list[str]:
+    """bwrap arguments: namespaces, a minimal read-only root, scratch tmpfs, cleared env.
+
+    `files` maps a path under /sandbox to the fd of an in-memory file bound there read-only.
+    """
     argv = [
         "bwrap",
         "--unshare-net",
@@ -78,8 +81,8 @@ def bwrap_argv(cfg: SandboxConfig, python: str, uid: int | None, code_fd: int | 
     argv += ["--proc", "/proc", "--dev", "/dev"]
     argv += ["--perms", "1777", "--size", str(cfg.scratch_mb << 20), "--tmpfs", "/tmp"]
     argv += ["--perms", "0555", "--dir", "/sandbox"]
-    if code_fd is not None:
-        argv += ["--perms", "0444", "--ro-bind-data", str(code_fd), SANDBOX_MAIN]
+    for path, fd in files.items():
+        argv += ["--perms", "0444", "--ro-bind-data", str(fd), path]
     argv += ["--chdir", "/tmp"]
     for key, value in (
         ("PATH", "/usr/local/bin:/usr/bin:/bin"),
@@ -149,7 +152,9 @@ def bwrap_problem(python: str, ro_binds: tuple[str, ...], root: bool) -> str | N
         with contextlib.ExitStack() as stack:
             uid = stack.enter_context(UidLease()) if root else None
             argv = (
-                bwrap_argv(cfg, python, uid, fd) + limits_argv(cfg, uid) + [python, "-I", "-S", SANDBOX_MAIN]
+                bwrap_argv(cfg, python, uid, {SANDBOX_MAIN: fd})
+                + limits_argv(cfg, uid)
+                + [python, "-I", "-S", SANDBOX_MAIN]
             )
             try:
                 proc = subprocess.run(

@@ -14,8 +14,9 @@ Isolation = Literal["bwrap", "process"]
 # container uids, so no host file or process belongs to them.
 UID_BASE = 1_000_000
 UID_COUNT = 4096
-# Where the code file appears inside bwrap.
+# Where the code file appears inside bwrap, and the warm sandbox's zygote (inside/zygote.py).
 SANDBOX_MAIN = "/sandbox/main.py"
+SANDBOX_ZYGOTE = "/sandbox/zygote.py"
 
 
 class SandboxConfig(Section):

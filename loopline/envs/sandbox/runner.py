@@ -117,13 +117,13 @@ class Sandbox:
             if self.isolation == "bwrap":
                 code_fd = memfd("main.py", code.encode())
                 stack.callback(os.close, code_fd)
-                main, pass_fds, scratch = SANDBOX_MAIN, (code_fd,), None
+                main, pass_fds, scratch, files = SANDBOX_MAIN, (code_fd,), None, {SANDBOX_MAIN: code_fd}
             else:
                 scratch = stack.enter_context(scratch_dir(uid))
                 Path(scratch, "main.py").write_text(code)
                 Path(scratch, "main.py").chmod(0o444)
-                main, pass_fds, code_fd = str(Path(scratch, "main.py")), (), None
-            proc = self._launch([main], uid, code_fd, scratch, pass_fds, stdin=subprocess.PIPE)
+                main, pass_fds, files = str(Path(scratch, "main.py")), (), {}
+            proc = self._launch([main], uid, files, scratch, pass_fds, stdin=subprocess.PIPE)
             assert proc.stdin and proc.stdout and proc.stderr
             exited_at: list[float] = []
 
@@ -179,14 +179,17 @@ class Sandbox:
         self,
         main_args: list[str],
         uid: int | None,
-        code_fd: int | None,
+        files: dict[str, int],
         scratch: str | None,
         pass_fds: tuple[int, ...],
         **popen: Any,
     ) -> subprocess.Popen[bytes]:
-        """Start the interpreter with `main_args` under the configured isolation and limits."""
+        """Start the interpreter with `main_args` under the configured isolation and limits.
+
+        `files`: in-memory files bound into bwrap (path under /sandbox → fd, also in `pass_fds`).
+        """
         if self.isolation == "bwrap":
-            argv = bwrap_argv(self.config, self.python, uid, code_fd)
+            argv = bwrap_argv(self.config, self.python, uid, files)
             cwd, env = "/", {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         else:
             assert scratch is not None

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from loopline.envs.sandbox.commands import memfd, scratch_dir
-from loopline.envs.sandbox.config import SANDBOX_MAIN, SandboxError
+from loopline.envs.sandbox.config import SANDBOX_MAIN, SANDBOX_ZYGOTE, SandboxError
 from loopline.envs.sandbox.programs import inside_source
 from loopline.envs.sandbox.streams import Tail, pump
 from loopline.envs.sandbox.uids import UidLease, kill_tree
@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Run with `python -c` (not bound as a file): the unprivileged uid of process isolation may not
-# be able to read the installed package, and the scratch dir is wiped after every run.
+# Copied into the sandbox as a file of its own (never run from the installed package, which the
+# sandbox uid may not be able to read, nor from the scratch dir, which is wiped after every run).
 ZYGOTE_PROGRAM = inside_source("zygote.py")
 
 
@@ -60,11 +60,15 @@ class Warm:
         try:
             self.uid = self._stack.enter_context(UidLease()) if sandbox._root else None
             if sandbox.isolation == "bwrap":
+                zygote_fd = memfd("zygote.py", ZYGOTE_PROGRAM.encode())
+                self._stack.callback(os.close, zygote_fd)
+                files, pass_fds = {SANDBOX_ZYGOTE: zygote_fd}, (zygote_fd,)
                 scratch: str | None = None
-                where = ["/tmp", SANDBOX_MAIN]  # scratch dir, and the path runs see as argv[0]
+                zygote, where = SANDBOX_ZYGOTE, ["/tmp", SANDBOX_MAIN]  # (scratch, argv[0] of runs)
             else:
+                files, pass_fds = {}, ()
                 scratch = self._stack.enter_context(scratch_dir(self.uid))
-                where = [scratch, str(Path(scratch, "main.py"))]
+                zygote, where = self._zygote_file(), [scratch, str(Path(scratch, "main.py"))]
             self.control, theirs = socket.socketpair()
             self._log = self._stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 - closed by the stack
             with theirs:
@@ -75,11 +79,11 @@ class Warm:
                     _launcher()
                     .submit(
                         sandbox._launch,
-                        ["-c", ZYGOTE_PROGRAM, str(theirs.fileno()), *where],
+                        [zygote, str(theirs.fileno()), *where],
                         self.uid,
-                        None,
+                        files,
                         scratch,
-                        (theirs.fileno(),),
+                        (theirs.fileno(), *pass_fds),
                         stdin=subprocess.DEVNULL,
                         stdout=self._log,
                         stderr=self._log,
@@ -91,6 +95,15 @@ class Warm:
         except BaseException:
             self.close()
             raise
+
+    def _zygote_file(self) -> str:
+        """isolation=process: the zygote as a file the sandbox uid can read but not change."""
+        folder = self._stack.enter_context(tempfile.TemporaryDirectory(prefix="loopline-zygote-"))
+        os.chmod(folder, 0o755)
+        path = Path(folder, "zygote.py")
+        path.write_text(ZYGOTE_PROGRAM)
+        path.chmod(0o444)
+        return str(path)
 
     def run(self, code: str, stdin: bytes) -> tuple[int, bool, Tail, Tail]:
         cfg = self.sandbox.config
