@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from loopline.checkpoint.dcp import read_full_state
 from loopline.checkpoint.state import RunState
 from loopline.cli import main
 from loopline.config import LoRAConfig, load_config
 from loopline.loops.context import build_context
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
+from loopline.metrics.logger import read_metrics
 from loopline.runtime.roles import LocalScorer
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 
@@ -99,3 +102,49 @@ def test_lora_commands_write_plain_models(tmp_path, command):
     if command != "rm":
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")  # a plain HF model: no adapter keys
         assert not any("lora_" in k or "base_layer" in k for k in model.state_dict())
+
+
+@pytest.mark.slow
+def test_a_lora_run_stopped_and_resumed_ends_like_the_uninterrupted_one(tmp_path, capsys):
+    """`loopline train --resume` of a LoRA run: the adapters (and their optimizer state) come back from the
+    checkpoint, so 2 GRPO steps + a resume to 3 end bitwise where 3 straight steps end."""
+    args = [*TINY, "checkpoint_every=1", "grpo.entropy_coef=0.01", "deterministic=true"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(["train", *args, "grpo.steps=3", f"out_dir={straight}"]) == 0
+    assert main(["train", *args, "grpo.steps=2", f"out_dir={stopped}"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--resume", *args, "grpo.steps=3", f"out_dir={stopped}"]) == 0
+    assert "(grpo step 2)" in capsys.readouterr().out
+
+    def weights(run, name):
+        return load_file(run / "checkpoints" / name / "model" / "model.safetensors")
+
+    final_straight, final_resumed = weights(straight, "grpo-000003"), weights(stopped, "grpo-000003")
+    assert final_resumed.keys() == final_straight.keys()
+    assert not any("lora_" in k or "base_layer" in k for k in final_resumed)  # merged, plain HF names
+    for name, value in final_straight.items():
+        assert torch.equal(final_resumed[name], value), name
+    # the resumed step trained the adapters on: the merged weights moved from step 2's
+    step2 = weights(stopped, "grpo-000002")
+    assert any(not torch.equal(final_resumed[k], step2[k]) for k in step2)
+    # and the adapters themselves are in the checkpoint (DCP), equal in both runs
+    a, b = (read_full_state(run / "checkpoints" / "grpo-000003" / "dcp") for run in (straight, stopped))
+    lora_a = {k: v for k, v in _flat(a).items() if "lora_" in k}
+    assert lora_a and all(torch.equal(v, _flat(b)[k]) for k, v in lora_a.items())
+    # the same rows (the stopped run also evaluated at its last step 2: eval keys and wall times left out)
+    rows = [
+        [{k: v for k, v in r.items() if not k.startswith(("time_", "eval_")) and not k.endswith("tokens_per_s")}
+         for r in read_metrics(run) if r["phase"] == "grpo"]
+        for run in (straight, stopped)
+    ]  # fmt: skip
+    assert rows[0] == rows[1]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
