@@ -363,3 +363,22 @@ def test_reward_step_pinned(micro):
     assert stats.extra["pair_accuracy"] == pytest.approx(0.25)
     assert stats.extra["reward_margin"] == pytest.approx(-0.75)
     assert stats.extra["reward_mean"] == pytest.approx(0.225)
+
+
+def test_critic_step_with_a_data_parallel_group_of_one_rank(tmp_path):
+    # the data-parallel branch (global token counts and statistics summed over the group) on a 1-rank gloo
+    # world gives the single-process numbers
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        t = _tokens()
+        cfg = CriticConfig(optim=OPTIM, value_clip=0.2, micro_batch_size=1)
+        trainer = CriticTrainer(_scalar_model([0.0, 0.5, -0.5]), cfg, total_steps=1, group=dist.group.WORLD)
+        stats = trainer.step(ValueBatch(t.input_ids, t.attention_mask, t.response_mask, OLD_VALUES, RETURNS))
+    finally:
+        dist.destroy_process_group()
+    assert stats.loss == pytest.approx(4.87 / 3, rel=1e-6)
+    assert stats.extra["value_clip_fraction"] == pytest.approx(1 / 3)
+    assert stats.extra["value_mean"] == pytest.approx(1 / 6)
