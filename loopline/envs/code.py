@@ -22,7 +22,7 @@ that claim unforgeable, the completion never runs in the process that runs the t
   the judge reports as a failure; a printed fake verdict goes to stderr and lacks the nonce.
 
 The judge is `loopline/envs/sandbox/inside/judge.py`, a standalone program (standard library
-only) handed to the sandbox as text.
+only), run in the sandbox as its program file.
 
 Departure from the usual `exec(prompt + completion + test)`: a test cannot observe mutation of
 its arguments by the candidate (calls pass copies) nor get anything but built-in data back;

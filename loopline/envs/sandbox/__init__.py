@@ -17,7 +17,7 @@ sandboxed zygote; the zygote is non-dumpable, so runs (same uid) cannot ptrace i
 memory or fds; they can only kill it, which ends that sandbox.
 
 The trust boundary is a file boundary. What runs inside the sandbox is in `inside/`: standalone
-programs (standard library only) handed to the sandbox as text:
+programs (standard library only), copied into the sandbox as files:
 
     inside/zygote.py   the warm sandbox's zygote: forks a child per run, cleans up after each
     inside/judge.py    the code env's judge (loopline.envs.code): tests a completion it isolates

@@ -1,7 +1,7 @@
 """The programs that run inside the sandbox, as source text read from their shipped files.
 
 They live in `inside/`, are standalone (standard library only, never imported by loopline) and
-are handed to the sandbox as text, so what runs there is exactly the file that was linted and
+are copied into the sandbox as files, so what runs there is exactly the file that was linted and
 tested on its own (tests/envs/test_sandbox_inside.py).
 """
 

@@ -1,8 +1,8 @@
 """The warm sandbox's zygote: runs inside the sandbox, forks one child per run the host asks for.
 
-Standalone (standard library only): the host copies this file's text into the sandbox and starts
-it as `python -I -S -c SOURCE CONTROL_FD SCRATCH MAIN_PATH`, already under the sandbox's uid,
-namespaces and rlimits, so every child inherits them.
+Standalone (standard library only): the host copies this file into the sandbox (bwrap:
+/sandbox/zygote.py) and starts it as `python -I -S zygote.py CONTROL_FD SCRATCH MAIN_PATH`, already
+under the sandbox's uid, namespaces and rlimits, so every child inherits them.
 
 Protocol on the control socket (CONTROL_FD, a Unix stream socket):
 - the zygote sends b"ready\\n" once it is non-dumpable;
