@@ -132,3 +132,45 @@ def test_load_splits_from_files(tmp_path):
     assert load_splits(cfg.model_copy(update={"eval_path": ""}), seed=0)[1] == []
     with pytest.raises(DataError, match="data.train_path is required"):
         load_splits(DataConfig(source="jsonl"), seed=0)
+
+
+def _with_bad_second_row(bad: dict) -> list[dict]:
+    good = [dict(r, solution=str(r["solution"]), target=r.get("target", "")) for r in ROWS]
+    good = [{k: r[k] for k in ("question", "solution", "target")} for r in good]  # one schema for every row
+    return [good[0], {**good[1], **bad}, good[1], good[2]]
+
+
+def _save(source: str, rows: list[dict], tmp_path):
+    if source == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "bad.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        from datasets import Dataset
+
+        path = tmp_path / "bad_ds"
+        Dataset.from_list(rows).save_to_disk(path)
+    return path
+
+
+@pytest.mark.parametrize("source", ["parquet", "hf_disk"])
+@pytest.mark.parametrize(
+    "bad,why,reason",
+    [
+        ({"question": None}, "missing or empty string field 'question'", "fields"),
+        ({"question": ""}, "'question'", "fields"),
+        ({"solution": None}, "'solution'", "no_answer"),
+    ],
+)
+def test_malformed_parquet_and_hf_disk_rows_name_file_and_row(tmp_path, source, bad, why, reason):
+    path = _save(source, _with_bad_second_row(bad), tmp_path)
+    with pytest.raises(DataError) as err:
+        load_rows(path, DataConfig(source=source, **MAPPING))
+    msg = str(err.value)
+    assert f"{path}: row 2" in msg  # 1-based, as jsonl lines are
+    assert why in msg and "skip_bad_rows" in msg
+    rows, skipped = load_rows(path, DataConfig(source=source, skip_bad_rows=True, **MAPPING))
+    assert skipped == {reason: 1}
+    _check_rows(rows)  # the other rows kept, indices dense over them
