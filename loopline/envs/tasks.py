@@ -51,6 +51,9 @@ class ToolTaskConfig(Section):
     num_eval: int = Field(
         128, gt=0, description="Held-out problems, disjoint from training (128: a 1-problem change is 0.8%)."
     )
+    num_val: int = Field(
+        128, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
+    )
     direct_fraction: float = Field(
         0.0, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
     )
@@ -63,20 +66,21 @@ class ToolTaskConfig(Section):
         if self.min_operand > self.max_operand:
             raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
         space = (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1)
-        if self.num_train + self.num_eval > space // 2:
+        wanted = self.num_train + self.num_eval + self.num_val
+        if wanted > space // 2:
             raise ValueError(
-                f"num_train + num_eval ({self.num_train + self.num_eval}) must be at most half of the "
+                f"num_train + num_eval + num_val ({wanted}) must be at most half of the "
                 f"{space} distinct problems; widen the operand ranges"
             )
         return self
 
 
-def calculator_splits(cfg: ToolTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
-    """Disjoint train and held-out problems 'What is a*b+c?' (answer the value, completion the expression)."""
+def _calculator_problems(cfg: ToolTaskConfig, seed: int) -> list[PromptRow]:
+    """Train, held-out and validation problems in one stream of distinct expressions, in that order."""
     rng = random.Random(f"calculator-{seed}")
     seen: set[str] = set()
     rows: list[PromptRow] = []
-    while len(rows) < cfg.num_train + cfg.num_eval:
+    while len(rows) < cfg.num_train + cfg.num_eval + cfg.num_val:
         a, b = rng.randint(cfg.min_operand, cfg.max_operand), rng.randint(cfg.min_operand, cfg.max_operand)
         expression = f"{a}*{b}+{rng.randint(0, cfg.max_addend)}"
         if expression in seen:
@@ -84,8 +88,22 @@ def calculator_splits(cfg: ToolTaskConfig, seed: int) -> tuple[list[PromptRow], 
         seen.add(expression)
         value = calculator(expression)
         rows.append(PromptRow(len(rows), f"What is {expression}?\n", value, completion=expression))
-    held_out = [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows[cfg.num_train :])]
-    return rows[: cfg.num_train], held_out
+    return rows
+
+
+def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
+    return [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows)]
+
+
+def calculator_splits(cfg: ToolTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train and held-out problems 'What is a*b+c?' (answer the value, completion the expression)."""
+    rows = _calculator_problems(cfg, seed)
+    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+
+
+def calculator_validation(cfg: ToolTaskConfig, seed: int) -> list[PromptRow]:
+    """num_val problems disjoint from both splits, for SFT's stopping rule (the held-out split stays unread)."""
+    return _renumbered(_calculator_problems(cfg, seed)[cfg.num_train + cfg.num_eval :])
 
 
 def answer_match(text: str, answer: str) -> float:

@@ -60,7 +60,14 @@ from loopline.envs.multiturn import (
     scripted,
     to_batch,
 )
-from loopline.envs.tasks import STOP, ToolTaskConfig, calculator_splits, demonstration, make_env
+from loopline.envs.tasks import (
+    STOP,
+    ToolTaskConfig,
+    calculator_splits,
+    calculator_validation,
+    demonstration,
+    make_env,
+)
 from loopline.envs.tools import ToolsConfig
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
@@ -244,6 +251,7 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
     fmt = PlainFormat(tokenizer)
     train_rows, eval_rows = calculator_splits(cfg.task, cfg.seed)
     eval_rows = eval_rows[: cfg.eval_prompts]
+    val_rows = calculator_validation(cfg.task, cfg.seed)
     pad_id = tokenizer.pad_token_id
     summary = {"before_sft": evaluate(engine, eval_rows, cfg)}
     logger.log({"phase": "sft", "step": 0, **summary["before_sft"]})
@@ -264,7 +272,14 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
             engine.update_weights(model.state_dict(), version=0)
             row.update(evaluate(engine, eval_rows, cfg))
+        reached = False
+        if cfg.sft.stop_at_accuracy is not None and val_rows and step % cfg.sft.check_every == 0:
+            engine.update_weights(model.state_dict(), version=0)
+            row["val_accuracy"] = evaluate(engine, val_rows, cfg)["eval_accuracy"]
+            reached = row["val_accuracy"] >= cfg.sft.stop_at_accuracy  # a skill level, not a step count
         logger.log(row)
+        if reached:
+            break
     engine.update_weights(model.state_dict(), version=0)
     summary["before_rl"] = evaluate(engine, eval_rows, cfg)
     logger.log({"phase": "grpo", "step": 0, **summary["before_rl"]})
