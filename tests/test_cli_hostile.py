@@ -202,7 +202,7 @@ def test_internal_errors_keep_their_traceback(monkeypatch):
         main(["config"])
 
 
-def test_data_errors_after_start_up_are_one_line(tmp_path):
+def test_data_errors_after_start_up_are_one_line(tmp_path, capsys):
     """Errors found once the data is read (an empty file, a bad DPO pair) are one line, exit status 2."""
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -219,6 +219,12 @@ def test_data_errors_after_start_up_are_one_line(tmp_path):
     )  # fmt: skip
     assert rc == 2
     _one_line_error(err, str(pairs), "row 1", "rejected")
+    pairs = _jsonl(
+        tmp_path / "pairs.jsonl", [], raw=[b'{"prompt": "caf\xe9", "chosen": "1", "rejected": "2"}']
+    )
+    assert main(["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}",
+                 f"out_dir={tmp_path / 'run2'}"]) == 2  # fmt: skip
+    _one_line_error(capsys.readouterr().err, str(pairs), "row 1", "0xe9")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -137,12 +137,13 @@ def load_pairs(path: str | Path, cfg: PreferenceDataConfig) -> list[PreferencePa
     if not path.is_file():
         raise DataError(f"preference file '{path}' does not exist")
     pairs: list[PreferencePair] = []
-    with path.open() as f:
+    # bytes, decoded per row: a bad byte is a bad row, named (UnicodeDecodeError is a ValueError)
+    with path.open("rb") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                pairs.append(_pair(len(pairs), json.loads(line), cfg))
+                pairs.append(_pair(len(pairs), json.loads(line.decode("utf-8")), cfg))
             except (json.JSONDecodeError, ValueError, TypeError) as e:
                 raise DataError(f"{path}: row {lineno}: {e}") from None
     if not pairs:
