@@ -204,14 +204,13 @@ def _in_threads(fn, members: list[int]) -> dict[int, object]:
 
 
 def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_syncs() -> None:
-    import time
-
     from loopline.runtime.weight_sync import SyncError, SyncGroup, engines_plan
 
     trainer, _ = load_policy(ModelConfig(), seed=0)
     engines = [load_policy(ModelConfig(), seed=1 + e)[0] for e in range(2)]
     plan = engines_plan(param_specs(trainer), TrainerLayout(1), (0, 1))  # group ranks: trainer 0, engines 1-2
-    timeout_s = 60.0
+    # a timeout no run reaches: a failure within _in_threads' 120 s join can only come from the closed peer
+    timeout_s = 3600.0
     server = SyncGroup.serve("127.0.0.1", timeout_s)
     groups = [server] + [SyncGroup.connect(server.address, "127.0.0.1", timeout_s) for _ in engines]
 
@@ -222,13 +221,10 @@ def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_s
 
     _in_threads(lambda i: groups[i].open(1, i, 3), [0, 1, 2])
     groups[2].close()  # engine 1 is gone (as its process would be): its connections close
-    start = time.perf_counter()
     failed = _in_threads(sync, [0, 1])
-    took = time.perf_counter() - start
-    # the trainer fails on the closed connection and closes its group, so engine 0 fails too: in seconds,
-    # not at the 60 s timeout
-    assert all(isinstance(failed[i], SyncError) for i in (0, 1)), failed
-    assert took < 15, took
+    # the trainer fails on the closed connection and closes its group, so engine 0 fails too: at once, not
+    # at the (hour-long) timeout
+    assert all(isinstance(failed.get(i), SyncError) for i in (0, 1)), failed
     assert groups[0].group is None and groups[1].group is None  # a failed sync leaves no half-open group
 
     groups[2] = SyncGroup.connect(server.address, "127.0.0.1", timeout_s)  # the replacement engine
