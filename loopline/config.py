@@ -7,24 +7,23 @@ Every field has a default that works on the built-in tiny model and a one-line d
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from loopline.errors import UserError
-
-
-class Section(BaseModel):
-    """Base for config sections: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-# The runtime's sections live beside the code that reads them and build on Section above; importing
-# loopline.runtime first imports this module, so the two always load in this order.
-from loopline.runtime.cluster import ClusterConfig  # noqa: E402
-from loopline.runtime.placement import PlacementConfig  # noqa: E402
+# The base and the loader's helpers live in the leaf loopline.section (imported by sections beside their
+# code in every room); re-exported here, where RunConfig composes them.
+from loopline.runtime.cluster import ClusterConfig
+from loopline.runtime.placement import PlacementConfig
+from loopline.section import (  # noqa: F401
+    ConfigError,
+    Section,
+    format_validation_error,
+    merge_trees,
+    parse_overrides,
+    read_tree,
+)
 
 
 class TinyModelConfig(Section):
@@ -545,61 +544,6 @@ class RunConfig(Section):
         return self
 
 
-class ConfigError(UserError):
-    """A config file or override is wrong; the message names the key and what is accepted."""
-
-
-def format_validation_error(err: ValidationError) -> str:
-    """A pydantic error as one line per bad key ('unknown config key ...', 'config key ...: why'),
-    so that every command built on a config Section reports bad input alike."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
-        else:
-            got = e.get("input")
-            # a section's own check names its fields in the message; its input is the whole section
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"config key '{key}': {e['msg']}{shown}")
-    return "\n".join(lines)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """Turn ["a.b=1", "c=x"] into a nested dict; values are parsed as YAML scalars/lists."""
-    tree: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like key.path=value")
-        key, raw = item.split("=", 1)
-        if not key:
-            raise ConfigError(f"override '{item}' has an empty key")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
-    return tree
-
-
-def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`base` updated by `extra`, section by section (a nested dict in `extra` keeps base's other keys)."""
-    out = dict(base)
-    for k, v in extra.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge_trees(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, base: RunConfig | None = None
 ) -> RunConfig:
@@ -607,19 +551,7 @@ def load_config(
 
     base: the config the file and overrides apply to (default: every field's default), e.g. a resumed run's.
     """
-    tree: dict[str, Any] = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
-        tree = loaded
-    tree = merge_trees(tree, parse_overrides(overrides or []))
+    tree = read_tree(path, overrides)
     # Start from the defaults, so a section given in part keeps the rest of its own defaults:
     # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
     tree = merge_trees((base if base is not None else RunConfig()).model_dump(), tree)

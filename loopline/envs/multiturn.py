@@ -29,12 +29,12 @@ import torch
 from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
-from loopline.config import Section
 from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
 from loopline.envs.base import Env, StepResult
 from loopline.rollout.engine import Engine, SamplingParams
 from loopline.rollout.trajectory import Trajectory
+from loopline.section import Section
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
-from loopline.config import Section
+from loopline.section import Section
 
 logger = logging.getLogger(__name__)
 

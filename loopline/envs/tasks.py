@@ -28,9 +28,9 @@ import re
 
 from pydantic import Field, model_validator
 
-from loopline.config import Section
 from loopline.data.datasets import PromptRow
 from loopline.envs.tools import Toolbox, ToolEnv, ToolsConfig, calculator
+from loopline.section import Section
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 STOP = ["</tool_call>", "</answer>"]  # a model turn ends after a call or an answer

@@ -35,11 +35,11 @@ import torch
 from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
-from loopline.config import Section
 from loopline.data.datasets import PromptRow
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.rollout.tool_calls import MalformedCall, ToolsConfig, parse_tool_calls
 from loopline.rollout.trajectory import Trajectory
+from loopline.section import Section
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from loopline.config import Section
+from loopline.section import Section
 
 
 class ToolsConfig(Section):

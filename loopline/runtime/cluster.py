@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from loopline.config import Section
+from loopline.section import Section
 
 if TYPE_CHECKING:
     from ray.cluster_utils import Cluster

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from loopline.config import Section
+from loopline.section import Section
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup

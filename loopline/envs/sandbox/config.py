@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from loopline.config import Section
+from loopline.section import Section
 
 Isolation = Literal["bwrap", "process"]
 

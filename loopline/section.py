@@ -1,0 +1,94 @@
+"""The leaf of the config convention: the `Section` base every config section builds on, `ConfigError`,
+and the loader's helpers that need no RunConfig (YAML file + dotted `a.b.c=value` overrides into one tree).
+
+Imports nothing from loopline but errors.UserError, so that a section can live beside the code that
+reads it in any room (tests/test_layering.py checks this); loopline.config composes them into RunConfig.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from loopline.errors import UserError
+
+
+class Section(BaseModel):
+    """Base for config sections: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ConfigError(UserError):
+    """A config file or override is wrong; the message names the key and what is accepted."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """A pydantic error as one line per bad key ('unknown config key ...', 'config key ...: why'),
+    so that every command built on a config Section reports bad input alike."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"unknown config key '{key}'")
+        else:
+            got = e.get("input")
+            # a section's own check names its fields in the message; its input is the whole section
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"config key '{key}': {e['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config key '{dotted}': '{part}' is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["a.b=1", "c=x"] into a nested dict; values are parsed as YAML scalars/lists."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.path=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override '{item}' has an empty key")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else "")
+    return tree
+
+
+def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`base` updated by `extra`, section by section (a nested dict in `extra` keeps base's other keys)."""
+    out = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge_trees(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_tree(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The optional YAML file at `path` as a nested dict, updated by the dotted overrides; ConfigError if bad."""
+    tree: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
+        tree = loaded
+    return merge_trees(tree, parse_overrides(overrides or []))
