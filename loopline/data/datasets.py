@@ -11,18 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from loopline.config import DataConfig
+from loopline.data.rows import PromptRow
 from loopline.errors import UserError
-
-
-@dataclass(frozen=True)
-class PromptRow:
-    """One prompt with its reference answer; `completion` is the SFT target when known."""
-
-    index: int  # position in its split: the stable id of the prompt
-    prompt: str
-    answer: str = ""
-    completion: str = ""
-    messages: tuple[dict[str, str], ...] = ()
 
 
 class DataError(UserError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 
 from loopline.config import TaskConfig
-from loopline.data.datasets import PromptRow
+from loopline.data.rows import PromptRow
 
 
 def _operand(rng: random.Random, cfg: TaskConfig) -> int:
