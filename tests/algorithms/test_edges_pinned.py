@@ -287,3 +287,12 @@ def test_float64_masks_do_not_change_the_result_dtype():
         clipped_value_loss(v, torch.zeros(1, 3), torch.ones(1, 3), m64).clip_fraction.dtype == torch.float32
     )
     assert truncated_is_weights(v, torch.zeros(1, 3), m64).dtype == torch.float32
+
+
+def test_dual_clip_passes_its_own_clip_range_on():
+    # clip_low 0.1, clip_high 0.3, c = 3: ratio 1.4 with A = 1 -> -min(1.4, 1.3) = -1.3;
+    # ratio 0.5 with A = -1 -> -min(-0.5, -0.9) = 0.9 (below the cap 3)
+    from loopline.algorithms.losses import dual_clip_token_loss
+
+    got = dual_clip_token_loss(T([1.4, 0.5]), T([1.0, -1.0]), 0.1, 0.3, 3.0)
+    torch.testing.assert_close(got, T([-1.3, 0.9]))
