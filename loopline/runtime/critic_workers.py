@@ -27,7 +27,7 @@ from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import CriticConfig, RunConfig
 from loopline.data.batches import TokenBatch
 from loopline.models import load_policy
-from loopline.runtime.roles import _device, _even_slices, _to
+from loopline.runtime.ranks import even_slices, rank_device, to_device
 from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
 from loopline.training.policy import StepStats
 
@@ -178,17 +178,17 @@ class CriticWorker:
         policy, _ = load_policy(self.cfg.model, seed=self.cfg.seed)  # the shapes; the weights come next
         model = ScalarModel.from_policy(policy)
         model.load_state_dict(weights)
-        model = shard_critic(model.to(_device()), self.mesh)
+        model = shard_critic(model.to(rank_device()), self.mesh)
         self.trainer = CriticTrainer(model, cfg, total_steps, group=self.mesh.get_group())
         if restore is not None:
             load_shards(restore, model, self.trainer, group=self.checkpoint_group)  # type: ignore[arg-type]
 
     def values(self, tokens: TokenBatch) -> torch.Tensor:
         """Values of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
-        return _started(self.trainer).values(_to(tokens, _device())).cpu()
+        return _started(self.trainer).values(to_device(tokens, rank_device())).cpu()
 
     def step(self, batch: ValueBatch) -> StepStats:
-        return _started(self.trainer).step(_to(batch, _device()))
+        return _started(self.trainer).step(to_device(batch, rank_device()))
 
     def save(self, path: str, blocking: bool) -> None:
         """Write this rank's shards (weights, AdamW, LR schedule) to `path` with DCP."""
@@ -236,11 +236,11 @@ class RayCritic:
         self.group.call("start_phase", weights, cfg, total_steps, restore)
 
     def values(self, tokens: TokenBatch) -> torch.Tensor:
-        slices = _even_slices(tokens, self.group.world_size)
+        slices = even_slices(tokens, self.group.world_size)
         return torch.cat(self.group.call_each("values", [(s,) for s in slices]))
 
     def step(self, batch: ValueBatch) -> StepStats:
-        slices = _even_slices(batch, self.group.world_size)
+        slices = even_slices(batch, self.group.world_size)
         return self.group.call_each("step", [(s,) for s in slices])[0]  # global statistics, the same on all
 
     def state(self) -> dict:

@@ -20,6 +20,7 @@ from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
 from loopline.models import load_policy
+from loopline.runtime.ranks import even_slices, frozen_logprobs, rank_device, to_device
 
 if TYPE_CHECKING:
     from loopline.runtime.workers import WorkerGroup
@@ -52,22 +53,20 @@ class ReferenceWorker:
 
     def start(self, weights: dict[str, torch.Tensor] | None, restore: str | None) -> None:
         """Freeze the policy's whole `weights`, sharded over the ranks; or read the shards at `restore` (DCP)."""
-        from loopline.runtime.roles import _device
         from loopline.training.parallel import shard_model
 
         model = load_policy(self.cfg.model, seed=self.cfg.seed)[0]
         if weights is not None:
             model.load_state_dict(weights)
-        model = shard_model(model.to(_device()), self.mesh)
+        model = shard_model(model.to(rank_device()), self.mesh)
         if restore is not None:
             load_shards(restore, model, group=self.checkpoint_group)
         self.model = model.eval().requires_grad_(False)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows under the reference (a forward on every rank)."""
-        from loopline.runtime.roles import _device, _logprobs, _to
 
-        return _logprobs(self.model, _to(batch, _device())).cpu()
+        return frozen_logprobs(self.model, to_device(batch, rank_device())).cpu()
 
     def save(self, path: str, blocking: bool) -> None:
         """Write this rank's shards of the reference to `path` with DCP."""
@@ -93,9 +92,8 @@ class RayReference:
         self.group.call("start", ray.put(weights) if weights is not None else None, restore)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        from loopline.runtime.roles import _even_slices
 
-        slices = _even_slices(batch, self.group.world_size)
+        slices = even_slices(batch, self.group.world_size)
         return torch.cat(self.group.call_each("logprobs", [(s,) for s in slices]))
 
     def save(self, path: str, blocking: bool) -> None:

@@ -38,7 +38,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -46,14 +46,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
 from loopline.config import ClusterConfig, GRPOConfig, OptimConfig, PlacementConfig, RunConfig, RuntimeConfig
-from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
-from loopline.models import load_policy
+from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.placement import PoolConfig
+from loopline.runtime.ranks import even_slices, frozen_logprobs, rank_device, seeded_model, to_device
 from loopline.runtime.scoring import score_chunk, score_texts
 from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
-from loopline.training.policy import PolicyTrainer, StepStats, response_logprobs
+from loopline.training.policy import PolicyTrainer, StepStats
 
 if TYPE_CHECKING:
     from loopline.runtime.critic_workers import Critic
@@ -190,7 +190,7 @@ class LocalActor:
             load_shards(trainer_state["reference"], self.reference)
 
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
-        return _logprobs(self.reference if reference else self.model, batch)
+        return frozen_logprobs(self.reference if reference else self.model, batch)
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         return _started(self.trainer).sft_step(batch, micro_batch_size)
@@ -257,13 +257,6 @@ class LocalScorer:
         return {}
 
 
-def _logprobs(model: PreTrainedModel | None, batch: TokenBatch) -> torch.Tensor:
-    if model is None:
-        raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
-    with torch.no_grad():
-        return response_logprobs(model, batch)[0]
-
-
 def _frozen(reference: PreTrainedModel | None) -> PreTrainedModel:
     if reference is None:
         raise RuntimeError("asked to save the reference policy, but the phase was started without one")
@@ -296,26 +289,6 @@ def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
 # =========================================================================================================
 
 
-def _device() -> torch.device:
-    """The device a rank computes on: its GPU when Ray gave it one."""
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _to(batch: B, device: torch.device) -> B:
-    """The batch with every tensor on `device`."""
-    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
-
-
-def _seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The run's initial policy (the same on every rank), with this process's torch RNG seeded."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    torch.manual_seed(cfg.seed + rng_offset)
-    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    return model.to(_device()), tokenizer
-
-
 def _node_address() -> str:
     """This node's address as Ray knows it (127.0.0.1 on a loopback-only local cluster)."""
     import ray.util
@@ -346,7 +319,7 @@ class ActorWorker:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rank, self.ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        self.model, _ = _seeded_model(cfg, rng_offset=0)
+        self.model, _ = seeded_model(cfg, rng_offset=0)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined
         self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
@@ -395,13 +368,13 @@ class ActorWorker:
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
-        return _logprobs(self.model, _to(batch, _device())).cpu()
+        return frozen_logprobs(self.model, to_device(batch, rank_device())).cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
-        return _started(self.trainer).sft_step(_to(batch, _device()), micro_batch_size)
+        return _started(self.trainer).sft_step(to_device(batch, rank_device()), micro_batch_size)
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
-        return _started(self.trainer).grpo_step(_to(batch, _device()), cfg, None)
+        return _started(self.trainer).grpo_step(to_device(batch, rank_device()), cfg, None)
 
     def send_weights(self, targets: tuple[int, ...]) -> None:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
@@ -456,7 +429,7 @@ class EngineWorker:
         self.cfg = cfg
         self.rank = int(os.environ["RANK"])
         # each engine samples from its own generator, the same for the same seed (checkpointed: rng_state)
-        model, tokenizer = _seeded_model(cfg, rng_offset=1 + self.rank)
+        model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
         self.engine = TorchEngine(model, tokenizer, seed=cfg.seed + 1 + self.rank)
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.layout: Any = None  # the trainer's TrainerLayout, from the driver
@@ -501,13 +474,6 @@ class EngineWorker:
 # =========================================================================================================
 
 
-def _even_slices(batch: B, ranks: int) -> list[B]:
-    """`ranks` slices of equal rows (RunConfig checks that the batch sizes divide)."""
-    if len(batch) % ranks:
-        raise ValueError(f"a batch of {len(batch)} rows does not split evenly over {ranks} trainer ranks")
-    return split_rows(batch, len(batch) // ranks)
-
-
 def _chunks(items: list[Any], parts: int) -> list[tuple[int, list[Any]]]:
     """(offset, chunk) for `parts` contiguous chunks as even as can be (some may be empty)."""
     size = math.ceil(len(items) / parts) if items else 0
@@ -528,7 +494,7 @@ class RayActor:
 
     def _slices(self, batch: B) -> list[B]:
         """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks."""
-        return [s for s in _even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
+        return [s for s in even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
 
     def start_phase(
         self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False

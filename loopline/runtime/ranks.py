@@ -1,0 +1,53 @@
+"""What every rank of a role's worker group does alike: pick its device, move a batch there, load the run's
+seeded initial model, split a batch evenly over ranks, take frozen log-probs. Public, so that every role's
+worker (runtime.roles, critic_workers, reference_workers) imports them from here rather than from another role."""
+
+from __future__ import annotations
+
+from dataclasses import fields, replace
+from typing import TypeVar
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from loopline.config import RunConfig
+from loopline.data.batches import TokenBatch, split_rows
+from loopline.models import load_policy
+from loopline.training.policy import response_logprobs
+
+B = TypeVar("B", bound=TokenBatch)
+
+
+def rank_device() -> torch.device:
+    """The device a rank computes on: its GPU when Ray gave it one."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def to_device(batch: B, device: torch.device) -> B:
+    """The batch with every tensor on `device`."""
+    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
+
+
+def seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The run's initial policy (the same on every rank), with this process's torch RNG seeded."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed + rng_offset)
+    model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    return model.to(rank_device()), tokenizer
+
+
+def even_slices(batch: B, ranks: int) -> list[B]:
+    """`ranks` slices of equal rows (RunConfig checks that the batch sizes divide)."""
+    if len(batch) % ranks:
+        raise ValueError(f"a batch of {len(batch)} rows does not split evenly over {ranks} trainer ranks")
+    return split_rows(batch, len(batch) // ranks)
+
+
+def frozen_logprobs(model: PreTrainedModel | None, batch: TokenBatch) -> torch.Tensor:
+    """The response tokens' log-probs under `model`, without gradients; `model` None: no reference was started."""
+    if model is None:
+        raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
+    with torch.no_grad():
+        return response_logprobs(model, batch)[0]
