@@ -6,7 +6,7 @@ gathered weights, the engine's sampling generator and every metrics row. Then th
 on the local backend (one rank): the reference shards are resharded like the policy's, and the run says
 that it cannot replay the engine's samples (another backend).
 
-One local Ray for the file (files in a private temp dir). The uninterrupted run and the resumes run in this
+The session's one Ray (tests/conftest.py). The uninterrupted run and the resumes run in this
 process; the killed launch is a process of its own that joins this Ray by address, so its actors die with it.
 """
 
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -31,7 +28,6 @@ from safetensors.torch import load_file
 
 from loopline.checkpoint.dcp import read_full_state
 from loopline.cli import main
-from loopline.config import ClusterConfig
 from loopline.metrics.logger import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -52,29 +48,11 @@ RUN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    """A local Ray for this file (4 CPUs: 2 trainer ranks, 1 engine, 1 env worker); its GCS address."""
+def ray_address(ray_cluster) -> str:
+    """The session's Ray (tests/conftest.py): its GCS address, for the killed launch to join."""
     import ray
 
-    from loopline.runtime.cluster import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
-    saved = os.environ.get("RAY_TMPDIR")
-    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
-    determinism = torch.are_deterministic_algorithms_enabled()
-    try:
-        start_ray(ClusterConfig(num_cpus=4, object_store_mb=200))
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
-        torch.use_deterministic_algorithms(determinism)  # the runs in this process switch it on
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
+    return ray.get_runtime_context().gcs_address
 
 
 def _wait_for_free_cpus(timeout_s: float = 60.0) -> None:

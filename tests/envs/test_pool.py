@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Hashable
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,20 @@ def timed(x: int) -> tuple[float, float]:
     start = time.monotonic()
     time.sleep(0.2)
     return start, time.monotonic()
+
+
+def _until_dead(pid: int, timeout_s: float = 60.0) -> None:
+    """Poll until process `pid` has ended (a zombie or gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return
+        if state in ("Z", "X"):
+            return
+        assert time.monotonic() < deadline, f"process {pid} still alive after SIGKILL"
+        time.sleep(0.01)
 
 
 def _check_exactly_once(outcomes: list[Outcome], ids: list[Hashable]) -> dict[Hashable, Outcome]:
@@ -186,8 +201,9 @@ def test_abandoned_batch_leaves_no_stale_results() -> None:
 def test_idle_worker_death_is_repaired_without_using_attempts() -> None:
     with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
         pool.map({"warm": 1})
-        os.kill(pool.workers()[0].pid, signal.SIGKILL)
-        time.sleep(0.2)
+        victim = pool.workers()[0].pid
+        os.kill(victim, signal.SIGKILL)
+        _until_dead(victim)  # dead before the batch: the pool must see it, not find out from a lost task
         outcomes = pool.map({i: i for i in range(4)})
     assert all(o.ok and o.attempts == 1 for o in outcomes.values())
 
@@ -203,31 +219,23 @@ def test_bad_config_names_the_field() -> None:
 
 
 @pytest.mark.slow
-def test_ray_actor_killed_mid_batch_loses_nothing() -> None:
-    ray = pytest.importorskip("ray")
+def test_ray_actor_killed_mid_batch_loses_nothing(ray_cluster) -> None:
     from loopline.envs.code import CodeProblem, ScoreJob, run_score_job
     from loopline.envs.sandbox import SandboxConfig
-    from loopline.runtime.cluster import ClusterConfig, start_ray
 
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
-    start_ray(ClusterConfig(num_cpus=2))
-    try:
-        problem = CodeProblem("add", "def add(a, b):\n", "add", "def check(c):\n    assert c(2, 3) == 5\n")
-        jobs = {
-            i: ScoreJob(problem, "    return a + b\n" if i % 2 else "    return a - b\n", SandboxConfig())
-            for i in range(10)
-        }
-        with WorkerPool(run_score_job, EnvPoolConfig(backend="ray", num_workers=2, ray_num_cpus=0.5)) as pool:
-            killer = BusyWorkerKiller(pool, count=1, gap_s=0)
-            killer.start()
-            outcomes = list(pool.imap(jobs))
-            killer.join()
-        assert len(killer.killed) == 1
-        by_id = _check_exactly_once(outcomes, list(jobs))
-        assert all(o.ok for o in outcomes), [o.error for o in outcomes]
-        assert [by_id[i].value.passed for i in range(10)] == [bool(i % 2) for i in range(10)]
-        retried = [o for o in outcomes if o.attempts > 1]
-        assert len(retried) == 1 and f"(pid {killer.killed[0][0]}) died" in retried[0].failures[0]
-    finally:
-        ray.shutdown()
+    problem = CodeProblem("add", "def add(a, b):\n", "add", "def check(c):\n    assert c(2, 3) == 5\n")
+    jobs = {
+        i: ScoreJob(problem, "    return a + b\n" if i % 2 else "    return a - b\n", SandboxConfig())
+        for i in range(10)
+    }
+    with WorkerPool(run_score_job, EnvPoolConfig(backend="ray", num_workers=2, ray_num_cpus=0.5)) as pool:
+        killer = BusyWorkerKiller(pool, count=1, gap_s=0)
+        killer.start()
+        outcomes = list(pool.imap(jobs))
+        killer.join()
+    assert len(killer.killed) == 1
+    by_id = _check_exactly_once(outcomes, list(jobs))
+    assert all(o.ok for o in outcomes), [o.error for o in outcomes]
+    assert [by_id[i].value.passed for i in range(10)] == [bool(i % 2) for i in range(10)]
+    retried = [o for o in outcomes if o.attempts > 1]
+    assert len(retried) == 1 and f"(pid {killer.killed[0][0]}) died" in retried[0].failures[0]

@@ -1,6 +1,6 @@
 """PPO's critic on the ray backend: FSDP2 critic ranks in a world of their own, in the actor's bundles.
 
-On one local Ray (started once for this file, files in a private temp dir):
+On the session's one Ray (tests/conftest.py):
 - 2 CriticWorkers placed in the bundles of a 2-bundle actor pool (asking no resources of their own) make
   the same values and the same update as the local critic in this process, within 1e-5;
 - `loopline train` with grpo.advantage=gae, 2 trainer ranks, 1 engine runs PPO: value-loss rows, the critic's
@@ -15,8 +15,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -26,7 +24,7 @@ import torch
 
 from loopline.checkpoint.dcp import read_full_state
 from loopline.cli import main
-from loopline.config import ClusterConfig, CriticConfig, OptimConfig, load_config
+from loopline.config import CriticConfig, OptimConfig, load_config
 from loopline.data.batches import collate
 from loopline.metrics.logger import read_metrics
 from loopline.models import load_policy
@@ -49,32 +47,6 @@ RAY = [
     "runtime.call_timeout_s=120",
 ]  # fmt: skip
 CRITIC = CriticConfig(optim=OptimConfig(lr=1e-3, warmup_steps=0), value_clip=0.2, micro_batch_size=2)
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for this file (4 CPUs: 2 trainer ranks, 1 engine, 1 env worker), stopped at the end."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
-    saved = os.environ.get("RAY_TMPDIR")
-    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
-    determinism = torch.are_deterministic_algorithms_enabled()
-    try:
-        start_ray(ClusterConfig(num_cpus=4, object_store_mb=200))
-        yield
-    finally:
-        ray.shutdown()
-        torch.use_deterministic_algorithms(determinism)  # the runs in this process switch it on
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _value_batch() -> ValueBatch:

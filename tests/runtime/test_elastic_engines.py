@@ -1,6 +1,6 @@
 """Rollout engines that die are replaced, and engines join or leave a running ray GRPO job.
 
-A local Ray (started once for this file) runs short GRPO jobs in this process: 1 FSDP2 trainer rank,
+The session's Ray (tests/conftest.py) runs short GRPO jobs in this process: 1 FSDP2 trainer rank,
 engines, env workers. The engine actors are killed for real (SIGKILL of their process, found among this
 process's descendants by its Ray process title), at points the loop reaches deterministically: one in
 step 1 after generate (the death surfaces in the weight sync), one after step 2's row (it surfaces in
@@ -12,9 +12,7 @@ through the real `loopline scale` command, written while a step runs and applied
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -25,7 +23,7 @@ import torch
 from loopline.checkpoint.ledger import read_ledger, repeats
 from loopline.checkpoint.state import RunState
 from loopline.cli import main
-from loopline.config import ClusterConfig, load_config
+from loopline.config import load_config
 from loopline.loops.context import RunContext, build_context, sync_engine
 from loopline.loops.grpo import train_grpo
 from loopline.metrics.logger import read_metrics
@@ -38,30 +36,6 @@ ARGS = [
     "progress=false", "tensorboard=false", "threads=1",
     "runtime.backend=ray", "runtime.trainer_ranks=1", "runtime.env_workers=1", "runtime.call_timeout_s=180",
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray for this file: 1 trainer rank, up to 3 engines, 1 env worker (5 CPU slots), stopped at the end."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
-    saved = os.environ.get("RAY_TMPDIR")
-    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
-    try:
-        start_ray(ClusterConfig(num_cpus=5, object_store_mb=200))
-        yield
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _engine_pids() -> list[int]:

@@ -1,8 +1,9 @@
 """Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank.
 
-`loopline train` on its own local Ray (2 FSDP2 trainer ranks, 1 engine, 1 env worker) with
-runtime.max_restarts=1. Once GRPO step 1 is logged, the test SIGKILLs one trainer rank: a real Ray actor
-process, found among the run's own descendants by its process title (ray::ActorWorker). The run must
+`loopline train` in a process of its own that joins the session's Ray (tests/conftest.py) by address (2 FSDP2
+trainer ranks, 1 engine, 1 env worker) with runtime.max_restarts=1. Once GRPO step 1 is logged, the test
+SIGKILLs one trainer rank: a real Ray actor process, found among the session Ray's processes (descendants of
+this one) by its process title (ray::ActorWorker). The run must
 restart its roles from the newest checkpoint by itself, print the time it took to recover, and finish
 with every step logged once and every sample trained once (the ledger). Then the run's checkpoint,
 written as two ranks' DCP shards, resumes on the local backend (one rank): DCP reshards the weights and
@@ -13,11 +14,9 @@ the kill may also land in a rank's background write: such a checkpoint never bec
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,7 @@ ARGS = [
 ]  # fmt: skip
 RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
-    "runtime.call_timeout_s=60", "runtime.max_restarts=1", "runtime.cluster.num_cpus=4",
+    "runtime.call_timeout_s=60", "runtime.max_restarts=1",
     "checkpoint.async_save=true",  # each rank writes its shards in a thread while training goes on
 ]  # fmt: skip
 RUN_TIMEOUT_S = 400
@@ -76,12 +75,25 @@ def _grpo_steps(run: Path) -> list[int]:
         return []
 
 
-def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(tmp_path: Path) -> None:
+def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
+    ray_cluster, tmp_path: Path
+) -> None:
+    import ray
+
     run = tmp_path / "run"
-    ray_tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen(
-        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"out_dir={run}"],
+        [
+            sys.executable,
+            "-m",
+            "loopline.cli",
+            "train",
+            *ARGS,
+            *RAY,
+            f"runtime.cluster.address={address}",
+            f"out_dir={run}",
+        ],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -95,7 +107,7 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(tmp_p
             )
             assert time.monotonic() < deadline, "run did not reach GRPO step 1"
             time.sleep(0.2)
-        ranks = _descendants_titled(proc.pid, "ray::ActorWorker")
+        ranks = _descendants_titled(os.getpid(), "ray::ActorWorker")  # the session Ray's worker processes
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1], signal.SIGKILL)
         out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -103,7 +115,6 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, out[-4000:]
     assert "role 'actor' rank" in out  # the failure names the role and rank
     assert "restarting the roles from the last checkpoint (restart 1 of 1)" in out

@@ -1,7 +1,7 @@
 """Placement: the resource check names role, pool and shortfall; placement groups fail fast instead of hanging.
 
-The arithmetic is tested as a pure function over per-node free resources. The rest runs on one real local
-Ray (2 CPUs), started once for this file.
+The arithmetic is tested as a pure function over per-node free resources. The rest runs on the session's real
+local Ray (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 import ray
 from pydantic import ValidationError
 
-from loopline.runtime.cluster import ClusterConfig, start_ray
 from loopline.runtime.placement import (
     PlacementConfig,
     PlacementError,
@@ -144,41 +143,39 @@ def test_colocated_roles_split_each_bundle() -> None:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    started = start_ray(ClusterConfig(num_cpus=2, object_store_mb=100))
-    yield
-    if started:
-        ray.shutdown()
+def local_ray(ray_cluster) -> float:
+    """The session's Ray (tests/conftest.py); its number of CPUs."""
+    return ray.cluster_resources()["CPU"]
 
 
 def _live_groups() -> list[dict]:
     return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
 
 
-def test_impossible_request_fails_at_once_naming_the_role(local_ray: None) -> None:
-    cfg = _cfg([("gen", 4, {"GPU": 1})], {"rollout": "gen"}, ready_timeout_s=300)
-    t0 = time.monotonic()
+def test_impossible_request_fails_at_once_naming_the_role(local_ray: float) -> None:
+    # ready_timeout_s far beyond the test's own timeout: only the up-front check can end this in time
+    cfg = _cfg([("gen", 4, {"GPU": 1})], {"rollout": "gen"}, ready_timeout_s=86400)
     with pytest.raises(
         PlacementError, match=r"role 'rollout' \(pool 'gen'\) needs 4 x \{GPU: 1\} = GPU 4, cluster has GPU 0"
     ):
         place_pools(cfg)
-    assert time.monotonic() - t0 < 5  # the check, not the 300 s wait
     assert _live_groups() == []
 
 
-def test_unchecked_request_times_out_with_the_pool_named(local_ray: None) -> None:
-    # As on an autoscaling cluster: no check, so Ray waits, and ready_timeout_s bounds the wait.
+def test_unchecked_request_times_out_with_the_pool_named(local_ray: float) -> None:
+    # As on an autoscaling cluster: no check, so Ray waits, and ready_timeout_s bounds the wait (the message
+    # says it was that bound that ended it).
     cfg = _cfg([("gen", 2, {"tpu_v5": 1})], {"rollout": "gen"}, check_resources=False, ready_timeout_s=1.5)
-    t0 = time.monotonic()
     with pytest.raises(PlacementError, match=r"role 'rollout' \(pool 'gen'\) was not placed within 1.5s"):
         place_pools(cfg)
-    assert time.monotonic() - t0 < 10
     assert _live_groups() == []
 
 
-def test_place_and_remove_pools(local_ray: None) -> None:
+def test_place_and_remove_pools(local_ray: float) -> None:
+    cpus = local_ray
     cfg = _cfg(
-        [("train", 1, {"CPU": 1}), ("env", 2, {"CPU": 0.5})], {"actor": "train", "ref": "train", "env": "env"}
+        [("train", 1, {"CPU": cpus - 1}), ("env", 2, {"CPU": 0.5})],
+        {"actor": "train", "ref": "train", "env": "env"},
     )
     pools = place_pools(cfg)
     try:
@@ -193,6 +190,6 @@ def test_place_and_remove_pools(local_ray: None) -> None:
     finally:
         remove_pools(pools)
     deadline = time.monotonic() + 10
-    while sum(n.get("CPU", 0.0) for n in cluster_free_resources()) < 2 and time.monotonic() < deadline:
+    while sum(n.get("CPU", 0.0) for n in cluster_free_resources()) < cpus and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert sum(n.get("CPU", 0.0) for n in cluster_free_resources()) == pytest.approx(2.0)
+    assert sum(n.get("CPU", 0.0) for n in cluster_free_resources()) == pytest.approx(cpus)

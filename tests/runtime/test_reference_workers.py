@@ -1,6 +1,6 @@
 """The frozen reference on the ray backend: 2 FSDP2 ReferenceWorkers in the actor's bundles, a world of their own.
 
-On a local Ray: the group frozen from whole weights gives the log-probs of the same model in this process
+On the session's Ray (tests/conftest.py): the group frozen from whole weights gives the log-probs of the same model in this process
 (within 1e-5, rows split over the ranks); its DCP shards (one file per rank) read back into a second group
 started from other weights give the same log-probs again. GRPO's use of it (KL, checkpoints, exact resume)
 is tested end to end in tests/checkpoint/test_resume_ray.py.
@@ -9,9 +9,6 @@ is tested end to end in tests/checkpoint/test_resume_ray.py.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -19,7 +16,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
 import pytest
 import torch
 
-from loopline.config import ClusterConfig, load_config
+from loopline.config import load_config
 from loopline.data.batches import collate
 from loopline.models import load_policy
 from loopline.runtime.critic_workers import colocated_pool
@@ -29,30 +26,6 @@ from loopline.training.policy import response_logprobs
 pytestmark = pytest.mark.slow
 
 OVERRIDES = ["runtime.backend=ray", "runtime.trainer_ranks=2", "threads=1", "seed=4"]
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray for this file (2 CPUs: the actor pool's 2 bundles), stopped at the end."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
-    saved = os.environ.get("RAY_TMPDIR")
-    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
-    try:
-        start_ray(ClusterConfig(num_cpus=2, object_store_mb=200))
-        yield
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_reference_ranks_give_the_policy_logprobs_and_read_back_their_shards(

@@ -9,8 +9,6 @@ the planned weight sync read the TP shards where the planner put them.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -20,7 +18,6 @@ import torch
 from safetensors.torch import load_file
 
 from loopline.cli import main
-from loopline.config import ClusterConfig
 from loopline.metrics.logger import read_metrics
 
 SMALL = [
@@ -38,29 +35,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same short job on the local backend and on a local Ray (4 CPUs) with a TP=2 actor."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-
-    if ray.is_initialized():
-        pytest.skip("Ray is already initialised in this process")
+def runs(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The same short job on the local backend and on the session's Ray with a TP=2 actor."""
     out = tmp_path_factory.mktemp("train_tp")
     assert main(["train", f"out_dir={out / 'local'}", *SMALL]) == 0
-    saved = os.environ.get("RAY_TMPDIR")
-    tmp = tempfile.mkdtemp(prefix="llray-")  # short: Ray's socket paths must stay under 108 bytes
-    os.environ["RAY_TMPDIR"] = tmp  # neither follow nor overwrite another cluster's address file
-    try:
-        start_ray(ClusterConfig(num_cpus=4, object_store_mb=200))
-        assert main(["train", f"out_dir={out / 'ray'}", *SMALL, *RAY_TP]) == 0
-    finally:
-        ray.shutdown()
-        if saved is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = saved
-        shutil.rmtree(tmp, ignore_errors=True)
+    assert main(["train", f"out_dir={out / 'ray'}", *SMALL, *RAY_TP]) == 0
     return {"local": out / "local", "ray": out / "ray"}
 
 
