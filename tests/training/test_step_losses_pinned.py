@@ -207,6 +207,7 @@ def test_sft_step_pinned(micro):
     assert stats.loss == pytest.approx(math.log(24) / 3, rel=1e-6)
     ref = _reference_grad_norm(lambda lg, tg: -(_token_logp(lg, tg) * MASK).sum() / 3)
     assert stats.grad_norm == pytest.approx(ref, rel=1e-4)
+    assert stats.lr == OPTIM.lr and stats.extra == {}
 
 
 # ---------------------------------------------------------------- DPO: dpo_step through DPO_LOSSES[cfg.loss]
@@ -216,11 +217,11 @@ def test_sft_step_pinned(micro):
 # references: pair 1 chosen ln 1/12 - 1, rejected ln 1/2 + 1      -> log-ratios +1 / -1,     delta = 2
 #             pair 2 chosen ln 1/2 + 0.5, rejected ln 1/12 - 0.5 -> log-ratios -0.5 / +0.5, delta = -1
 # beta 0.5, so x = beta * delta = [1, -0.5]:
-#   sigmoid: mean(-logsig(1), -logsig(-0.5))
+#   sigmoid (cDPO, e = 0.1): mean of -(0.9) logsig(x) - 0.1 logsig(-x)
 #   hinge:   mean(relu(1 - 1), relu(1 + 0.5)) = 0.75
 #   ipo:     ((dc/|c| - dr/|r|) - 1/(2 beta))^2: pair 1 (1/2 + 1/1 - 1)^2 = 0.25,
 #            pair 2 (-0.5/1 - 0.5/2 - 1)^2 = 1.75^2 = 3.0625 -> mean 1.65625
-#   robust (e = 0.1): [-(0.9) logsig(x) + 0.1 logsig(-x)] / 0.8 per pair
+#   robust (e = 0.2): mean of [-(0.8) logsig(x) + 0.2 logsig(-x)] / 0.6
 # chosen NLL (per-token mean, mean over pairs): (ln 12 / 2 + ln 2) / 2, weighted by nll_coef 0.1
 # implicit rewards beta * log-ratio: chosen [0.5, -0.25], rejected [-0.5, 0.25]: accuracy 1/2,
 #   margin mean(1, -0.5) = 0.25, chosen mean 0.125, rejected mean -0.125
@@ -231,10 +232,10 @@ def _logsig(x: float) -> float:
 
 
 DPO_CASES = {
-    "sigmoid": -(_logsig(1.0) + _logsig(-0.5)) / 2,
+    "sigmoid": sum(-0.9 * _logsig(x) - 0.1 * _logsig(-x) for x in (1.0, -0.5)) / 2,
     "hinge": 0.75,
     "ipo": 1.65625,
-    "robust": sum((-0.9 * _logsig(x) + 0.1 * _logsig(-x)) / 0.8 for x in (1.0, -0.5)) / 2,
+    "robust": sum((-0.8 * _logsig(x) + 0.2 * _logsig(-x)) / 0.6 for x in (1.0, -0.5)) / 2,
 }
 
 
@@ -251,7 +252,7 @@ def _pairs() -> PairBatch:
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("loss", sorted(DPO_CASES))
 def test_dpo_step_pinned(loss, micro):
-    smoothing = 0.1 if loss == "robust" else 0.0
+    smoothing = {"sigmoid": 0.1, "robust": 0.2}.get(loss, 0.0)
     cfg = DPOConfig(loss=loss, beta=0.5, nll_coef=0.1, label_smoothing=smoothing, micro_batch_size=micro)
     stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(_pairs(), cfg)
     nll = (math.log(12) / 2 + LN2) / 2
@@ -306,19 +307,28 @@ RETURNS = torch.tensor([[1.0, 2.0], [-1.0, 7.0]])
 OLD_VALUES = torch.tensor([[0.5, 0.0], [1.0, 0.0]])
 
 
+def _value_batch(rows: list[int]) -> ValueBatch:
+    """The two rows above in the given order (every micro-batch must count, not only the last)."""
+    t = _tokens()
+    return ValueBatch(
+        t.input_ids[rows], t.attention_mask[rows], t.response_mask[rows], OLD_VALUES[rows], RETURNS[rows]
+    )
+
+
+@pytest.mark.parametrize("rows", [[0, 1], [1, 0]])
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize(("clip", "loss", "clip_fraction"), [(0.2, 4.87 / 3, 1 / 3), (None, 4.375 / 3, 0.0)])
-def test_critic_step_pinned(clip, loss, clip_fraction, micro):
+def test_critic_step_pinned(clip, loss, clip_fraction, micro, rows):
     model = _scalar_model([0.0, 0.5, -0.5])
-    t = _tokens()
-    torch.testing.assert_close(model.response_values(t) * MASK, torch.tensor([[0.5, -0.5], [0.5, 0.0]]))
-    cfg = CriticConfig(optim=OPTIM, value_clip=clip, micro_batch_size=micro)
-    stats = CriticTrainer(model, cfg, total_steps=1).step(
-        ValueBatch(t.input_ids, t.attention_mask, t.response_mask, OLD_VALUES, RETURNS)
+    torch.testing.assert_close(
+        model.response_values(_tokens()) * MASK, torch.tensor([[0.5, -0.5], [0.5, 0.0]])
     )
+    cfg = CriticConfig(optim=OPTIM, value_clip=clip, micro_batch_size=micro)
+    stats = CriticTrainer(model, cfg, total_steps=1).step(_value_batch(rows))
     assert stats.loss == pytest.approx(loss, rel=1e-6)
     assert stats.extra["value_clip_fraction"] == pytest.approx(clip_fraction)
     assert stats.extra["value_mean"] == pytest.approx(1 / 6)
+    assert stats.lr == OPTIM.lr
     # gradient by hand: dL/dV = (V - R) / 3 on tokens where the unclipped error is used, 0 where the clipped
     # one wins (its V enters only through clip(), flat there): row 0 [(0.5-1)/3, (-0.5-2)/3], row 1 [(0.5+1)/3]
     # or 0 when clipped. V = w * E[token] + b, w = 1: dE[1] gets rows' t0 terms (token 1), dE[2] row 0 t1;
@@ -328,6 +338,15 @@ def test_critic_step_pinned(clip, loss, clip_fraction, micro):
     dw = dv[0] * 0.5 + dv[1] * -0.5 + dv[2] * 0.5
     db = sum(dv)
     assert stats.grad_norm == pytest.approx(math.sqrt(de1**2 + de2**2 + dw**2 + db**2), rel=1e-5)
+
+
+def test_critic_step_on_a_single_token():
+    # row 1 alone (one trained token, the clipped one): loss 1.62, clip fraction 1, value mean 0.5
+    stats = CriticTrainer(_scalar_model([0.0, 0.5, -0.5]), CriticConfig(optim=OPTIM), total_steps=1).step(
+        _value_batch([1])
+    )
+    assert stats.loss == pytest.approx(1.62, rel=1e-6)
+    assert stats.extra["value_clip_fraction"] == 1.0 and stats.extra["value_mean"] == pytest.approx(0.5)
 
 
 def test_critic_values_split_into_micro_batches():
@@ -346,16 +365,34 @@ def test_critic_values_split_into_micro_batches():
 # pair accuracy: no win, one tie (half) -> 0.25; margin mean(-1.5, 0) = -0.75; mean reward mean(-0.15, 0.6) = 0.225
 
 
+def test_pairwise_accuracy_counts_a_tie_as_half():
+    from loopline.training.critic import pairwise_accuracy
+
+    # wins 1/4, ties 1/4 -> 0.25 + 0.5 * 0.25
+    assert pairwise_accuracy(torch.tensor([1.0, 0.0, 2.0, 3.0]), torch.tensor([0.0, 0.0, 3.0, 4.0])) == 0.375
+
+
+@pytest.mark.parametrize("order", [[0, 1], [1, 0]])
 @pytest.mark.parametrize("micro", [1, 2])
-def test_reward_step_pinned(micro):
+def test_reward_step_pinned(micro, order):
     model = _scalar_model([0.0, 0.5, -1.0], bias=0.1)
-    chosen = collate([[1], [1]], [[2, 2], [2, 1]], pad_id=0)
+    chosen_rows, margins = [[2, 2], [2, 1]], [0.0, 0.5]
+    chosen = collate([[1], [1]], [chosen_rows[i] for i in order], pad_id=0)
     rejected = collate([[1], [1]], [[1], [1]], pad_id=0)
-    pairs = PairBatch(chosen, rejected, torch.tensor([0.0, 0.5]))
+    pairs = PairBatch(chosen, rejected, torch.tensor([margins[i] for i in order]))
     cfg = RewardModelConfig(optim=OPTIM, margin=0.25, center_coef=0.1, micro_batch_size=micro)
     trainer = RewardTrainer(model, cfg, total_steps=1)
-    torch.testing.assert_close(trainer.scores(chosen), torch.tensor([-0.9, 0.6]))
+    torch.testing.assert_close(trainer.scores(chosen), torch.tensor([[-0.9, 0.6][i] for i in order]))
     stats = trainer.step(pairs)
+    # the gradient of the whole-batch loss, whatever the micro-batching (scores are w * E[last] + b)
+    e = torch.tensor([0.0, 0.5, -1.0], requires_grad=True)
+    w, b = torch.tensor(1.0, requires_grad=True), torch.tensor(0.1, requires_grad=True)
+    c, r = w * e[torch.tensor([2, 1])] + b, w * e[torch.tensor([1, 1])] + b
+    ref = F.softplus(-(c - r - torch.tensor([0.25, 0.75]))).mean() + 0.1 * (c + r).square().mean()
+    ref.backward()
+    want_norm = math.sqrt(float(e.grad.square().sum() + w.grad**2 + b.grad**2))
+    assert stats.grad_norm == pytest.approx(want_norm, rel=1e-5)
+    assert stats.lr == OPTIM.lr
     want = (F.softplus(torch.tensor(1.75)) + F.softplus(torch.tensor(0.75))).item() / 2 + 0.1 * (
         0.09 + 1.44
     ) / 2
@@ -371,14 +408,21 @@ def test_critic_step_with_a_data_parallel_group_of_one_rank(tmp_path):
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+    cfg = CriticConfig(optim=OPTIM, value_clip=0.2, micro_batch_size=1)
+    alone = [
+        CriticTrainer(_scalar_model([0.0, 0.5, -0.5]), cfg, 1).step(_value_batch(r)) for r in ([0, 1], [1])
+    ]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
-        t = _tokens()
-        cfg = CriticConfig(optim=OPTIM, value_clip=0.2, micro_batch_size=1)
-        trainer = CriticTrainer(_scalar_model([0.0, 0.5, -0.5]), cfg, total_steps=1, group=dist.group.WORLD)
-        stats = trainer.step(ValueBatch(t.input_ids, t.attention_mask, t.response_mask, OLD_VALUES, RETURNS))
+        grouped = [
+            CriticTrainer(_scalar_model([0.0, 0.5, -0.5]), cfg, 1, group=dist.group.WORLD).step(
+                _value_batch(r)
+            )
+            for r in ([0, 1], [1])
+        ]
     finally:
         dist.destroy_process_group()
-    assert stats.loss == pytest.approx(4.87 / 3, rel=1e-6)
-    assert stats.extra["value_clip_fraction"] == pytest.approx(1 / 3)
-    assert stats.extra["value_mean"] == pytest.approx(1 / 6)
+    assert grouped[0].loss == pytest.approx(4.87 / 3, rel=1e-6)
+    assert grouped[1].loss == pytest.approx(1.62, rel=1e-6)  # one token: divided by 1
+    for a, g in zip(alone, grouped, strict=True):  # float64 sums over the group: the same numbers exactly
+        assert (g.loss, g.extra, g.grad_norm, g.lr) == (a.loss, a.extra, a.grad_norm, a.lr)
