@@ -197,3 +197,82 @@ def add_ray_nodes(ray_cluster: Cluster) -> Iterator[Callable[[Sequence[Mapping[s
     yield add
     for node in reversed(added):
         ray_cluster.remove_node(node)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layers: one mark per test (registered in pyproject.toml), so that `pytest -m ray` etc. runs one layer alone
+# ---------------------------------------------------------------------------------------------------------
+
+LAYER_MARKS = ("unit", "gloo", "ray", "sandbox", "e2e")
+# A test that uses the session's Ray is `ray`; otherwise its module's layer here; otherwise `unit`.
+RAY_FIXTURES = {"ray_session", "ray_cluster", "add_ray_nodes"}
+MODULE_LAYERS = {
+    **dict.fromkeys(
+        [
+            "tests/checkpoint/test_dcp.py",
+            "tests/runtime/test_critic_workers.py",
+            "tests/runtime/test_reference_workers.py",
+            "tests/runtime/test_weight_sync.py",
+            "tests/training/test_critic_fsdp.py",
+            "tests/training/test_fsdp_equivalence.py",
+            "tests/training/test_tp.py",
+        ],
+        "gloo",
+    ),
+    **dict.fromkeys(
+        [
+            "tests/checkpoint/test_resume_ray.py",
+            "tests/envs/test_pool.py",
+            "tests/runtime/test_elastic_engines.py",
+            "tests/runtime/test_fault_ray.py",
+            "tests/runtime/test_placement.py",
+            "tests/runtime/test_scorer.py",
+            "tests/runtime/test_train_ray.py",
+            "tests/runtime/test_train_ray_tp.py",
+            "tests/runtime/test_workers.py",
+        ],
+        "ray",
+    ),
+    **dict.fromkeys(
+        [
+            "tests/envs/test_bench_sandbox.py",
+            "tests/envs/test_cli.py",
+            "tests/envs/test_code.py",
+            "tests/envs/test_sandbox.py",
+            "tests/envs/test_sandbox_inside.py",
+        ],
+        "sandbox",
+    ),
+    **dict.fromkeys(
+        [
+            "tests/checkpoint/test_bench_restart.py",
+            "tests/checkpoint/test_faults.py",
+            "tests/envs/test_agent_e2e.py",
+            "tests/loops/test_dpo_rm.py",
+            "tests/loops/test_grpo_variants.py",
+            "tests/loops/test_resume_exact.py",
+            "tests/loops/test_resume_rl_state.py",
+            "tests/loops/test_sft_stop.py",
+            "tests/loops/test_train_e2e.py",
+            "tests/runtime/test_bench_sync.py",
+            "tests/runtime/test_fault_watchdog.py",
+            "tests/test_cli.py",
+            "tests/test_cli_hostile.py",
+            "tests/test_resume_safety.py",
+            "tests/training/test_lora.py",
+        ],
+        "e2e",
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(item.get_closest_marker(m) for m in LAYER_MARKS):
+            continue  # a module or test that names its layer itself
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            layer = "ray"
+        else:
+            layer = MODULE_LAYERS.get(item.path.relative_to(config.rootpath).as_posix(), "unit")
+        item.add_marker(getattr(pytest.mark, layer))
