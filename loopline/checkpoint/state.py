@@ -62,6 +62,7 @@ class RunState:
     sampler: dict[str, int] = field(default_factory=dict)
     policy_version: int = 0  # the version of the weights the engines hold (RL: one per step)
     done: bool = False  # the phase ended before its last step (SFT reached sft.stop_at_accuracy)
+    val_accuracy: float = 0.0  # SFT's last validation check (near the target, it checks every step)
 
 
 class CheckpointActor(Protocol):

@@ -58,13 +58,12 @@ def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = Non
         }
         row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
         row["time_train"] = elapsed
-        if cfg.stop_at_accuracy is not None and ctx.val_rows and state.step % cfg.check_every == 0:
+        if ctx.val_rows and cfg.check_due(state.step, state.val_accuracy):
             with ctx.watchdog.stage("eval"):
                 sync_engine(ctx, version=0)
-                val = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
-            row["val_accuracy"] = val
+                state.val_accuracy = row["val_accuracy"] = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
             # a fixed skill level, whatever step float noise puts it at
-            state.done = val >= cfg.stop_at_accuracy
+            state.done = state.val_accuracy >= cfg.stop_at_accuracy
         last = state.step == cfg.steps or state.done
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
             with ctx.watchdog.stage("eval"):

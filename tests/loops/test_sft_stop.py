@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from loopline.cli import main
+from loopline.config import SFTConfig
 
 TINY = [
     "sft.steps=12", "sft.check_every=3", "sft.eval_every=0", "grpo.steps=0",
@@ -19,17 +20,17 @@ def _rows(run):
 
 def test_sft_stops_at_the_first_check_that_reaches_the_target_and_resume_keeps_it_stopped(tmp_path):
     run = tmp_path / "run"
-    # accuracy >= 0 holds at the first check: SFT must end at step check_every, not sft.steps
+    # a target of 0 is at least half reached from the start, so SFT checks after step 1, and stops there
     assert main(["train", f"out_dir={run}", "sft.stop_at_accuracy=0.0", *TINY]) == 0
     sft = [r for r in _rows(run) if r["phase"] == "sft" and r["step"] > 0]
-    assert [r["step"] for r in sft] == [1, 2, 3]
+    assert [r["step"] for r in sft] == [1]
     assert "val_accuracy" in sft[-1] and "eval_accuracy" in sft[-1]  # the phase's last step is evaluated
     state = json.loads(next(run.glob("checkpoints/sft-*/state.json")).read_text())
-    assert state["step"] == 3 and state["done"] is True
-    # resuming with more RL steps goes on with GRPO from the stopped SFT, never SFT steps 4..12
+    assert state["step"] == 1 and state["done"] is True
+    # resuming with more RL steps goes on with GRPO from the stopped SFT, never SFT steps 2..12
     assert main(["train", "--resume", f"out_dir={run}", "grpo.steps=1"]) == 0
     rows = _rows(run)
-    assert max(r["step"] for r in rows if r["phase"] == "sft") == 3
+    assert max(r["step"] for r in rows if r["phase"] == "sft") == 1
     assert [r["step"] for r in rows if r["phase"] == "grpo"] == [0, 1]
 
 
@@ -41,3 +42,11 @@ def test_sft_runs_every_step_when_the_target_is_not_reached(tmp_path):
     checked = [r["step"] for r in sft if "val_accuracy" in r]
     assert checked == [3, 6, 9, 12]
     assert all(r["val_accuracy"] < 1.0 for r in sft if "val_accuracy" in r)
+
+
+def test_checks_come_every_check_every_steps_then_every_step_past_half_the_target():
+    cfg = SFTConfig(stop_at_accuracy=0.4, check_every=5)
+    assert [s for s in range(1, 16) if cfg.check_due(s, last_accuracy=0.0)] == [5, 10, 15]
+    assert [s for s in range(1, 16) if cfg.check_due(s, last_accuracy=0.19)] == [5, 10, 15]
+    assert all(cfg.check_due(s, last_accuracy=0.2) for s in range(1, 16))  # half of 0.4: every step
+    assert not any(SFTConfig().check_due(s, 0.9) for s in range(1, 16))  # no target: never
