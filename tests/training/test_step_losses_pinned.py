@@ -127,8 +127,12 @@ GRPO_CASES = {
         {"policy_loss": -0.25, "kl": 0.115, "bonus": ((H1 + H2) / 2 + H1) / 2},
     ),
     "fixed_length-k3": (
-        {"loss_agg": "fixed_length", "kl_estimator": "k3", "kl_coef": 0.2, "entropy_coef": 0.0},
-        {"policy_loss": -1.5 / 8, "kl": (_k3(0.2) + _k3(0.4) + _k3(0.6)) / 8, "bonus": 0.0},
+        {"loss_agg": "fixed_length", "kl_estimator": "k3", "kl_coef": 0.2, "entropy_coef": 0.01},
+        {"policy_loss": -1.5 / 8, "kl": (_k3(0.2) + _k3(0.4) + _k3(0.6)) / 8, "bonus": (2 * H1 + H2) / 8},
+    ),
+    "no-kl-coef": (  # reference log-probs present but kl_coef 0 (KL in the reward): no KL term, kl logged 0
+        {"loss_agg": "token_mean", "kl_estimator": "k1", "kl_coef": 0.0, "entropy_coef": 0.0},
+        {"policy_loss": -0.5, "kl": 0.0, "bonus": 0.0},
     ),
 }
 
@@ -169,6 +173,7 @@ def test_grpo_step_loss_kl_entropy_pinned(case, micro):
     assert stats.extra["entropy"] == pytest.approx((2 * H1 + H2) / 3, rel=1e-5)
     assert stats.extra["clip_fraction"] == 0.0 and stats.extra["approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert stats.grad_norm == pytest.approx(_reference_grad_norm(_grpo_reference(fields)), rel=1e-4)
+    assert stats.lr == OPTIM.lr
 
 
 # Off-policy, clip-higher and dual clip: old = logp - ln r with r = row 0 [1.5, 0.9], row 1 [5, 3 (masked)],
@@ -267,7 +272,9 @@ def test_dpo_step_pinned(loss, micro):
 def test_dpo_step_needs_reference_log_probs():
     pairs = _pairs()
     pairs.ref_rejected = None
-    with pytest.raises(ValueError, match="reference log-probs"):
+    with pytest.raises(
+        ValueError, match=r"^dpo_step needs the pairs' reference log-probs \(ref_chosen, ref_rejected\)$"
+    ):
         PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(pairs, DPOConfig())
 
 
