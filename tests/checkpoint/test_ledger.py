@@ -41,9 +41,9 @@ def test_clear_starts_afresh_and_is_safe_without_a_file(tmp_path):
 def test_repeats_counts_samples_trained_twice_within_a_phase(tmp_path):
     rows = [
         {"phase": "grpo", "step": 1, "samples": [[0, 1, 0], [0, 1, 1]]},
-        {"phase": "grpo", "step": 2, "samples": [[0, 1, 0], [1, 1, 0]]},  # (0, 1, 0) again
-        {"phase": "grpo", "step": 3, "samples": [[0, 1, 0]]},  # and a third time
+        {"phase": "grpo", "step": 2, "samples": [[0, 1, 0], [1, 1, 0], [0, 1, 1]]},  # two seen again
+        {"phase": "grpo", "step": 3, "samples": [[0, 1, 0]]},  # and (0, 1, 0) a third time
         {"phase": "sft", "step": 1, "samples": [[0, 1, 1]]},  # another phase: not a repeat
     ]
-    assert repeats(rows) == {("grpo", 0, 1, 0): 3}
+    assert repeats(rows) == {("grpo", 0, 1, 0): 3, ("grpo", 0, 1, 1): 2}
     assert repeats(rows[:1] + rows[3:]) == {}
