@@ -35,7 +35,7 @@ from loopline.config import (
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.preference import PairBatch
 from loopline.training.critic import CriticTrainer, RewardTrainer, ScalarModel, ValueBatch
-from loopline.training.policy import PolicyTrainer
+from loopline.training.policy import PolicyTrainer, response_logprobs, sequence_logprobs
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 H1, H2 = 1.5 * LN2, LN3
@@ -88,8 +88,6 @@ def _entropy(logits):
 
 
 def test_the_table_model_gives_the_log_probs_of_the_docstring():
-    from loopline.training.policy import response_logprobs, sequence_logprobs
-
     logp, entropy = response_logprobs(TableLM(), _tokens(), with_entropy=True)
     torch.testing.assert_close(logp, LOGP)
     torch.testing.assert_close(entropy, torch.tensor([[H1, H2], [H1, H1]]))
@@ -174,6 +172,21 @@ def test_grpo_step_loss_kl_entropy_pinned(case, micro):
     assert stats.extra["clip_fraction"] == 0.0 and stats.extra["approx_kl"] == pytest.approx(0.0, abs=1e-7)
     assert stats.grad_norm == pytest.approx(_reference_grad_norm(_grpo_reference(fields)), rel=1e-4)
     assert stats.lr == OPTIM.lr
+
+
+def test_grpo_step_on_a_single_token():
+    # row 1 alone (one token, A = -0.5), token_mean: the loss is -A = 0.5, divided by one token
+    t = _tokens()
+    batch = RolloutBatch(
+        t.input_ids[1:], t.attention_mask[1:], t.response_mask[1:], old_logprobs=None, ref_logprobs=None,
+        advantages=ADV[1:], rewards=torch.zeros(1),
+    )  # fmt: skip
+    stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).grpo_step(batch, GRPOConfig(), ref_model=None)
+    assert stats.loss == pytest.approx(0.5)
+
+
+def test_response_logprobs_without_entropy_returns_none():
+    assert response_logprobs(TableLM(), _tokens())[1] is None
 
 
 # Off-policy, clip-higher and dual clip: old = logp - ln r with r = row 0 [1.5, 0.9], row 1 [5, 3 (masked)],
@@ -267,6 +280,25 @@ def test_dpo_step_pinned(loss, micro):
     assert stats.extra["pref_accuracy"] == 0.5 and stats.extra["reward_margin"] == pytest.approx(0.25)
     assert stats.extra["chosen_reward"] == pytest.approx(0.125)
     assert stats.extra["rejected_reward"] == pytest.approx(-0.125)
+
+
+def test_dpo_step_gradient_and_lr_do_not_depend_on_micro_batching():
+    cfg = DPOConfig(loss="sigmoid", beta=0.5, nll_coef=0.1, micro_batch_size=1)
+    one = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(_pairs(), cfg)
+    two = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(
+        _pairs(), cfg.model_copy(update={"micro_batch_size": 2})
+    )
+    assert one.grad_norm == pytest.approx(two.grad_norm, rel=1e-5) and one.grad_norm > 0
+    assert one.lr == two.lr == OPTIM.lr
+
+
+def test_dpo_step_counts_a_tie_as_no_win():
+    # references equal to the policy's own log-probs: both implicit rewards 0, accuracy 0, loss ln 2
+    pairs = _pairs()
+    pairs.ref_chosen = sequence_logprobs(TableLM(), pairs.chosen).detach()
+    pairs.ref_rejected = sequence_logprobs(TableLM(), pairs.rejected).detach()
+    stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(pairs, DPOConfig(nll_coef=0.0))
+    assert stats.extra["pref_accuracy"] == 0.0 and stats.loss == pytest.approx(math.log(2.0), rel=1e-6)
 
 
 def test_dpo_step_needs_reference_log_probs():
