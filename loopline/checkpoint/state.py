@@ -28,6 +28,7 @@ that filled up, a copy cut short) is skipped, named with the file at fault, and 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -35,6 +36,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -156,13 +158,13 @@ def checkpoint_fault(path: Path) -> str | None:
     def read_torch(name: str) -> Any:
         return torch.load(path / name, weights_only=False)
 
-    checks = [
+    checks: list[tuple[str, Callable[[], object]]] = [
         ("state.json", lambda: RunState(**read_json("state.json"))),
         ("cursors.json", lambda: dict(read_json("cursors.json"))),
         ("rng.pt", lambda: [read_torch("rng.pt")[k] for k in ("python", "numpy", "torch")]),
     ]
     optional = [name for name in (LOOP_FILE, "trainer.pt") if (path / name).exists()]
-    checks += [(name, lambda name=name: read_torch(name)) for name in optional]
+    checks += [(name, functools.partial(read_torch, name)) for name in optional]
     for name, check in checks:
         try:
             check()
@@ -385,7 +387,7 @@ def newest_whole_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tupl
     """The newest checkpoint of a run whose files read whole (checkpoint_fault), and the newer ones passed over
     with the fault of each; (None, []) when the run has no checkpoint. Raises UserError when it has checkpoints
     and every one is damaged."""
-    skipped = []
+    skipped: list[tuple[Path, str]] = []
     for path in checkpoints_newest_first(run_dir):
         fault = checkpoint_fault(path)
         if fault is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TypeVar
 
 import torch
 
@@ -56,9 +57,12 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -
     return TokenBatch(ids, attn, resp_mask)
 
 
-def split_rows(batch: TokenBatch, size: int) -> list[TokenBatch]:
-    """Micro-batches of at most `size` rows (every tensor field sliced along dim 0)."""
-    out = []
+B = TypeVar("B", bound="TokenBatch")
+
+
+def split_rows(batch: B, size: int) -> list[B]:
+    """Micro-batches of at most `size` rows (every tensor field sliced along dim 0), of the batch's own type."""
+    out: list[B] = []
     for start in range(0, len(batch), size):
         sliced = {
             f.name: (v[start : start + size] if isinstance(v, torch.Tensor) else v)

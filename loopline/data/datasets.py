@@ -204,7 +204,7 @@ def load_rows(
             skipped[e.reason] += 1
             continue
         too_long = _over_limit(row, limits) if limits is not None else ""
-        if too_long and limits.overlong == "error":
+        if too_long and limits is not None and limits.overlong == "error":
             raise DataError(f"{where}: {too_long} (data.overlong=skip skips such rows)")
         if too_long:
             skipped["too_long"] += 1

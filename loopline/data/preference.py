@@ -65,7 +65,7 @@ def wrong_sum(answer: str, rng: random.Random) -> str:
 def builtin_pairs(rows: list[PromptRow], seed: int, limit: int | None = None) -> list[PreferencePair]:
     """One pair per task row (the first `limit`): chosen = its completion, rejected = a wrong sum, same format."""
     rng = random.Random(f"pairs-{seed}")
-    pairs = []
+    pairs: list[PreferencePair] = []
     for row in rows[:limit]:
         suffix = row.completion[len(row.answer) :]  # what follows the sum in the SFT target ("\n")
         pairs.append(

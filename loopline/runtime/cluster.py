@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -114,7 +114,10 @@ def local_multinode_cluster(
     cluster = None
     try:
         with _loopback():
-            common = {"object_store_memory": object_store_mb * 2**20, "node_ip_address": "127.0.0.1"}
+            common: dict[str, Any] = {
+                "object_store_memory": object_store_mb * 2**20,
+                "node_ip_address": "127.0.0.1",
+            }
             cluster = Cluster(
                 initialize_head=True,
                 head_node_args={"num_cpus": head_cpus, "include_dashboard": False, **common},

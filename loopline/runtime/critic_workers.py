@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -141,8 +141,8 @@ def shard_critic(model: ScalarModel, mesh: Any) -> ScalarModel:
     from loopline.training.parallel import shard_model
 
     # shard_model finds the decoder layers by the class names the HF body lists
-    model._no_split_modules = list(getattr(model.body, "_no_split_modules", None) or ())
-    return shard_model(model, mesh)
+    model._no_split_modules = list(getattr(model.body, "_no_split_modules", None) or ())  # type: ignore[assignment]
+    return cast(ScalarModel, shard_model(model, mesh))  # sharded in place: the same module
 
 
 class CriticWorker:

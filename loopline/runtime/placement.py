@@ -62,6 +62,10 @@ class PoolConfig(Section):
         return v
 
 
+def _actor_on_default() -> dict[Role, str]:
+    return {"actor": "default"}
+
+
 class PlacementConfig(Section):
     """Resource pools and which pool each role runs on (roles sharing a pool are colocated on its bundles)."""
 
@@ -69,7 +73,7 @@ class PlacementConfig(Section):
         default_factory=lambda: [PoolConfig(name="default")], description="Resource pools, by unique name."
     )
     roles: dict[Role, str] = Field(
-        default_factory=lambda: {"actor": "default"},
+        default_factory=_actor_on_default,
         description="Role -> pool name. Roles on one pool are colocated; roles left out are not placed.",
     )
     check_resources: bool = Field(

@@ -35,7 +35,7 @@ def seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreT
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed + rng_offset)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    return model.to(rank_device()), tokenizer
+    return model.to(rank_device()), tokenizer  # type: ignore[arg-type]  # transformers types .to() oddly
 
 
 def even_slices(batch: B, ranks: int) -> list[B]:

@@ -58,7 +58,7 @@ class ReferenceWorker:
         model = load_policy(self.cfg.model, seed=self.cfg.seed)[0]
         if weights is not None:
             model.load_state_dict(weights)
-        model = shard_model(model.to(rank_device()), self.mesh)
+        model = shard_model(model.to(rank_device()), self.mesh)  # type: ignore[arg-type,assignment]
         if restore is not None:
             load_shards(restore, model, group=self.checkpoint_group)
         self.model = model.eval().requires_grad_(False)

@@ -265,11 +265,11 @@ class TransferPlan:
         m = self._src_index.get(rank)
         if m is None:
             return []
-        out = []
+        out: list[Transfer] = []
         for p in range(len(self.params)) if params is None else params:
             cls = self.classes[self.class_of[p]]
             rows = np.flatnonzero(cls.src == m)
-            out.extend(self._transfer(p, cls, r, e) for e in range(self.engines.engines) for r in rows)
+            out.extend(self._transfer(p, cls, int(r), e) for e in range(self.engines.engines) for r in rows)
         return out
 
     def transfers_to(self, rank: int, params: Sequence[int] | None = None) -> list[Transfer]:
@@ -278,10 +278,10 @@ class TransferPlan:
         if pos is None:
             return []
         e, j = pos
-        out = []
+        out: list[Transfer] = []
         for p in range(len(self.params)) if params is None else params:
             cls = self.classes[self.class_of[p]]
-            out.extend(self._transfer(p, cls, r, e) for r in np.flatnonzero(cls.dst_tp == j))
+            out.extend(self._transfer(p, cls, int(r), e) for r in np.flatnonzero(cls.dst_tp == j))
         return out
 
     def buckets(self, bucket_bytes: int) -> list[list[int]]:
@@ -398,9 +398,8 @@ def _plan_class(
             sl = slice(first, last)
             per_dim.append((np.maximum(lo[sl], a), np.minimum(hi[sl], b), share[sl], lo[sl]))
         # Cartesian product over dims: one transfer per (interval in dim 0) x (interval in dim 1) ...
-        idx = np.meshgrid(*[np.arange(len(x[0])) for x in per_dim], indexing="ij")
-        idx = [i.reshape(-1) for i in idx]
-        src = sum(x[2][i] for x, i in zip(per_dim, idx))
+        idx = [i.reshape(-1) for i in np.meshgrid(*[np.arange(len(x[0])) for x in per_dim], indexing="ij")]
+        src: np.ndarray | int = sum(x[2][i] for x, i in zip(per_dim, idx))
         if replicated:
             src = src + j % trainer.tp  # pick replica j % tp: spreads engine TP ranks over the copies
         cols["src"].append(np.asarray(src, dtype=np.int64))

@@ -48,7 +48,7 @@ class ScalarModel(nn.Module):
     def save(self, path: str | Path) -> None:
         """The body as a Hugging Face directory (transformers' AutoModel loads it) plus head.safetensors."""
         path = Path(path)
-        self.body.save_pretrained(path)
+        self.body.save_pretrained(path)  # type: ignore[operator]  # the body is a Hugging Face model
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, path / "head.safetensors")
 
     @classmethod
@@ -192,8 +192,8 @@ class RewardTrainer:
             sums["reward_margin"] += float((chosen - rejected).mean()) * share
             sums["reward_mean"] += float((chosen + rejected).mean() / 2) * share
         grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
-        loss = sums.pop("loss")
-        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        mean_loss = sums.pop("loss")
+        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
 
 
 class RewardModelScorer:

@@ -24,7 +24,10 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
     peft_cfg = PeftLoraConfig(
-        r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
+        r=cfg.r,
+        lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft scales by any number
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
     )
     try:
         model = inject_adapter_in_model(peft_cfg, model)
@@ -50,11 +53,12 @@ def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         for name, layer in layers.items():
             base = layer.get_base_layer()
-            weight = base.weight.detach().clone()
+            weight = base.weight.detach().clone()  # type: ignore[operator]  # a Linear's weight
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
-                    weight += layer.get_delta_weight(adapter).to(weight.dtype)  # scale * B @ A
+                    # scale * B @ A; defined by each LoraLayer kind (Linear, Embedding, ...), not the base class
+                    weight += layer.get_delta_weight(adapter).to(weight.dtype)  # type: ignore[attr-defined]
             merged[f"{name}.weight"] = weight
             if base.bias is not None:
-                merged[f"{name}.bias"] = base.bias.detach()
+                merged[f"{name}.bias"] = base.bias.detach()  # type: ignore[operator]
     return merged

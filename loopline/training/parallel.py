@@ -261,7 +261,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     groups = mesh_groups(params)
     norms = []
     for group in groups:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
@@ -283,7 +283,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's weights by name, on CPU on rank 0 (empty on other ranks); a collective when sharded."""
-    return get_model_state_dict(model, options=_options(is_sharded(model)))
+    return get_model_state_dict(model, options=_options(is_sharded(model)))  # type: ignore[return-value]
 
 
 def load_full_model_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:

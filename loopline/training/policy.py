@@ -77,7 +77,7 @@ def optimizer_step(
         scheduler.step()
     # else: a non-finite gradient would poison the weights and AdamW moments: skip this update
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm), lr
+    return float(grad_norm), float(lr)
 
 
 def _clip_loss(
@@ -228,8 +228,8 @@ class PolicyTrainer:
             (loss * _share(micro, totals, "token_mean")).backward()
             total += float(loss.detach()) * _share(micro, totals, "token_mean")
         grad_norm, lr = self._step()
-        loss = self._global_sums({"loss": total})["loss"]
-        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra={})
+        mean_loss = self._global_sums({"loss": total})["loss"]
+        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra={})
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
         """One optimizer step of the grpo.policy_loss objective (+ KL to ref, + entropy bonus)."""
@@ -276,8 +276,8 @@ class PolicyTrainer:
                 sums[key] += float(value.detach()) * weight
         grad_norm, lr = self._step()
         sums = self._global_sums(sums)
-        loss = sums.pop("loss")
-        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        mean_loss = sums.pop("loss")
+        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
         """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""
@@ -310,8 +310,8 @@ class PolicyTrainer:
                 sums[key] += float(value) * share
         grad_norm, lr = self._step()
         sums = self._global_sums(sums)
-        loss = sums.pop("loss")
-        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        mean_loss = sums.pop("loss")
+        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name (whole tensors; on rank 0 only when sharded) and LR schedule."""
