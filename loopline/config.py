@@ -179,7 +179,7 @@ class SFTConfig(Section):
 class GRPOConfig(Section):
     """Group-relative policy optimisation."""
 
-    steps: int = Field(250, ge=0, description="RL steps (one rollout + update each).")
+    steps: int = Field(100, ge=0, description="RL steps (one rollout + update each).")
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
