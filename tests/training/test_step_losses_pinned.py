@@ -465,3 +465,18 @@ def test_critic_step_with_a_data_parallel_group_of_one_rank(tmp_path):
     assert grouped[1].loss == pytest.approx(1.62, rel=1e-6)  # one token: divided by 1
     for a, g in zip(alone, grouped, strict=True):  # float64 sums over the group: the same numbers exactly
         assert (g.loss, g.extra, g.grad_norm, g.lr) == (a.loss, a.extra, a.grad_norm, a.lr)
+
+
+def test_response_logprobs_ignore_left_padding_with_absolute_positions():
+    # Rotary models (Qwen2, Llama) only see relative positions, so wrong absolute position ids go unnoticed
+    # there; GPT-2 adds a learned embedding per absolute position. A left-padded row must score its response
+    # exactly as when alone: positions count real tokens only, and padding is masked out of attention.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=16, n_embd=16, n_layer=1, n_head=2)).eval()
+    short, long = ([1, 4], [5, 6]), ([1, 7, 8, 9, 10], [11, 12, 13])
+    with torch.no_grad():
+        both, _ = response_logprobs(model, collate([short[0], long[0]], [short[1], long[1]], pad_id=0))
+        alone, _ = response_logprobs(model, collate([short[0]], [short[1]], pad_id=0))
+    torch.testing.assert_close(both[0, :2], alone[0], atol=1e-5, rtol=0)
