@@ -480,3 +480,7 @@ def test_response_logprobs_ignore_left_padding_with_absolute_positions():
         both, _ = response_logprobs(model, collate([short[0], long[0]], [short[1], long[1]], pad_id=0))
         alone, _ = response_logprobs(model, collate([short[0]], [short[1]], pad_id=0))
     torch.testing.assert_close(both[0, :2], alone[0], atol=1e-5, rtol=0)
+    # and both equal a plain forward pass (positions 0, 1, 2, ...) at the positions before each token
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([short[0] + short[1]])).logits[0]
+    torch.testing.assert_close(alone[0], torch.log_softmax(logits, -1)[[1, 2], [5, 6]], atol=1e-5, rtol=0)
