@@ -1,9 +1,15 @@
 # The two commands of the README. Both set everything up first (idempotent).
-.PHONY: run test lint mutation
+.PHONY: run reproduce test lint mutation
 
+# ARGS: overrides for the default job, e.g. make run ARGS="seed=1 threads=2"
 run:
 	scripts/setup tensorboard
-	.venv/bin/loopline train
+	.venv/bin/loopline train $(ARGS)
+
+# The default job over seeds 0,1,2 and threads 1,2, then the table against the README's targets
+reproduce:
+	scripts/setup tensorboard
+	.venv/bin/python scripts/reproduce --out runs/reproduce $(ARGS)
 
 test:
 	scripts/test
