@@ -223,6 +223,30 @@ print('parent done', flush=True)
     assert not result.timed_out  # the run ended with its main program, not by waiting for the daemon
 
 
+def test_a_process_that_keeps_changing_its_pid_does_not_outlive_the_run(level: str) -> None:
+    # Once the main program has ended, a child keeps moving to a new pid (fork; the parent exits at
+    # once). A /proc scan lists the pids and then reads each one, so it misses such a process most
+    # of the time: the cleanup must sweep with kill(-1) (atomic against fork) before it looks.
+    body = """
+main = os.getpid()
+if os.fork() == 0:
+    deadline = time.monotonic() + 30
+    while os.getppid() == main and time.monotonic() < deadline:  # until the main program is gone
+        time.sleep(0.001)
+    while time.monotonic() < deadline:
+        try:
+            if os.fork():
+                os._exit(0)
+        except OSError:  # the process limit, until the zombies it leaves are reaped
+            time.sleep(0.001)
+    os._exit(0)
+print('parent done', flush=True)
+"""
+    result = run_hostile(make(level, timeout_s=10), body)
+    assert "parent done" in result.stdout
+    assert not result.timed_out  # the hopping child held the output pipes: it was killed
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes
 # ---------------------------------------------------------------------------------------------

@@ -117,20 +117,23 @@ def tasks_of_uid(uid: int) -> int:
 def kill_uid(uid: int, wait_s: float = 5.0) -> bool:
     """SIGKILL every process of a sandbox uid; True once none is left (waits up to wait_s).
 
-    kill(-1) sent from that uid reaches all its processes in one sweep, so a fork bomb cannot
-    outrun it; the wait covers processes that are still being torn down by the kernel.
+    kill(-1) sent from that uid reaches all its processes in one sweep, atomically against fork,
+    so neither a fork bomb nor a process that keeps moving to a new pid can outrun it. It is sent
+    before looking: a /proc scan lists the pids, then reads each, and can miss a process that
+    forked and exited in between. The wait covers processes still being torn down by the kernel.
     """
     deadline = time.monotonic() + wait_s
     pause = 0.001
-    while pids_of_uid(uid):
-        if time.monotonic() > deadline:
-            return False
+    while True:
         subprocess.run(
             [*setpriv_argv(uid), shutil.which("kill") or "kill", "-KILL", "-1"], capture_output=True
         )
+        if not pids_of_uid(uid):
+            return True
+        if time.monotonic() > deadline:
+            return False
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
-    return True
 
 
 def _session_members(sid: int) -> list[int]:

@@ -108,7 +108,8 @@ def _judge_main() -> None:
     # costs no interpreter start-up of its own.
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
-    if os.fork() == 0:
+    solution = os.fork()
+    if solution == 0:
         try:
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)  # not the payload
@@ -130,6 +131,14 @@ def _judge_main() -> None:
 
     def verdict(line: str) -> None:
         _flush(sys.stdout, sys.stderr)  # what the test printed, before the process ends
+        # Hang up on the solution process and wait for it: it flushes what it printed and exits.
+        # The sandbox kills whatever is left of a run once its main process (this one) has ended,
+        # so output the solution still held in its buffers would be lost.
+        try:
+            os.close(requests_w)
+            os.waitpid(solution, 0)
+        except OSError:
+            pass  # (the test closed that pipe or reaped the process: nothing to wait for)
         os.write(verdict_fd, ("\n" + VERDICT + " " + line.replace("\n", " ") + "\n").encode())
 
     # Non-dumpable before the nonce enters memory: other processes of this uid (the solution)

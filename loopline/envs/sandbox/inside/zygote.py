@@ -19,8 +19,7 @@ uid (it refuses to run as root, where that would be every process of the machine
 
 from __future__ import annotations
 
-# Only what the zygote needs to start; the rest is imported where it is used (see _zygote_cleanup
-# for why the timing of the cleanup's imports matters).
+# Only what the zygote needs to start; the rest is imported where it is used.
 import ctypes
 import os
 import socket
@@ -34,8 +33,14 @@ def _zygote_main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     scratch, main_path = sys.argv[2], sys.argv[3]
     # Runs share our uid: non-dumpable, they cannot ptrace us nor open /proc/<us>/{mem,fd}.
-    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE
         sys.exit("zygote: prctl(PR_SET_DUMPABLE, 0) failed")
+    # Orphans of a run (a daemon's parent exits) become our children, not init's: the cleanup
+    # reaps them, so their zombies do not linger (counted against RLIMIT_NPROC) until an init
+    # that may reap slowly, or never, gets to them.
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        sys.exit("zygote: prctl(PR_SET_CHILD_SUBREAPER, 1) failed")
     me, uid = os.getpid(), os.getuid()
     control.sendall(b"ready\n")
     while True:
@@ -107,25 +112,30 @@ def _zygote_child(
 def _zygote_cleanup(me: int, uid: int, scratch: str) -> bool:
     """Kill every other process of our uid, wipe the scratch dir; False if something remains.
 
-    Known race (kept as it was when this program was stitched from host functions): the first
-    /proc scan can come back empty while a process the run forked just before it ended is still
-    starting, and then that process outlives the run (its run times out). Moving these imports to
-    the top of the file made the first cleanup fast enough to hit it under load; sweeping with
-    kill(-1) before scanning closes it but also kills processes that were about to exit on their
-    own with output still buffered (the judge's solution process). Left for a change of its own.
+    Called once the run's main process has exited and been reaped: everything it wrote to its
+    stdout/stderr is already in the host's pipes, so killing cannot lose the run's output. (A
+    process that wants a child's buffered output, like the judge, waits for that child itself.)
+
+    Sweep first, then look: a /proc scan is not a snapshot (it lists the pids, then reads each
+    one's status), so a process can fork and exit between the two and its child is missed (a
+    double-forking daemon did exactly that). kill(-1) is atomic against fork: a fork in progress
+    either fails or its child is signalled too, so after one sweep no process of this uid can make
+    a new one, and the sweeps repeat until a scan finds none left (or the deadline passes).
     """
     import shutil
     import signal
     import time
 
     deadline = time.monotonic() + 5
-    while _pids_of_uid(uid, exclude=me):
-        if time.monotonic() > deadline:
-            return False
+    while True:
         try:  # noqa: SIM105 - no contextlib import in the zygote
             os.kill(-1, signal.SIGKILL)  # every process of this uid but us, in one sweep
         except OSError:
-            pass
+            pass  # ESRCH: there was none
+        if _reap() and not _pids_of_uid(uid, exclude=me):
+            break
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.001)
     for entry in os.scandir(scratch):
         if entry.is_dir(follow_symlinks=False):
@@ -147,6 +157,18 @@ def _zygote_cleanup(me: int, uid: int, scratch: str) -> bool:
         if any(len(r.split()) > 7 and str(uid) in r.split()[4:8] for r in rows):
             return False
     return True
+
+
+def _reap() -> bool:
+    """Reap every child (the run's orphans, see PR_SET_CHILD_SUBREAPER) that has exited; True
+    when none is left."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return True
+        if pid == 0:
+            return False
 
 
 def _pids_of_uid(uid: int, exclude: int = -1) -> list[int]:
