@@ -156,7 +156,10 @@ def test_a_ray_ppo_checkpoint_resumes_on_the_local_backend(ppo_run: Path, tmp_pa
     checkpoints = resumed / "checkpoints"
     shutil.rmtree(checkpoints / "grpo-000003")
     (checkpoints / "latest").write_text("grpo-000002")
-    assert main(["train", "--resume", f"out_dir={resumed}", *ARGS]) == 0
+    # --resume starts from the run's saved config (runtime.backend=ray, 2 trainer ranks): ask for local here
+    local = ["runtime.backend=local", "runtime.trainer_ranks=1"]
+    assert main(["train", "--resume", f"out_dir={resumed}", *ARGS, *local]) == 0
+    assert not (checkpoints / "grpo-000003" / CRITIC_DIR).exists()  # the local critic writes no shards
     rows = _rows(resumed)
     assert sorted(rows) == [0, 1, 2, 3] and math.isfinite(rows[3]["value_loss"])
     # the local critic (whole, in loop.pt) continued the ray critic's step-2 state: its LR schedule counts the
