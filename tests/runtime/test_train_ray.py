@@ -42,7 +42,7 @@ pytestmark = pytest.mark.slow
 
 RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
-    "runtime.call_timeout_s=90",
+    "runtime.call_timeout_s=180",  # actor start-up (a new process importing torch) under a loaded CI
 ]  # fmt: skip
 
 
