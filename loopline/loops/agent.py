@@ -47,7 +47,7 @@ from loopline.config import (
     SFTConfig,
     format_validation_error,
     merge_trees,
-    parse_overrides,
+    read_tree,
 )
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.datasets import PromptRow
@@ -145,18 +145,7 @@ class AgentConfig(Section):
 
 def load_agent_config(path: str | None = None, overrides: list[str] | None = None) -> AgentConfig:
     """An AgentConfig from an optional YAML file and dotted overrides; raises ConfigError if bad."""
-    tree: dict = {}
-    if path:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file '{p}' does not exist")
-        try:
-            tree = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
-        if not isinstance(tree, dict):
-            raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
-    tree = merge_trees(AgentConfig().model_dump(), merge_trees(tree, parse_overrides(overrides or [])))
+    tree = merge_trees(AgentConfig().model_dump(), read_tree(path, overrides))
     try:
         return AgentConfig.model_validate(tree)
     except ValidationError as e:
