@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.runtime.cluster", 1, "start/join Ray: knows no model, only its Section"),
     ("loopline.runtime.placement", 1, "placement groups from pool configs: knows no model"),
     ("loopline.runtime.workers", 1, "WorkerGroup: N ranks of any class, local or Ray"),
+    ("loopline.runtime.shard_layout", 1, "trainer and engine layouts, shard boxes: pure"),
     ("loopline.runtime.resharding", 1, "transfer plans between layouts: pure"),
     ("loopline.runtime.weight_sync", 1, "transport of a transfer plan: tensors and collectives"),
     ("loopline.config", 2, "RunConfig and the sections not yet beside their code; composes runtime's"),

@@ -1,4 +1,4 @@
-"""Transfer plans from a trainer layout (FSDP2 x TP) to engine layouts (replicas x TP).
+"""Transfer plans from a trainer layout (FSDP2 x TP) to engine layouts (replicas x TP), and their checker.
 
 A plan is a pure function of the two layouts and the parameter list (names, shapes, dtypes): no
 tensors, no processes. So it can be built and checked for thousands of ranks on a laptop.
@@ -11,167 +11,61 @@ rank (a TP-replicated byte on one of `tp` ranks, picked by the engine's TP index
 transfers into engine `e` are those into engine 0 with the destination ranks renamed, and
 parameters of the same (shape, dtype, TP dim) share them. A plan stores one *template* per such
 class (numpy arrays over engine 0's ranks) and expands transfers lazily, per rank or in full.
+
+The layouts, shard boxes and parameter lists live in `shard_layout`; they are re-exported here, where callers
+import them from.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import product
 
 import numpy as np
-import torch
 
-Box = tuple[tuple[int, int], ...]
-"""A shard's region of a parameter: one half-open `(lo, hi)` interval per dimension."""
+from loopline.runtime.shard_layout import (
+    COLUMN_PARALLEL,
+    ROW_PARALLEL,
+    Box,
+    EngineLayout,
+    ParamSpec,
+    TpRule,
+    TrainerLayout,
+    box_numel,
+    chunk_bounds,
+    default_tp_dim,
+    engine_shard_box,
+    llama_specs,
+    resolve_tp_dim,
+    trainer_shard_box,
+)
 
-TpRule = Callable[[str, tuple[int, ...]], "int | None"] | Mapping[str, "int | None"]
-"""Which dimension a parameter is split on under tensor parallelism (None = replicated)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Layouts
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter as the planner sees it: name, full (unsharded) shape and dtype."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the full parameter."""
-        return math.prod(self.shape) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class TrainerLayout:
-    """Trainer ranks as a (fsdp, tp) mesh, tp innermost: mesh index `i * tp + j` is FSDP rank i, TP rank j.
-
-    TP splits a parameter on its TP dim first (torch chunk rule), then FSDP2's `fully_shard`
-    splits dim 0 of that TP-local tensor into `fsdp` chunks of ceil(d0 / fsdp) rows; trailing
-    ranks may get fewer rows or none. `ranks` are the global ranks of the mesh indices
-    (default `0 .. fsdp*tp - 1`).
-    """
-
-    fsdp: int
-    tp: int = 1
-    ranks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        _check_layout("trainer", self.fsdp, self.tp, self.ranks)
-
-    @property
-    def size(self) -> int:
-        """Number of trainer ranks."""
-        return self.fsdp * self.tp
-
-    def global_ranks(self) -> np.ndarray:
-        """Global rank of each mesh index, shape (fsdp * tp,)."""
-        return np.arange(self.size) if self.ranks is None else np.asarray(self.ranks, dtype=np.int64)
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """`engines` full replicas of the model, each split over `tp` ranks along each parameter's TP dim.
-
-    Replicated parameters (TP dim None) are whole on every rank of an engine. `ranks` are the
-    global ranks of (engine e, TP rank j) at index `e * tp + j`; the default places the engines
-    right after the trainer's ranks (not colocated). Pass the trainer's ranks to colocate.
-    """
-
-    engines: int
-    tp: int = 1
-    ranks: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        _check_layout("engine", self.engines, self.tp, self.ranks)
-
-    @property
-    def size(self) -> int:
-        """Number of engine ranks."""
-        return self.engines * self.tp
-
-    def global_ranks(self, first: int) -> np.ndarray:
-        """Global rank of each (engine, TP rank), shape (engines, tp); `first` is used when ranks is None."""
-        flat = first + np.arange(self.size) if self.ranks is None else np.asarray(self.ranks, dtype=np.int64)
-        return flat.reshape(self.engines, self.tp)
-
-
-def _check_layout(what: str, groups: int, tp: int, ranks: tuple[int, ...] | None) -> None:
-    if groups < 1 or tp < 1:
-        raise ValueError(f"{what} layout needs positive sizes, got {groups} x tp={tp}")
-    if ranks is not None:
-        if len(ranks) != groups * tp:
-            raise ValueError(f"{what} layout has {groups * tp} ranks but {len(ranks)} rank ids were given")
-        if len(set(ranks)) != len(ranks) or min(ranks) < 0:
-            raise ValueError(f"{what} layout rank ids must be distinct and non-negative")
-
-
-COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def default_tp_dim(name: str, shape: tuple[int, ...]) -> int | None:
-    """Megatron-style rule for Llama/Qwen names: column-parallel on dim 0, row-parallel weights on dim 1."""
-    parts = name.split(".")
-    module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", parts[-1])
-    if module in COLUMN_PARALLEL:
-        return 0  # weight and bias are split by output features (embeddings: by vocab)
-    if module in ROW_PARALLEL and leaf == "weight" and len(shape) == 2:
-        return 1  # split by input features; a row-parallel bias is added after the reduce: replicated
-    return None
-
-
-def resolve_tp_dim(rule: TpRule, spec: ParamSpec) -> int | None:
-    """The TP dim of one parameter under `rule` (a dict misses = replicated), validated against its shape."""
-    dim = rule.get(spec.name) if isinstance(rule, Mapping) else rule(spec.name, spec.shape)
-    if dim is not None and not 0 <= dim < len(spec.shape):
-        raise ValueError(f"TP dim {dim} of '{spec.name}' is out of range for shape {spec.shape}")
-    return dim
-
-
-# ---------------------------------------------------------------------------------------------
-# Shard boxes (scalar, the reference the checker and the executors use)
-# ---------------------------------------------------------------------------------------------
-
-
-def chunk_bounds(size: int, parts: int) -> np.ndarray:
-    """Bounds of torch.chunk-style chunks padded to `parts`: chunk c is [b[c], b[c+1]), trailing ones may be empty."""
-    step = -(-size // parts)  # ceil: torch.chunk and FSDP2 give every rank ceil(size/parts) until it runs out
-    return np.minimum(np.arange(parts + 1, dtype=np.int64) * step, size)
-
-
-def trainer_shard_box(shape: tuple[int, ...], tp_dim: int | None, layout: TrainerLayout, index: int) -> Box:
-    """The region of a parameter held by trainer mesh index `index` (FSDP rank i, TP rank j)."""
-    i, j = divmod(index, layout.tp)
-    box = [(0, s) for s in shape]
-    if tp_dim is not None and layout.tp > 1:
-        b = chunk_bounds(shape[tp_dim], layout.tp)
-        box[tp_dim] = (int(b[j]), int(b[j + 1]))
-    lo0, hi0 = box[0]
-    f = chunk_bounds(hi0 - lo0, layout.fsdp)
-    box[0] = (lo0 + int(f[i]), lo0 + int(f[i + 1]))
-    return tuple(box)
-
-
-def engine_shard_box(shape: tuple[int, ...], tp_dim: int | None, tp: int, j: int) -> Box:
-    """The region of a parameter held by TP rank `j` of an engine (whole if replicated)."""
-    box = [(0, s) for s in shape]
-    if tp_dim is not None and tp > 1:
-        b = chunk_bounds(shape[tp_dim], tp)
-        box[tp_dim] = (int(b[j]), int(b[j + 1]))
-    return tuple(box)
-
-
-def box_numel(box: Box) -> int:
-    """Elements in a box (0 if any side is empty)."""
-    return math.prod(max(hi - lo, 0) for lo, hi in box)
+__all__ = [
+    # from shard_layout
+    "COLUMN_PARALLEL",
+    "ROW_PARALLEL",
+    "Box",
+    "EngineLayout",
+    "ParamSpec",
+    "TpRule",
+    "TrainerLayout",
+    "box_numel",
+    "chunk_bounds",
+    "default_tp_dim",
+    "engine_shard_box",
+    "llama_specs",
+    "resolve_tp_dim",
+    "trainer_shard_box",
+    # the plan and its checker
+    "ClassPlan",
+    "PlanReport",
+    "Transfer",
+    "TransferPlan",
+    "check_plan",
+    "plan_transfers",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -597,35 +491,3 @@ def _covers_exactly_once(lo: np.ndarray, hi: np.ndarray, box: np.ndarray) -> boo
         slice(np.searchsorted(edges[d], box[d, 0]), np.searchsorted(edges[d], box[d, 1])) for d in range(nd)
     )
     return bool(np.all(counts[inside] == 1))
-
-
-def llama_specs(
-    layers: int = 80,
-    hidden: int = 8192,
-    intermediate: int = 28672,
-    heads: int = 64,
-    kv_heads: int = 8,
-    vocab: int = 128256,
-    dtype: torch.dtype = torch.bfloat16,
-) -> list[ParamSpec]:
-    """Parameter list of a Llama-architecture model without building it (defaults: Llama-3-70B)."""
-    kv = hidden // heads * kv_heads
-    specs = [ParamSpec("model.embed_tokens.weight", (vocab, hidden), dtype)]
-    for i in range(layers):
-        pre = f"model.layers.{i}."
-        specs += [
-            ParamSpec(pre + "self_attn.q_proj.weight", (hidden, hidden), dtype),
-            ParamSpec(pre + "self_attn.k_proj.weight", (kv, hidden), dtype),
-            ParamSpec(pre + "self_attn.v_proj.weight", (kv, hidden), dtype),
-            ParamSpec(pre + "self_attn.o_proj.weight", (hidden, hidden), dtype),
-            ParamSpec(pre + "mlp.gate_proj.weight", (intermediate, hidden), dtype),
-            ParamSpec(pre + "mlp.up_proj.weight", (intermediate, hidden), dtype),
-            ParamSpec(pre + "mlp.down_proj.weight", (hidden, intermediate), dtype),
-            ParamSpec(pre + "input_layernorm.weight", (hidden,), dtype),
-            ParamSpec(pre + "post_attention_layernorm.weight", (hidden,), dtype),
-        ]
-    specs += [
-        ParamSpec("model.norm.weight", (hidden,), dtype),
-        ParamSpec("lm_head.weight", (vocab, hidden), dtype),
-    ]
-    return specs
