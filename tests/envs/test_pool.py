@@ -11,12 +11,36 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 
 import pytest
 
 from loopline.envs.pool import EnvPoolConfig, Outcome, WorkerPool
+
+
+def _poll(done: Callable[[], object], what: str, timeout_s: float = 60.0) -> None:
+    """Wait until done() is true, checking every 10 ms; fail naming `what` after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g}s for {what}"
+        time.sleep(0.01)
+
+
+def square_when_told(item: tuple[int, str, int, str]) -> tuple[int, int]:
+    """x² (and the process that ran it) once `n` worker processes have started a task here (each checks in
+    at the directory `meet`; n = 0: no check-in) and the file `gate` is gone ("" = no gate), after a pause.
+
+    Tests order events with it instead of sleeping: a task holds its worker busy until the test says so.
+    """
+    x, meet, n, gate = item
+    if n:
+        Path(meet, str(os.getpid())).touch()
+        _poll(lambda: len(os.listdir(meet)) >= n, f"{n} workers to check in at {meet}")
+    if gate:
+        _poll(lambda: not os.path.exists(gate), f"{gate} to be removed")
+    time.sleep(0.05)  # the pace of the batch: a retiring worker's last task ends long before the rest
+    return x * x, os.getpid()
 
 
 def square_slowly(x: int) -> tuple[int, int]:
@@ -68,9 +92,10 @@ def _check_exactly_once(outcomes: list[Outcome], ids: list[Hashable]) -> dict[Ha
     return {o.sample_id: o for o in outcomes}
 
 
-def test_every_sample_gets_exactly_one_outcome() -> None:
-    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
-        outcomes = pool.map({f"s{i}": i for i in range(12)})
+def test_every_sample_gets_exactly_one_outcome(tmp_path: Path) -> None:
+    with WorkerPool(square_when_told, EnvPoolConfig(num_workers=2)) as pool:
+        # each task waits until both workers hold one: neither can run the whole batch alone
+        outcomes = pool.map({f"s{i}": (i, str(tmp_path), 2, "") for i in range(12)})
     assert set(outcomes) == {f"s{i}" for i in range(12)}
     assert all(
         o.ok and o.value[0] == i * i and o.attempts == 1
@@ -80,11 +105,12 @@ def test_every_sample_gets_exactly_one_outcome() -> None:
 
 
 class BusyWorkerKiller(threading.Thread):
-    """SIGKILLs `count` workers, each one the pool reports busy, `gap_s` apart, while a batch runs."""
+    """SIGKILLs `count` workers, each one the pool reports busy, while a batch runs. Before the next kill it
+    waits until the pool has dropped the last victim: each kill is a death of its own."""
 
-    def __init__(self, pool: WorkerPool, count: int, gap_s: float) -> None:
+    def __init__(self, pool: WorkerPool, count: int) -> None:
         super().__init__(daemon=True)
-        self.pool, self.count, self.gap_s = pool, count, gap_s
+        self.pool, self.count = pool, count
         self.killed: list[tuple[int, Hashable]] = []  # (pid, sample id it was busy with)
 
     def run(self) -> None:
@@ -94,16 +120,19 @@ class BusyWorkerKiller(threading.Thread):
             if not busy:
                 time.sleep(0.005)
                 continue
-            os.kill(busy[0].pid, signal.SIGKILL)
-            self.killed.append((busy[0].pid, busy[0].busy_with))
-            time.sleep(self.gap_s)
+            pid = busy[0].pid
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append((pid, busy[0].busy_with))
+            if len(self.killed) < self.count:
+                dropped = lambda gone=pid: gone not in {w.pid for w in self.pool.workers()}  # noqa: E731
+                _poll(dropped, f"the pool to drop worker {pid}")
 
 
 def test_sigkill_mid_batch_loses_nothing_and_counts_nothing_twice() -> None:
     ids = list(range(30))
     with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2, max_attempts=3)) as pool:
         pool.map({"warm": 0})  # both workers started
-        killer = BusyWorkerKiller(pool, count=2, gap_s=1.0)
+        killer = BusyWorkerKiller(pool, count=2)
         killer.start()
         outcomes = list(pool.imap({i: i for i in ids}))
         killer.join()
@@ -149,22 +178,30 @@ def test_unpicklable_result_is_an_error_outcome() -> None:
     assert not outcome.ok and "could not be sent back" in (outcome.error or "")
 
 
-def test_workers_join_and_leave_while_a_batch_runs() -> None:
+def test_workers_join_and_leave_while_a_batch_runs(tmp_path: Path) -> None:
     ids = list(range(60))
     names_seen: set[str] = set()
     three_workers_seen = threading.Event()
-    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=1)) as pool:
+    gate = tmp_path / "gate"
+    gate.touch()
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    # The first tasks wait until three workers hold one (so the one worker cannot finish the batch before the
+    # others join); the rest wait at the gate, opened once two workers are leaving.
+    items = {i: (i, str(meet), 3, "") if i < 6 else (i, "", 0, str(gate)) for i in ids}
+    with WorkerPool(square_when_told, EnvPoolConfig(num_workers=1)) as pool:
 
         def resize() -> None:  # another thread, as an autoscaler would
-            time.sleep(0.3)
+            _poll(lambda: any(w.busy_with is not None for w in pool.workers()), "the batch to start")
             pool.add_workers(2)
             three_workers_seen.wait(timeout=60)
             pool.remove_workers(2)
+            gate.unlink()
 
         resizer = threading.Thread(target=resize)
         resizer.start()
         outcomes = []
-        for outcome in pool.imap({i: i for i in ids}):
+        for outcome in pool.imap(items):
             outcomes.append(outcome)
             names_seen.add(outcome.worker)
             if len(names_seen) >= 3:
@@ -187,12 +224,20 @@ def test_concurrency_limit_is_respected() -> None:
     assert most <= 2
 
 
-def test_abandoned_batch_leaves_no_stale_results() -> None:
-    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
-        for i, _ in enumerate(pool.imap({("old", i): i for i in range(10)})):
-            if i == 1:
-                break  # two tasks are still in flight
-        outcomes = list(pool.imap({("new", i): i for i in range(6)}))
+def test_abandoned_batch_leaves_no_stale_results(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    # every old task waits until both workers hold one; all but the first then wait at the gate
+    old = {("old", i): (i, str(meet), 2, str(gate) if i else "") for i in range(10)}
+    with WorkerPool(square_when_told, EnvPoolConfig(num_workers=2)) as pool:
+        batch = pool.imap(old)
+        assert next(batch).sample_id == ("old", 0)
+        assert [w.busy_with for w in pool.workers() if w.busy_with is not None] == [("old", 1)]
+        batch.close()  # abandoned with ("old", 1) in flight
+        gate.unlink()  # its worker, were it still alive, would answer now, during the next batch
+        outcomes = list(pool.imap({("new", i): (i, "", 0, "") for i in range(6)}))
         assert len(pool.workers()) == 2
     by_id = _check_exactly_once(outcomes, [("new", i) for i in range(6)])
     assert all(o.value[0] == k[1] ** 2 for k, o in by_id.items())
@@ -229,7 +274,7 @@ def test_ray_actor_killed_mid_batch_loses_nothing(ray_cluster) -> None:
         for i in range(10)
     }
     with WorkerPool(run_score_job, EnvPoolConfig(backend="ray", num_workers=2, ray_num_cpus=0.5)) as pool:
-        killer = BusyWorkerKiller(pool, count=1, gap_s=0)
+        killer = BusyWorkerKiller(pool, count=1)
         killer.start()
         outcomes = list(pool.imap(jobs))
         killer.join()

@@ -52,9 +52,19 @@ def hang_once_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
     return [0.5 for _ in chunk[0]]
 
 
-def on_node_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
-    """1.0 for each text that is the id of the node this worker runs on."""
-    time.sleep(0.3)  # every worker gets a chunk
+def on_node_chunk(meet: str, chunk: tuple[list[str], list[str]]) -> list[float]:
+    """1.0 for each text that is the id of the node this worker runs on.
+
+    While the file `meet`/need names a count n, a chunk first checks in (a file `n-<pid>` in `meet`) and waits
+    until n workers have (at most 30 s, well inside the task timeout): so each of n workers scores one chunk.
+    """
+    need = Path(meet, "need")
+    if need.exists():
+        n = int(need.read_text())
+        Path(meet, f"{n}-{os.getpid()}").touch()
+        deadline = time.monotonic() + 30
+        while len(list(Path(meet).glob(f"{n}-*"))) < n and time.monotonic() < deadline:
+            time.sleep(0.02)
     node = ray.get_runtime_context().get_node_id()
     return [float(text == node) for text in chunk[0]]
 
@@ -194,14 +204,23 @@ def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> Non
         scorer.close()
 
 
-def test_workers_beyond_the_bundles_still_run_on_the_env_node(env_pool: Pool, env_node: str) -> None:
-    scorer = RayScorer(env_pool, workers=3, fn=on_node_chunk)  # 3 workers in 2 bundles
+def test_workers_beyond_the_bundles_still_run_on_the_env_node(
+    env_pool: Pool, env_node: str, tmp_path: Path
+) -> None:
+    need = tmp_path / "need"  # while it exists, each chunk waits until that many workers hold one
+    # 3 workers in 2 bundles
+    scorer = RayScorer(env_pool, workers=3, fn=partial(on_node_chunk, str(tmp_path)))
     try:
-        _ready(scorer, 3)
-        assert scorer.score([env_node] * 3, [""] * 3).tolist() == [1.0, 1.0, 1.0]
+        workers = _ready(scorer, 3)
+        need.write_text("3")
+        assert scorer.score([env_node] * 3, [""] * 3).tolist() == [1.0, 1.0, 1.0]  # 3 chunks, one per worker
+        assert {int(p.name[2:]) for p in tmp_path.glob("3-*")} == {w.pid for w in workers}
+        need.unlink()
         scorer.resize(4)
-        _ready(scorer, 4)
-        assert scorer.score([env_node] * 8, [""] * 8).tolist() == [1.0] * 8
+        workers = _ready(scorer, 4)
+        need.write_text("4")
+        assert scorer.score([env_node] * 8, [""] * 8).tolist() == [1.0] * 8  # 4 chunks of 2
+        assert {int(p.name[2:]) for p in tmp_path.glob("4-*")} == {w.pid for w in workers}
     finally:
         scorer.close()
 
