@@ -210,8 +210,8 @@ MODULE_LAYERS = {
     **dict.fromkeys(
         [
             "tests/checkpoint/test_dcp.py",
-            "tests/runtime/test_critic_workers.py",
-            "tests/runtime/test_reference_workers.py",
+            "tests/runtime/test_critic.py",
+            "tests/runtime/test_reference.py",
             "tests/runtime/test_weight_sync.py",
             "tests/training/test_critic_fsdp.py",
             "tests/training/test_fsdp_equivalence.py",

@@ -108,7 +108,7 @@ def _layer(module: str) -> tuple[str, int]:
 def test_the_walker_sees_local_and_submodule_imports():
     graph = _graph()
     assert "loopline.commands" in graph["loopline.cli"]  # `from loopline import commands`, in a function
-    assert "loopline.runtime.critic_workers" in graph["loopline.runtime.roles"]  # function-local
+    assert "loopline.runtime.critic" in graph["loopline.runtime.roles"]  # function-local
     assert len(graph) > 50
 
 

@@ -111,11 +111,11 @@ def bench_save(tmp: Path, model_name: str, repeats: int) -> dict[str, float]:
     from loopline.data.batches import collate
     from loopline.models.load import build_tiny_model
     from loopline.models.tokenizer import build_byte_tokenizer
-    from loopline.runtime.roles import LocalActor
+    from loopline.runtime.actor import local_actor
 
     tokenizer = build_byte_tokenizer()
     model = build_tiny_model(TinyModelConfig(**BENCH_MODELS[model_name]), tokenizer, seed=0)
-    actor = LocalActor(model)
+    actor = local_actor(model)
     actor.start_phase(OptimConfig(lr=1e-4, warmup_steps=0), 1000, None)
     g = torch.Generator().manual_seed(0)
     batch = collate(

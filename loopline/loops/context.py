@@ -24,8 +24,8 @@ from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
 from loopline.rollout.engine import SamplingParams
-from loopline.runtime.critic_workers import Critic
-from loopline.runtime.roles import Actor, Rollout, Scorer, build_roles
+from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
+from loopline.runtime.roles import build_roles
 from loopline.runtime.watchdog import Watchdog
 
 
@@ -161,7 +161,7 @@ def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingPar
 
 def sync_engine(ctx: RunContext, version: int) -> None:
     """Push the trainer's weights to the engines (in-process copy locally, the planned transfer on Ray)."""
-    ctx.rollout.update_weights(ctx.actor, version)
+    ctx.rollout.update_weights(version)
 
 
 def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, float]:
@@ -222,16 +222,10 @@ def apply_scale_request(ctx: RunContext) -> dict[str, float]:
     start, applied = time.perf_counter(), {}
     for key, count in request.items():
         role = ctx.rollout if key == "engines" else ctx.scorer
-        resize = getattr(role, "resize", None)
         try:
             if key not in SCALABLE:
                 raise ValueError(f"unknown key {key!r} (known: {', '.join(SCALABLE)})")
-            if ctx.cfg.runtime.backend == "local" or resize is None:
-                raise ValueError(
-                    f"runtime.backend={ctx.cfg.runtime.backend} cannot change its {SCALABLE[key]} while it runs "
-                    "(the local backend runs one of each in this process; use runtime.backend=ray)"
-                )
-            resize(int(count))
+            role.resize(int(count))  # ValueError where the role cannot change (one of each in this process)
             applied[key] = float(count)
         except ValueError as e:  # PlacementError (no room in the cluster) is a ValueError too
             print(f"loopline: scale request {key}={count} not applied: {e}", flush=True)

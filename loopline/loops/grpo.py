@@ -44,7 +44,8 @@ from loopline.loops.context import (
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
-from loopline.runtime.critic_workers import CheckpointWithCritic, Critic, LocalCritic
+from loopline.runtime.critic import CheckpointWithCritic
+from loopline.runtime.protocols import Critic
 from loopline.runtime.watchdog import Watchdog
 from loopline.training.critic import RewardModelScorer, ValueBatch
 
@@ -242,9 +243,9 @@ def _start_critic(
 ) -> Critic | None:
     """PPO's critic (grpo.advantage=gae) from the policy's body, or as the resumed checkpoint holds it; from
     now on its part of each checkpoint is written with the actor's."""
-    if ctx.cfg.grpo.advantage != "gae":
+    critic = ctx.critic
+    if critic is None:  # the roles start one when grpo.advantage=gae
         return None
-    critic = ctx.critic if ctx.critic is not None else LocalCritic()
     checkpoint = str(Path(trainer_state["dcp"]).parent) if trainer_state and "dcp" in trainer_state else None
     critic.start_phase(policy, ctx.cfg.critic, total_steps, loop.get("critic"), checkpoint)
     ctx.checkpoints.actor = CheckpointWithCritic(ctx.actor, critic)
@@ -261,10 +262,9 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     loop = load_loop_state(trainer_state) if state.step > 0 else {}
     if state.step > 0:
         _check_resumable(cfg, state, trainer_state, loop)
-    # PPO's critic starts from the policy as RL starts: on ray the driver's copy takes the trained weights here,
+    # PPO's critic starts from the policy as RL starts: the driver's model takes the trained weights here,
     # before start_phase makes the phase's optimizer (gathering a fresh optimizer's state would initialise it)
-    ray_ppo = cfg.advantage == "gae" and ctx.cfg.runtime.backend != "local"
-    policy = ctx.actor.state()[0] if ray_ppo else ctx.model
+    policy = ctx.actor.policy() if ctx.critic is not None else ctx.model
     # The reference policy is the policy as RL starts (after SFT), frozen (a resumed run reads it back).
     ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
     estimate = ESTIMATORS[cfg.advantage]

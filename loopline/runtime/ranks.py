@@ -1,11 +1,13 @@
 """What every rank of a role's worker group does alike: pick its device, move a batch there, load the run's
-seeded initial model, split a batch evenly over ranks, take frozen log-probs. Public, so that every role's
-worker (runtime.roles, critic_workers, reference_workers) imports them from here rather than from another role."""
+seeded initial model, split a batch evenly over ranks, take frozen log-probs, find its rendezvous and join a
+sharded world. Public, so that every role's worker (runtime.actor, engine, critic, reference) imports them from
+here rather than from another role."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -51,3 +53,34 @@ def frozen_logprobs(model: PreTrainedModel | None, batch: TokenBatch) -> torch.T
         raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
     with torch.no_grad():
         return response_logprobs(model, batch)[0]
+
+
+def rank_and_world() -> tuple[int, int]:
+    """This rank's RANK and its group's WORLD_SIZE (WorkerGroup sets both, for the local rank too)."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model`'s weights are (a rank given the model in this process computes where it lives)."""
+    return next(model.parameters()).device
+
+
+def rendezvous() -> str:
+    """Address of a rank group's TCP store: rank 0's node and a port that was free there (WorkerGroup)."""
+    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+
+
+def node_address() -> str:
+    """This node's address as Ray knows it (127.0.0.1 on a loopback-only local cluster)."""
+    import ray.util
+
+    return ray.util.get_node_ip_address()
+
+
+def join_sharded(init_method: str, timeout_s: float) -> tuple[Any, Any]:
+    """Join a world of FSDP2 ranks only (a critic's or a reference's) as RANK of WORLD_SIZE: its 1-D mesh and
+    its checkpoint group."""
+    from loopline.training.parallel import join_sharded_world
+
+    rank, ranks = rank_and_world()
+    return join_sharded_world(init_method, rank, ranks, timeout_s)

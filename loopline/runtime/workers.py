@@ -11,7 +11,7 @@ that did not finish in time (WorkerTimeoutError), a rank whose process is gone (
 
 On ray a running group can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
 starts more ranks in bundles the caller found, `remove_ranks` stops the last ones; `settle` collects every
-outcome of a call, so a caller can recover from some failures (the roles decide which; roles.RayRollout).
+outcome of a call, so a caller can recover from some failures (the roles decide which; engine.RolloutRole).
 
 Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor
 again with the same arguments and environment); local calls run in the caller's thread, so the local
@@ -275,6 +275,12 @@ class WorkerGroup:
         self.world_size = keep
         return removed
 
+    def local(self) -> Any:
+        """The worker object of the one rank in this process (local backend), for checks and tests."""
+        if self.backend != "local" or not self._ranks:
+            raise ValueError(f"role '{self.role}': only a running local group has its worker in this process")
+        return self._ranks[0]
+
     def places(self) -> list[tuple[Pool, int]]:
         """(pool, bundle index) of every rank, in rank order (ray)."""
         return list(self._places)
@@ -290,6 +296,14 @@ class WorkerGroup:
     # -----------------------------------------------------------------------------------------------------
     # Calls
     # -----------------------------------------------------------------------------------------------------
+
+    def put(self, value: Any) -> Any:
+        """`value` as an argument for every rank: one copy in Ray's object store (ray), the value itself (local)."""
+        if self.backend != "ray":
+            return value
+        import ray
+
+        return ray.put(value)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank; return the results in rank order."""

@@ -9,10 +9,13 @@ import pytest
 import torch
 
 from loopline.checkpoint.state import Checkpointer, RunState, load_loop_state
-from loopline.config import CheckpointConfig, CriticConfig, GRPOConfig, OptimConfig
+from loopline.config import CheckpointConfig, CriticConfig, GRPOConfig, OptimConfig, RunConfig
 from loopline.loops.grpo import _check_resumable
 from loopline.rollout.engine import SamplingParams, TorchEngine
-from loopline.runtime.roles import LocalActor, LocalRollout
+from loopline.runtime.actor import local_actor
+from loopline.runtime.engine import EngineWorker, RolloutRole
+from loopline.runtime.engine_sync import InProcessSync
+from loopline.runtime.workers import WorkerGroup
 from loopline.training.critic import CriticTrainer, ScalarModel
 
 PROMPTS = [[5, 6, 7], [8, 9]]
@@ -43,8 +46,14 @@ def test_an_engine_generator_replays_from_its_saved_state(small_model, tokenizer
         plain.set_rng_state(saved)
 
 
+def _local_rollout(engine: TorchEngine) -> RolloutRole:
+    """One engine rank in this process (the local backend's rollout), synced from a local actor."""
+    engines = WorkerGroup(EngineWorker, role="rollout", init_args=(RunConfig(), engine))
+    return RolloutRole(engines, InProcessSync(local_actor(copy.deepcopy(engine.model)).group, engines))
+
+
 def test_rollout_rng_states_restore_only_what_fits(small_model, tokenizer):
-    own = LocalRollout(TorchEngine(small_model, tokenizer, seed=1))
+    own = _local_rollout(TorchEngine(small_model, tokenizer, seed=1))
     states = own.rng_states()
     assert len(states) == 1 and isinstance(states[0], torch.Tensor)
     assert own.set_rng_states(states, reseed=99) is True
@@ -52,10 +61,15 @@ def test_rollout_rng_states_restore_only_what_fits(small_model, tokenizer):
     assert own.set_rng_states(states * 2, reseed=99) is False
     assert torch.equal(own.rng_states()[0], _seeded(99))
     # the local default samples from the process's RNG (checkpointed in rng.pt): nothing of its own to restore
-    shared = LocalRollout(TorchEngine(small_model, tokenizer))
+    shared = _local_rollout(TorchEngine(small_model, tokenizer))
     assert shared.rng_states() == [None]
     assert shared.set_rng_states([None], reseed=0) is True
     assert shared.set_rng_states(states, reseed=0) is False  # a ray engine's stream cannot be replayed here
+
+
+def _reference(actor):
+    """The frozen reference model of a local actor (its reference rank is in this process)."""
+    return actor.reference.group.local().model
 
 
 def _seeded(seed: int) -> torch.Tensor:
@@ -63,11 +77,11 @@ def _seeded(seed: int) -> torch.Tensor:
 
 
 def test_the_reference_is_written_once_then_linked_and_read_back(tmp_path, small_model, tokenizer):
-    actor = LocalActor(small_model)
+    actor = local_actor(small_model)
     actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=0), 10, None, reference=True)
     with torch.no_grad():
         small_model.model.norm.weight.add_(0.5)  # the policy moves on; the reference stays
-    frozen = {k: v.clone() for k, v in actor.reference.state_dict().items()}
+    frozen = {k: v.clone() for k, v in _reference(actor).state_dict().items()}
     checkpoints = Checkpointer(tmp_path, CheckpointConfig(), actor, small_model, tokenizer)
     critic = CriticTrainer(ScalarModel.from_policy(small_model), CriticConfig(), 10)
     loop = {"kl": {"value": 0.25, "target": 0.01, "horizon": 100}, "critic": critic.state_dict()}
@@ -78,14 +92,14 @@ def test_the_reference_is_written_once_then_linked_and_read_back(tmp_path, small
     for f in first.iterdir():  # the same files, not a second write
         assert (second / f.name).stat().st_ino == f.stat().st_ino
 
-    resumed = LocalActor(copy.deepcopy(small_model))
+    resumed = local_actor(copy.deepcopy(small_model))
     state, trainer_state = Checkpointer(
         tmp_path, CheckpointConfig(), resumed, resumed.model, tokenizer
     ).resume()
     assert state.step == 2 and {"dcp", "reference", "loop"} <= set(trainer_state)
     resumed.start_phase(OptimConfig(lr=1e-2, warmup_steps=0), 10, trainer_state, reference=True)
     for name, tensor in frozen.items():  # the saved reference, not a copy of the resumed policy
-        assert torch.equal(resumed.reference.state_dict()[name], tensor), name
+        assert torch.equal(_reference(resumed).state_dict()[name], tensor), name
     restored = load_loop_state(trainer_state)
     assert restored["kl"] == loop["kl"]
     again = CriticTrainer(ScalarModel.from_policy(small_model), CriticConfig(), 10)

@@ -116,9 +116,9 @@ def test_checkpoint_model_dir_loads_with_transformers(tmp_path, small_model, tok
 
 def _actor(model):
     from loopline.config import OptimConfig
-    from loopline.runtime.roles import LocalActor
+    from loopline.runtime.actor import local_actor
 
-    actor = LocalActor(model)
+    actor = local_actor(model)
     actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, None)
     return actor
 
@@ -158,7 +158,9 @@ def test_checkpointer_resume_restores_weights_optimizer_rng_and_cuts_run_files(
     state = RunState("sft", 2, {"epoch": 0, "position": 2, "size": 10, "seed": 0}, policy_version=0)
     _checkpointer(tmp_path, actor, model, tokenizer).save(state)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    expected_optim = copy.deepcopy(actor.trainer.state_dict())  # AdamW's step counts are live tensors
+    expected_optim = copy.deepcopy(
+        actor.group.local().trainer.state_dict()
+    )  # AdamW's step counts are live tensors
     # the run goes on past the checkpoint, then dies: its later rows must go (a half line too)
     _train_step(actor, 3)
     logger.log({"phase": "sft", "step": 3})
@@ -167,9 +169,9 @@ def test_checkpointer_resume_restores_weights_optimizer_rng_and_cuts_run_files(
         f.write('{"phase": "sft", "st')
 
     fresh = build_tiny_model(small_cfg, tokenizer, seed=7)
-    from loopline.runtime.roles import LocalActor
+    from loopline.runtime.actor import local_actor
 
-    resumed_actor = LocalActor(fresh)
+    resumed_actor = local_actor(fresh)
     resumed, trainer_state = _checkpointer(tmp_path, resumed_actor, fresh, tokenizer).resume()
     assert resumed == state
     for name, tensor in expected.items():
@@ -178,7 +180,7 @@ def test_checkpointer_resume_restores_weights_optimizer_rng_and_cuts_run_files(
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert [r["step"] for r in read_ledger(tmp_path)] == [1, 2]
     resumed_actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, trainer_state)
-    got_optim = resumed_actor.trainer.state_dict()
+    got_optim = resumed_actor.group.local().trainer.state_dict()
     assert got_optim["scheduler"] == expected_optim["scheduler"]
     for name, moments in expected_optim["optimizer"]["state"].items():
         for key, value in moments.items():

@@ -14,7 +14,7 @@ from loopline.config import ConfigError, load_config
 from loopline.loops.context import build_context
 from loopline.loops.grpo import collect, minibatch_rows, train_grpo
 from loopline.metrics.logger import read_metrics
-from loopline.runtime.roles import LocalScorer
+from loopline.runtime.scorer import ScorerRole
 
 TINY = [
     "sft.steps=0", "grpo.steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=8",
@@ -25,7 +25,7 @@ TINY = [
 ]  # fmt: skip
 
 
-class DigitScorer(LocalScorer):  # take_stats, resize: as the local scorer
+class DigitScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Dense stub reward: the fraction of the completion's characters that are digits."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
@@ -42,7 +42,7 @@ def _run(tmp_path, *overrides: str):
     finally:
         ctx.close()
     moved = [k for k, v in ctx.model.state_dict().items() if not torch.equal(v, before[k])]
-    engine = ctx.rollout.engine.model.state_dict()
+    engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights
     assert all(torch.equal(engine[k], v) for k, v in ctx.model.state_dict().items())  # synced
     return moved, read_metrics(tmp_path)
 
@@ -88,7 +88,7 @@ def test_mask_truncated_trains_nothing_when_every_completion_is_cut(tmp_path):
     assert moved == []
 
 
-class AlternatingScorer(LocalScorer):  # take_stats, resize: as the local scorer
+class AlternatingScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Scores the first prompt group of every generate call all-equal; the rest vary."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:

@@ -25,7 +25,7 @@ import ray.cloudpickle
 
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
-from loopline.runtime.roles import LocalScorer, RayScorer, ScoringError
+from loopline.runtime.scorer import ScorerRole, ScoringError
 from loopline.runtime.scoring import score_chunk
 
 # ---------------------------------------------------------------------------------------------------------
@@ -99,7 +99,7 @@ def _batch(n: int) -> tuple[list[str], list[str]]:
     return texts, answers
 
 
-def _ready(scorer: RayScorer, n: int, timeout_s: float = 40.0) -> list[WorkerInfo]:
+def _ready(scorer: ScorerRole, n: int, timeout_s: float = 40.0) -> list[WorkerInfo]:
     """Wait until the pool has n workers, all started."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -120,7 +120,7 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
 ) -> None:
     texts, answers = _batch(48)
     hold = tmp_path / "hold"
-    scorer = RayScorer(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=3)
+    scorer = ScorerRole(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=3)
     try:
         before = {w.pid for w in _ready(scorer, 2)}
         scorer.take_stats()
@@ -147,7 +147,7 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
         scorer.close()
     assert len(killed) == 1 and killed[0] in before
     # one score per completion, in order, the same as in this process: the lost chunk was scored again
-    assert scores.tolist() == LocalScorer().score(texts, answers).tolist()
+    assert scores.tolist() == ScorerRole().score(texts, answers).tolist()
     assert stats == {"score_retries": 1.0, "env_workers_replaced": 1.0, "env_workers": 2.0}
     assert killed[0] not in after and len(after - before) == 1  # the dead worker was replaced
 
@@ -155,7 +155,7 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
 def test_hung_chunk_is_retried_on_another_worker_or_fails_naming_the_completions(
     env_pool: Pool, tmp_path: Path
 ) -> None:
-    scorer = RayScorer(env_pool, workers=2, task_timeout_s=3.0, max_attempts=2, fn=hang_once_chunk)
+    scorer = ScorerRole(env_pool, workers=2, task_timeout_s=3.0, max_attempts=2, fn=hang_once_chunk)
     try:
         _ready(scorer, 2)
         scorer.take_stats()
@@ -173,7 +173,7 @@ def test_hung_chunk_is_retried_on_another_worker_or_fails_naming_the_completions
 def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> None:
     texts, answers = _batch(60)
     hold = tmp_path / "hold"
-    scorer = RayScorer(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=10)
+    scorer = ScorerRole(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=10)
     try:
         first = {w.name for w in _ready(scorer, 2)}
         hold.touch()  # the workers' chunks wait: the step is still running when the third worker is up
@@ -193,11 +193,11 @@ def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> Non
         scores = scorer.score(texts, answers)  # 20 chunks of 3
         resizer.join()
         assert seen - first, "the added worker never took a chunk"
-        assert scores.tolist() == LocalScorer().score(texts, answers).tolist()
+        assert scores.tolist() == ScorerRole().score(texts, answers).tolist()
         assert scorer.pool.num_workers == 1 and len(scorer.pool.workers()) == 1
         assert (
             scorer.score(texts[:5], answers[:5]).tolist()
-            == LocalScorer().score(texts[:5], answers[:5]).tolist()
+            == ScorerRole().score(texts[:5], answers[:5]).tolist()
         )
         assert scorer.take_stats() == {"score_retries": 0.0, "env_workers_replaced": 0.0, "env_workers": 1.0}
     finally:
@@ -209,7 +209,7 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
 ) -> None:
     need = tmp_path / "need"  # while it exists, each chunk waits until that many workers hold one
     # 3 workers in 2 bundles
-    scorer = RayScorer(env_pool, workers=3, fn=partial(on_node_chunk, str(tmp_path)))
+    scorer = ScorerRole(env_pool, workers=3, fn=partial(on_node_chunk, str(tmp_path)))
     try:
         workers = _ready(scorer, 3)
         need.write_text("3")
@@ -227,7 +227,7 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
 
 def test_bad_arguments_are_named() -> None:
     with pytest.raises(ValueError, match="runtime.backend=ray"):
-        LocalScorer().resize(2)
-    assert LocalScorer().take_stats() == {}
+        ScorerRole().resize(2)
+    assert ScorerRole().take_stats() == {}
     with pytest.raises(ValueError, match="backend 'ray'"):
         WorkerPool(score_chunk, EnvPoolConfig(backend="local"), RayBundles(None, 1))

@@ -76,7 +76,7 @@ def _run(trainer: CriticTrainer, batch: ValueBatch) -> dict:
 
 
 def _rank_main(rank: int, world: int, batch: ValueBatch, out: str) -> None:
-    from loopline.runtime.critic_workers import shard_critic
+    from loopline.runtime.critic import shard_critic
     from loopline.training.parallel import full_model_state, trainer_mesh
 
     mesh = trainer_mesh(world)

@@ -15,7 +15,7 @@ from loopline.loops.context import build_context
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.metrics.logger import read_metrics
-from loopline.runtime.roles import LocalScorer
+from loopline.runtime.scorer import ScorerRole
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 
 LORA = LoRAConfig(r=4, alpha=8.0)
@@ -64,7 +64,7 @@ TINY = [
 ]  # fmt: skip
 
 
-class DigitScorer(LocalScorer):  # take_stats, resize: as the local scorer
+class DigitScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Dense stub reward (the random model never solves the task): the fraction of digits in the text."""
 
     def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
@@ -87,7 +87,7 @@ def test_lora_sft_and_grpo_train_adapters_only_and_the_engine_gets_the_merged_mo
     assert all(torch.equal(params[n], v) for n, v in frozen.items())  # the base weights never moved
     assert all(not torch.equal(params[n], v) for n, v in adapters.items() if "lora_B" in n)  # adapters did
     merged = merged_state_dict(ctx.model)
-    engine = ctx.rollout.engine.model.state_dict()
+    engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights
     assert engine.keys() == merged.keys()
     assert all(torch.equal(engine[k], merged[k]) for k in merged)
     assert any(not torch.equal(merged[k], frozen[k.replace(".weight", ".base_layer.weight")])

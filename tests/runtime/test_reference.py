@@ -19,8 +19,8 @@ import torch
 from loopline.config import load_config
 from loopline.data.batches import collate
 from loopline.models import load_policy
-from loopline.runtime.critic_workers import colocated_pool
-from loopline.runtime.reference_workers import RayReference, ReferenceWorker
+from loopline.runtime.critic import colocated_pool
+from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.training.policy import response_logprobs
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def test_reference_ranks_give_the_policy_logprobs_and_read_back_their_shards(
                 ReferenceWorker, 2, backend="ray", role="ref", pool=pool, init_args=(cfg,), timeout_s=120
             )
             groups.append(group)
-            refs.append(RayReference(group))
+            refs.append(ReferenceRole(group))
         first, second = refs
         first.start(policy.state_dict(), None)
         torch.testing.assert_close(first.logprobs(batch), expected, rtol=0, atol=1e-5)

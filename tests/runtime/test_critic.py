@@ -28,7 +28,7 @@ from loopline.config import CriticConfig, OptimConfig, load_config
 from loopline.data.batches import collate
 from loopline.metrics.logger import read_metrics
 from loopline.models import load_policy
-from loopline.runtime.critic_workers import CRITIC_DIR, CriticWorker, LocalCritic, RayCritic, colocated_pool
+from loopline.runtime.critic import CRITIC_DIR, CriticRole, CriticWorker, colocated_pool
 from loopline.training.critic import ValueBatch
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,10 @@ def test_two_critic_ranks_in_the_actor_bundles_step_like_one(ray_cluster: None) 
     )
     try:
         policy = load_policy(cfg.model, seed=cfg.seed)[0]
-        ray_critic, local = RayCritic(group), LocalCritic()
+        local_group = WorkerGroup(
+            CriticWorker, role="critic", init_args=(cfg, policy)
+        )  # one rank, this process
+        ray_critic, local = CriticRole(group), CriticRole(local_group, sharded=False)
         for critic in (ray_critic, local):
             critic.start_phase(policy, CRITIC, 10, None, None)
         batch = _value_batch()
@@ -89,8 +92,9 @@ def test_two_critic_ranks_in_the_actor_bundles_step_like_one(ray_cluster: None) 
                 assert s_ray.extra[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
         torch.testing.assert_close(ray_critic.values(batch), local.values(batch), rtol=0, atol=1e-5)
         whole = ray_critic.full_state()
-        assert local.trainer is not None
-        for name, w in local.trainer.model.state_dict().items():
+        local_trainer = local_group.local().trainer
+        assert local_trainer is not None
+        for name, w in local_trainer.model.state_dict().items():
             torch.testing.assert_close(whole[name], w, rtol=0, atol=1e-5, msg=name)
     finally:
         group.shutdown()

@@ -1,0 +1,249 @@
+"""The actor role: the policy trainer, as a WorkerGroup of `ActorWorker`s driven by `ActorRole`.
+
+On ray every rank is an FSDP2 rank in its own process, holding its shards, the optimizer state of those shards
+and a PolicyTrainer; every call splits the batch into equal row slices, one per data-parallel rank. Locally
+the group is one rank in this process, given the driver's model: it trains that model in place, unsharded.
+
+Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
+(`save_state`) into the checkpoint directory (a filesystem all ranks and the driver share), and reads them
+back (`load_state`) into however many ranks the resumed run has: DCP reshards. The frozen reference, when the
+run has one, is a role of its own (runtime.reference) that ActorRole drives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar, cast
+
+import torch
+from transformers import PreTrainedModel
+
+from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
+from loopline.config import GRPOConfig, OptimConfig, RunConfig
+from loopline.data.batches import RolloutBatch, TokenBatch
+from loopline.runtime.engine_sync import sync_plan
+from loopline.runtime.ranks import (
+    even_slices,
+    frozen_logprobs,
+    model_device,
+    node_address,
+    rank_and_world,
+    rendezvous,
+    seeded_model,
+    to_device,
+)
+from loopline.runtime.reference import ReferenceRole, ReferenceWorker
+from loopline.runtime.workers import WorkerGroup
+from loopline.training.lora import has_lora, merged_state_dict
+from loopline.training.policy import PolicyTrainer, StepStats
+
+B = TypeVar("B", bound=TokenBatch)
+
+
+class ActorWorker:
+    """One rank of the policy trainer: its model (FSDP2 shards once joined), their optimizer, a PolicyTrainer."""
+
+    def __init__(self, cfg: RunConfig, model: PreTrainedModel | None = None) -> None:
+        """model: the policy in this process, trained in place (the local one-rank group); None: this rank loads
+        the run's seeded initial policy in its own process."""
+        self.cfg = cfg
+        self.rank, self.ranks = rank_and_world()
+        self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
+        self.device = model_device(self.model)
+        self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined (None: one unsharded rank)
+        self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
+        self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
+        self.plan: Any = None  # the weight-sync TransferPlan of the last sync
+        self.trainer: PolicyTrainer | None = None
+        self.writer = ShardWriter()
+        self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
+
+    def rendezvous(self) -> str:
+        return rendezvous()
+
+    def join(self, init_method: str) -> tuple[tuple[str, int], Any] | None:
+        """Join the trainer's world (the trainer ranks only) as rank RANK and shard the model over it. Rank 0 also
+        hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
+        from loopline.runtime.resharding import TrainerLayout
+        from loopline.runtime.weight_sync import SyncGroup
+        from loopline.training.parallel import checkpoint_group, dp_tp_mesh, init_distributed, parallelize
+
+        timeout_s = self.cfg.runtime.call_timeout_s
+        device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
+        tp = self.cfg.runtime.trainer_tp
+        self.mesh = dp_tp_mesh(self.ranks, tp, device.type)  # (dp, tp); tp=1 is FSDP2 over all the ranks
+        # TP inside each group of tp ranks, FSDP2 across; in place: the same module
+        self.model = cast(PreTrainedModel, parallelize(self.model, self.mesh))
+        self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
+        # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
+        self.checkpoint_group = checkpoint_group(self.ranks, timeout_s)
+        if self.rank != 0:
+            return None
+        self.sync = SyncGroup.serve(node_address(), timeout_s)
+        return self.sync.address, self.layout
+
+    def open_sync(self, address: tuple[str, int], generation: int, engines: int) -> None:
+        """Open generation `generation` of the weight-sync group: these trainer ranks and `engines` engines."""
+        from loopline.runtime.weight_sync import SyncGroup
+
+        if self.sync is None:
+            self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
+        self.sync.open(generation, self.rank, self.ranks + engines)
+
+    def start_phase(self, optim: OptimConfig, total_steps: int, trainer_state: dict | None) -> None:
+        """New optimizer over this rank's shards (restored from the whole trainer_state)."""
+        group = self.mesh["dp"].get_group() if self.mesh is not None else None
+        self.trainer = PolicyTrainer(self.model, optim, total_steps, group=group)
+        if trainer_state:
+            restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
+
+    def logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
+        return frozen_logprobs(self.model, to_device(batch, self.device)).cpu()
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        return _started(self.trainer).grpo_step(to_device(batch, self.device), cfg, None)
+
+    def send_weights(self, targets: tuple[int, ...]) -> None:
+        """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
+        from loopline.runtime.weight_sync import local_shards
+
+        self.plan = sync_plan(self.plan, self.model, self.layout, targets)
+        self.sync.sync(self.plan, local_shards(self.model), None)
+
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """The weights an engine in this process copies (the in-process sync): LoRA adapters folded in."""
+        return merged_state_dict(self.model)  # = state_dict() without LoRA
+
+    def weights(self) -> dict[str, torch.Tensor] | None:
+        """Whole weights on rank 0 (None elsewhere); every rank must take part. Unlike state(), this leaves a
+        fresh optimizer alone (gathering its state would initialise it)."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(self.model)
+        return weights if self.rank == 0 else None
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
+        """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(self.model)
+        trainer = self.trainer.state_dict() if self.trainer else {}
+        return (weights, trainer) if self.rank == 0 else None
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Load whole weights; this rank keeps its shards of them."""
+        from loopline.training.parallel import load_full_model_state
+
+        load_full_model_state(self.model, weights)
+
+    def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
+        """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (with LoRA, adapters folded in)."""
+        from loopline.training.parallel import full_model_state
+
+        sharded = self.mesh is not None
+        weights = full_model_state(self.model) if hf_dir and sharded else {}  # a collective: every rank joins
+        state = shard_state(self.model, self.trainer)
+        if hf_dir and not sharded:  # one unsharded rank: the model part of its state is the whole weights
+            weights = merged_state_dict(self.model) if has_lora(self.model) else state["model"]
+        hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
+        self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
+
+    def wait_saved(self, timeout_s: float) -> None:
+        self.writer.wait(timeout_s)
+
+    def load_state(self, path: str) -> None:
+        """Read this rank's shards of the weights (and optimizer, once a phase started): DCP reshards."""
+        load_shards(path, self.model, self.trainer, group=self.checkpoint_group)
+
+
+def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
+    if trainer is None:
+        raise RuntimeError("call start_phase() before training steps")
+    return trainer
+
+
+class ActorRole:
+    """The policy trainer's ranks (a WorkerGroup of ActorWorkers); the frozen reference, when the run has one, is
+    a role of its own (reference.ReferenceRole) that this class drives."""
+
+    def __init__(
+        self, group: WorkerGroup, model: PreTrainedModel, reference: ReferenceRole | None = None, tp: int = 1
+    ) -> None:
+        """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills."""
+        self.group = group
+        self.model = model
+        self.reference = reference
+        self.tp = tp  # runtime.trainer_tp: ranks i*tp .. i*tp+tp-1 split the model and share slice i
+
+    def _slices(self, batch: B) -> list[B]:
+        """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks."""
+        return [s for s in even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+    ) -> None:
+        state = self.group.put(trainer_state) if trainer_state else None  # one copy for all ranks
+        self.group.call("start_phase", optim, total_steps, state)
+        if reference:  # the policy as the phase starts, frozen; a resumed phase reads its shards back
+            restore = (trainer_state or {}).get("reference")
+            weights = None if restore else self.group.call("weights")[0]
+            self._reference().start(weights, restore)
+
+    def _reference(self) -> ReferenceRole:
+        if self.reference is None:
+            raise ValueError("no reference role: the roles start one when the config has grpo.kl_coef > 0")
+        return self.reference
+
+    def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        if reference:
+            return self._reference().logprobs(batch)
+        outs = self.group.call_each("logprobs", [(s,) for s in self._slices(batch)])
+        return torch.cat(outs[:: self.tp])
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+        slices = self._slices(batch)
+        return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        slices = self._slices(batch)
+        return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
+
+    def policy(self) -> PreTrainedModel:
+        self.model.load_state_dict(self.group.call("weights")[0])  # local: the model's own tensors, unchanged
+        return self.model
+
+    def state(self) -> tuple[PreTrainedModel, dict]:
+        weights, trainer_state = self.group.call("state")[0]
+        self.model.load_state_dict(weights)
+        return self.model, trainer_state
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        self.group.call("load_weights", self.group.put(dict(weights)))
+
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None:
+        saves = self.group.call_async("save_state", path, hf_dir, blocking)
+        if reference:  # the reference's ranks write its shards there meanwhile
+            self._reference().save(reference, blocking)
+        self.group.wait(saves)
+
+    def wait_saved(self, timeout_s: float) -> None:
+        self.group.call("wait_saved", timeout_s, timeout_s=timeout_s + 30.0)
+        if self.reference is not None:
+            self.reference.wait_saved(timeout_s)
+
+    def load_state(self, path: str) -> None:
+        self.group.call("load_state", path)
+
+
+def local_actor(model: PreTrainedModel, cfg: RunConfig | None = None) -> ActorRole:
+    """The actor as the local backend runs it: one rank in this process, training `model` in place, with a
+    reference rank that copies it when a phase asks for one."""
+    cfg = cfg if cfg is not None else RunConfig()
+    reference = ReferenceRole(WorkerGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False)
+    return ActorRole(WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model)), model, reference)

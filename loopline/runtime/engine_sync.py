@@ -1,0 +1,95 @@
+"""The weight sync between the actor's ranks and the rollout engines: one object, built with the roles.
+
+- `InProcessSync`: the actor's one rank and the engines live in this process (the local backend): the policy's
+  weights (LoRA adapters folded in) are copied into each engine's model in place.
+- `CollectiveSync` (ray): the trainer ranks form a torch.distributed world of their own (FSDP2, checkpoints); the
+  sync runs over a separate gloo group (weight_sync.SyncGroup) of the trainer ranks (ranks 0..n-1) and the
+  current engines (n..n+m-1), opened as a new generation whenever the engines change, so engines can die,
+  join or leave while the trainer ranks run on. Each push runs the planned transfer of runtime.weight_sync:
+  every trainer rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers
+  the model.
+
+The rollout driver (runtime.engine.RolloutRole) decides what to do about an engine that died in a push.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
+
+
+def sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int, ...]) -> Any:
+    """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one."""
+    from loopline.runtime.resharding import default_tp_dim
+    from loopline.runtime.weight_sync import engines_plan, param_specs
+    from loopline.training.parallel import tp_param_dims
+
+    targets = tuple(targets)
+    if (
+        plan is not None
+        and plan.trainer == layout
+        and tuple(plan.dst_ranks.reshape(-1)) == tuple(layout.size + i for i in targets)
+    ):
+        return plan
+    rule = tp_param_dims(model) if layout.tp > 1 else default_tp_dim  # where the trainer's TP split them
+    return engines_plan(param_specs(model), layout, targets, rule)
+
+
+class InProcessSync:
+    """The actor's one rank and the engines in this process: each engine copies the policy's weights in place
+    (the whole state dict, adapters merged: the engine keeps a plain model)."""
+
+    def __init__(self, trainer: WorkerGroup, engines: WorkerGroup) -> None:
+        self.trainer, self.engines = trainer, engines
+        self.generation = 0  # nothing to reconnect: every tensor is in this process
+
+    def open(self) -> None:
+        pass
+
+    def push(self, version: int, targets: tuple[int, ...]) -> list[int]:
+        weights = self.trainer.call("engine_weights")[0]  # the live tensors: each engine copies them
+        self.engines.wait([self.engines.submit(i, "load_weights", weights, version) for i in targets])
+        return []
+
+
+class CollectiveSync:
+    """The planned transfer over a SyncGroup of the trainer ranks and the current engines (ray)."""
+
+    def __init__(
+        self, trainer: WorkerGroup, engines: WorkerGroup, address: tuple[str, int], layout: Any
+    ) -> None:
+        """trainer: the actor's ranks; engines: the rollout's; address: the sync store (served by trainer rank
+        0, from its join); layout: the trainer's TrainerLayout."""
+        self.trainer, self.engines = trainer, engines
+        self.address, self.layout = address, layout
+        self.generation = 0  # of the sync group
+
+    def open(self) -> None:
+        """Every trainer rank and engine opens the next generation of the sync group (the old one is dropped)."""
+        self.generation += 1
+        engines = self.engines.world_size
+        opens = self.trainer.call_async("open_sync", self.address, self.generation, engines)
+        engine_opens = self.engines.call_async(
+            "open_sync", self.address, self.generation, self.layout, engines
+        )
+        self.engines.wait(engine_opens)
+        self.trainer.wait(opens)
+
+    def push(self, version: int, targets: tuple[int, ...]) -> list[int]:
+        sends = self.trainer.call_async("send_weights", targets)
+        receives = [self.engines.submit(i, "receive_weights", version, targets) for i in targets]
+        received = self.engines.settle(
+            receives
+        )  # the first: a failed rank closes its group, and the rest fail
+        sent = self.trainer.settle(sends)
+        died = [f.rank for f, o in zip(receives, received) if isinstance(o, WorkerDiedError)]
+        trainer_died = [o for o in sent if isinstance(o, WorkerDiedError)]
+        if trainer_died or not died:  # a failure that is not an engine's death is the run's
+            for outcome in [*trainer_died, *sent, *received]:
+                if isinstance(outcome, WorkerError):
+                    raise outcome
+            return []
+        return died

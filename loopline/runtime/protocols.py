@@ -1,0 +1,158 @@
+"""The roles a loop drives, as interfaces only (no implementations here).
+
+Each role has one worker class (a rank: runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
+reference.ReferenceWorker; the scorer's env workers run runtime.scoring) and one driver over the role's
+WorkerGroup (runtime.actor.ActorRole, ...), the same code on either backend: locally the group is one rank in
+this process, on Ray one actor per rank. runtime.roles.build_roles starts them; the loops see these protocols.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from loopline.config import CriticConfig, GRPOConfig, OptimConfig
+from loopline.data.batches import RolloutBatch, TokenBatch
+from loopline.rollout.engine import Completion, SamplingParams
+from loopline.training.critic import ValueBatch
+from loopline.training.policy import StepStats
+
+
+class Actor(Protocol):
+    """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
+
+    def start_phase(
+        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+    ) -> None:
+        """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked:
+        the policy as it is, or the reference saved in the checkpoint (trainer_state["reference"], a DCP dir)."""
+        ...
+
+    def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        """Response log-probs (B, C) under the policy, or under the frozen reference."""
+        ...
+
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats: ...
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats: ...
+
+    def policy(self) -> PreTrainedModel:
+        """The policy's whole weights in the driver's model (leaves the optimizer alone)."""
+        ...
+
+    def state(self) -> tuple[PreTrainedModel, dict]:
+        """The whole model in this process (for a checkpoint) and the trainer state ({} before a phase)."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Set the policy's weights (e.g. from a checkpoint)."""
+        ...
+
+    def save_state(
+        self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
+    ) -> None:
+        """Every rank writes its model, optimizer and LR-schedule shards to `path` (DCP); with hf_dir also the
+        whole weights as hf_dir/model.safetensors; with `reference` the frozen reference's shards there (DCP).
+        blocking=False: copied now, written in the background."""
+        ...
+
+    def wait_saved(self, timeout_s: float) -> None:
+        """Wait until the ranks' save in flight is written (raise its error, or on timeout)."""
+        ...
+
+    def load_state(self, path: str) -> None:
+        """Read the weights (and, once a phase started, optimizer and LR schedule) of `path` on every rank."""
+        ...
+
+
+class Rollout(Protocol):
+    """The generation engines: sample completions, take the actor's new weights (the roles' weight sync)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]: ...
+
+    def update_weights(self, version: int) -> None:
+        """Sync the actor's current weights into every engine, as policy `version`."""
+        ...
+
+    def rng_states(self) -> list[torch.Tensor | None]:
+        """Each engine's sampling generator state (None: the engine samples from this process's RNG)."""
+        ...
+
+    def set_rng_states(self, states: list[torch.Tensor | None], reseed: int) -> bool:
+        """Restore rng_states(); True when restored exactly, False when they do not fit these engines (then each
+        generator is seeded from `reseed` and the engine rank instead)."""
+        ...
+
+    def resize(self, engines: int) -> None:
+        """Run `engines` engines from now on (between steps); ValueError where the engines cannot change."""
+        ...
+
+
+class Scorer(Protocol):
+    """The verifier: one reward per completion."""
+
+    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
+        """(B,) rewards, in the order of `texts`."""
+        ...
+
+    def resize(self, workers: int) -> None:
+        """Run `workers` env workers from now on; takes effect within the step that is running (ValueError
+        where the scorer has no env workers)."""
+        ...
+
+    def take_stats(self) -> dict[str, float]:
+        """Counts since the last call, for the metrics row: tasks retried, workers replaced ({} if none)."""
+        ...
+
+
+class Critic(Protocol):
+    """PPO's value model: values for GAE, clipped value-loss steps, and its part of a checkpoint."""
+
+    def start_phase(
+        self,
+        policy: PreTrainedModel,
+        cfg: CriticConfig,
+        total_steps: int,
+        saved: dict | None,
+        checkpoint: str | None,
+    ) -> None:
+        """A critic from the policy's body (a copy) with a zero head, a new optimizer and LR schedule; a resumed
+        phase restores `saved` (what state() returned) from the checkpoint directory `checkpoint`."""
+        ...
+
+    def values(self, tokens: TokenBatch) -> torch.Tensor:
+        """Values (B, C) of the response positions, without gradients."""
+        ...
+
+    def step(self, batch: ValueBatch) -> StepStats:
+        """One optimizer step of the clipped value loss (token mean over the whole batch)."""
+        ...
+
+    def state(self) -> dict:
+        """What the checkpoint's loop.pt holds of the critic: its whole state, or where its shards are."""
+        ...
+
+    def save(self, path: str, blocking: bool) -> None:
+        """Write the critic's shards into `path` (sharded ranks); one unsharded rank lives in loop.pt instead."""
+        ...
+
+    def wait_saved(self, timeout_s: float) -> None: ...
+
+
+class WeightSync(Protocol):
+    """The actor's weights into the engines, built with the roles: in-process copies, or the planned transfer
+    over a sync group of the actor's ranks and the engines."""
+
+    generation: int  # of the transport (a sync group is rebuilt whenever the engines change)
+
+    def open(self) -> None:
+        """(Re)connect the actor's ranks and the engines as they are now."""
+        ...
+
+    def push(self, version: int, targets: tuple[int, ...]) -> list[int]:
+        """Sync the current weights into engines `targets` as `version`; the engines that died meanwhile (the
+        others may hold part of the new weights), [] when every one has them. Any other failure raises."""
+        ...
