@@ -68,7 +68,7 @@ class RunState:
 
 
 class CheckpointActor(Protocol):
-    """What checkpoints need from the actor role (runtime.roles.Actor): every trainer rank saves its own shards."""
+    """What checkpoints need from the actor role (runtime.protocols.Actor): every trainer rank saves its own shards."""
 
     def save_state(
         self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None

@@ -1,6 +1,6 @@
 """The env role's task: score completions with the task verifier, on a CPU worker of the env pool.
 
-Kept apart from roles.py so that an env worker process imports neither torch nor transformers:
+Kept apart from the scorer role (runtime.scorer) so that an env worker process imports neither torch nor transformers:
 it starts in about a second instead of ten.
 """
 
