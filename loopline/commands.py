@@ -284,7 +284,8 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
         _warm_start(ctx)
         train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
         steps = train_dpo(ctx, train_pairs, eval_pairs)
-        ctx.model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(ctx.model))
+        policy = ctx.actor.policy()  # the trained weights in this process (ray: gathered from the ranks)
+        policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
         ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
     finally:
         ctx.close()

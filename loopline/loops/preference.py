@@ -10,25 +10,29 @@ that differ in a digit, plain DPO lowers the likelihood of both completions and 
 With preference.rejected=policy the built-in pairs are rebuilt from the policy's own samples (after the
 SFT warm start), labelled by the verifier, for both the training and the held-out pairs.
 
-Simplified: these run on the local backend, and write their final model (no mid-run checkpoints).
+Both train on the actor role (runtime.actor), so that the same code runs on either backend: DPO steps the
+policy itself and checkpoints it like SFT (every checkpoint_every steps and at the end, phase 'dpo'); the
+reward model is a model of its own on the actor's ranks, fetched whole at the end.
+
+Simplified: neither resumes (their checkpoints are for `loopline export` and eval), and the reward model
+writes no checkpoint, only its final directory (a checkpoint holds a policy; a ScalarModel would need a
+layout of its own).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
+from loopline.checkpoint.state import RunState
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.preference import PairBatch, PreferencePair, policy_pairs
 from loopline.data.sampler import Sampler
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
-from loopline.training.critic import RewardTrainer, ScalarModel, pairwise_accuracy
-from loopline.training.policy import PolicyTrainer, sequence_logprobs
+from loopline.training.critic import ScalarModel, pairwise_accuracy
 
 # pairs per forward outside training (reference log-probs, held-out metrics)
 _EVAL_CHUNK = 256
@@ -87,18 +91,15 @@ def _pairs(
     return train, held_out
 
 
-def pair_logprobs(ctx: RunContext, model: PreTrainedModel, pairs: list[PreferencePair]) -> torch.Tensor:
-    """Summed log-probs of (chosen, rejected) completions under `model`, (N, 2), without gradients."""
+def pair_logprobs(ctx: RunContext, pairs: list[PreferencePair], reference: bool = False) -> torch.Tensor:
+    """Summed log-probs of (chosen, rejected) completions under the policy (or the frozen reference), (N, 2),
+    without gradients."""
     out = []
-    model.eval()
-    with torch.no_grad():
-        for start in range(0, len(pairs), _EVAL_CHUNK):
-            batch = encode_pairs(ctx, pairs[start : start + _EVAL_CHUNK])
-            out.append(
-                torch.stack(
-                    [sequence_logprobs(model, batch.chosen), sequence_logprobs(model, batch.rejected)], 1
-                )
-            )
+    for start in range(0, len(pairs), _EVAL_CHUNK):
+        batch = encode_pairs(ctx, pairs[start : start + _EVAL_CHUNK])
+        chosen = ctx.actor.sequence_logprobs(batch.chosen, reference=reference)  # (b,)
+        rejected = ctx.actor.sequence_logprobs(batch.rejected, reference=reference)  # (b,)
+        out.append(torch.stack([chosen, rejected], 1))
     return torch.cat(out) if out else torch.zeros(0, 2)
 
 
@@ -106,7 +107,7 @@ def dpo_eval(ctx: RunContext, pairs: list[PreferencePair], ref: torch.Tensor) ->
     """Held-out DPO metrics; `ref` holds the reference's (chosen, rejected) log-probs of `pairs`."""
     if not pairs:
         return {}
-    logp = pair_logprobs(ctx, ctx.model, pairs)  # (N, 2)
+    logp = pair_logprobs(ctx, pairs)  # (N, 2)
     beta = ctx.cfg.dpo.beta
     rewards = beta * (logp - ref)  # (N, 2) implicit rewards
     return {
@@ -120,11 +121,12 @@ def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: li
     """DPO from the current policy for cfg.dpo.steps; logs phase 'dpo' rows; returns the steps run."""
     cfg = ctx.cfg.dpo
     train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
-    trainer = PolicyTrainer(ctx.model, cfg.optim, cfg.steps)
-    # The reference is the policy as DPO starts, frozen: its log-probs up front, or a copy asked per batch.
-    eval_ref = pair_logprobs(ctx, ctx.model, eval_pairs)  # (N_eval, 2)
-    train_ref = pair_logprobs(ctx, ctx.model, train_pairs) if cfg.reference == "precomputed" else None
-    reference = copy.deepcopy(ctx.model).eval().requires_grad_(False) if cfg.reference == "online" else None
+    # The reference is the policy as DPO starts, frozen: its log-probs up front, or the reference role's per batch.
+    online = cfg.reference == "online"
+    ctx.actor.start_phase(cfg.optim, cfg.steps, None, reference=online)
+    eval_ref = pair_logprobs(ctx, eval_pairs)  # (N_eval, 2)
+    train_ref = None if online else pair_logprobs(ctx, train_pairs)  # (N_train, 2)
+    state = RunState(phase="dpo")
     sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 2)
     sync_engine(ctx, version=0)
     ctx.logger.log({"phase": "dpo", "step": 0, **evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref)})
@@ -137,32 +139,35 @@ def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: li
         if train_ref is not None:
             batch.ref_chosen, batch.ref_rejected = train_ref[rows, 0], train_ref[rows, 1]
         else:
-            assert reference is not None
-            with torch.no_grad():
-                batch.ref_chosen = sequence_logprobs(reference, batch.chosen)
-                batch.ref_rejected = sequence_logprobs(reference, batch.rejected)
-        stats = trainer.dpo_step(batch, cfg)
+            batch.ref_chosen = ctx.actor.sequence_logprobs(batch.chosen, reference=True)  # (B,)
+            batch.ref_rejected = ctx.actor.sequence_logprobs(batch.rejected, reference=True)  # (B,)
+        with ctx.watchdog.stage("train"):
+            stats = ctx.actor.dpo_step(batch, cfg)
+        state.step, state.sampler = step, sampler.state_dict()
         row = {"phase": "dpo", "step": step, "loss": stats.loss, **stats.extra, "grad_norm": stats.grad_norm}
         row.update(lr=stats.lr, time_train=time.perf_counter() - t0)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             sync_engine(ctx, version=step)
             row.update(evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref))
         ctx.logger.log(row)
+        if step == cfg.steps or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
+            with ctx.watchdog.stage("checkpoint"):
+                ctx.checkpoints.save(state)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pref_accuracy", "-"))
     bar.close()
     return cfg.steps
 
 
-def rm_eval(ctx: RunContext, trainer: RewardTrainer, pairs: list[PreferencePair]) -> dict[str, float]:
+def rm_eval(ctx: RunContext, pairs: list[PreferencePair]) -> dict[str, float]:
     """Held-out pairwise accuracy and mean reward margin of the reward model."""
     if not pairs:
         return {}
     chosen, rejected = [], []
     for start in range(0, len(pairs), _EVAL_CHUNK):
         batch = encode_pairs(ctx, pairs[start : start + _EVAL_CHUNK])
-        chosen.append(trainer.scores(batch.chosen))
-        rejected.append(trainer.scores(batch.rejected))
+        chosen.append(ctx.actor.reward_scores(batch.chosen))
+        rejected.append(ctx.actor.reward_scores(batch.rejected))
     c, r = torch.cat(chosen), torch.cat(rejected)
     return {"eval_pair_accuracy": pairwise_accuracy(c, r), "eval_reward_margin": float((c - r).mean())}
 
@@ -173,21 +178,22 @@ def train_rm(
     """Fit a reward model (the policy's body, copied, + a scalar head) for cfg.rm.steps; returns it."""
     cfg = ctx.cfg.rm
     train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
-    trainer = RewardTrainer(ScalarModel.from_policy(ctx.model), cfg, cfg.steps)
+    ctx.actor.start_reward(cfg, cfg.steps)
     sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 3)
-    ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, trainer, eval_pairs)})
+    ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, eval_pairs)})
 
     bar = tqdm(total=cfg.steps, desc="rm", disable=not ctx.cfg.progress, leave=False)
     for step in range(1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = encode_pairs(ctx, [train_pairs[ref.index] for ref in sampler.next_batch(cfg.batch_size)])
-        stats = trainer.step(batch)
+        with ctx.watchdog.stage("train"):
+            stats = ctx.actor.reward_step(batch)
         row = {"phase": "rm", "step": step, "loss": stats.loss, **stats.extra, "grad_norm": stats.grad_norm}
         row.update(lr=stats.lr, time_train=time.perf_counter() - t0)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
-            row.update(rm_eval(ctx, trainer, eval_pairs))
+            row.update(rm_eval(ctx, eval_pairs))
         ctx.logger.log(row)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pair_accuracy", "-"))
     bar.close()
-    return trainer.model
+    return ctx.actor.reward_model()

@@ -13,14 +13,16 @@ run has one, is a role of its own (runtime.reference) that ActorRole drives.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import fields, replace
 from typing import Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel
 
 from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
-from loopline.config import GRPOConfig, OptimConfig, RunConfig
+from loopline.config import DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
+from loopline.data.preference import PairBatch
 from loopline.runtime.engine_sync import sync_plan
 from loopline.runtime.ranks import (
     even_slices,
@@ -34,8 +36,10 @@ from loopline.runtime.ranks import (
 )
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerGroup
+from loopline.training.critic import RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
 from loopline.training.policy import PolicyTrainer, StepStats
+from loopline.training.policy import sequence_logprobs as summed_logprobs
 
 B = TypeVar("B", bound=TokenBatch)
 
@@ -57,6 +61,9 @@ class ActorWorker:
         self.trainer: PolicyTrainer | None = None
         self.writer = ShardWriter()
         self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
+        self.reward: RewardTrainer | None = (
+            None  # `loopline rm`'s reward model on the policy's body, once started
+        )
 
     def rendezvous(self) -> str:
         return rendezvous()
@@ -106,6 +113,53 @@ class ActorWorker:
 
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
         return _started(self.trainer).grpo_step(to_device(batch, self.device), cfg, None)
+
+    # Preference training (loops.preference): DPO steps the policy; the reward model is a ScalarModel of its own
+    # on these ranks (the policy's body, copied, + a scalar head), sharded over the dp ranks like the policy.
+
+    def sequence_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        """Summed response log-prob of each of this rank's rows, (b,), in eval mode without gradients."""
+        self.model.eval()
+        with torch.no_grad():
+            return summed_logprobs(self.model, to_device(batch, self.device)).cpu()
+
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+        """One DPO step on this rank's pairs (they carry their reference log-probs)."""
+        return _started(self.trainer).dpo_step(_pairs_to(pairs, self.device), cfg)
+
+    def start_reward(
+        self, weights: Mapping[str, torch.Tensor], cfg: RewardModelConfig, total_steps: int
+    ) -> None:
+        """A reward model with the whole `weights` (ScalarModel.from_policy of the current policy) and its optimizer.
+        The local rank copies its own policy's body (as the weights say); sharded ranks build one from the model
+        config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards)."""
+        if self.mesh is None:
+            model = ScalarModel.from_policy(self.model)  # where the policy is
+            model.load_state_dict(weights)
+            self.reward = RewardTrainer(model, cfg, total_steps)
+            return
+        from loopline.runtime.critic import shard_critic
+
+        shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
+        model = ScalarModel.from_policy(shapes).to(self.device)
+        model.load_state_dict(weights)
+        model = shard_critic(model, self.mesh["dp"])
+        self.reward = RewardTrainer(model, cfg, total_steps, group=self.mesh["dp"].get_group())
+
+    def reward_step(self, pairs: PairBatch) -> StepStats:
+        """One Bradley-Terry step of the reward model on this rank's pairs."""
+        return _reward(self.reward).step(_pairs_to(pairs, self.device))
+
+    def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
+        """The reward model's score of each of this rank's rows, (b,), without gradients."""
+        return _reward(self.reward).scores(to_device(batch, self.device)).cpu()
+
+    def reward_weights(self) -> dict[str, torch.Tensor] | None:
+        """The reward model's whole weights on rank 0 (None elsewhere); every rank must take part."""
+        from loopline.training.parallel import full_model_state
+
+        weights = full_model_state(_reward(self.reward).model)
+        return weights if self.rank == 0 else None
 
     def send_weights(self, targets: tuple[int, ...]) -> None:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
@@ -166,6 +220,37 @@ def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
     return trainer
 
 
+def _reward(trainer: RewardTrainer | None) -> RewardTrainer:
+    if trainer is None:
+        raise RuntimeError("call start_reward() before reward-model steps")
+    return trainer
+
+
+def _pairs_to(pairs: PairBatch, device: torch.device) -> PairBatch:
+    """The pairs with every tensor on `device` (their two token batches included)."""
+    ref_c, ref_r = pairs.ref_chosen, pairs.ref_rejected
+    return PairBatch(
+        to_device(pairs.chosen, device),
+        to_device(pairs.rejected, device),
+        pairs.margin.to(device),
+        None if ref_c is None else ref_c.to(device),
+        None if ref_r is None else ref_r.to(device),
+    )
+
+
+def _reward_model(policy: PreTrainedModel) -> ScalarModel:
+    """A ScalarModel of `policy`'s body in the driver, to carry weights: this process's torch RNG is left as it
+    was (the head's init draws from it before zeroing it), so the run samples as it would without this copy."""
+    with torch.random.fork_rng(devices=[]):
+        return ScalarModel.from_policy(policy)
+
+
+def _take_rows(batch: B, index: torch.Tensor) -> B:
+    """The rows `index` of a batch (every tensor field indexed along dim 0)."""
+    rows = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(batch, **{k: v[index] for k, v in rows.items() if isinstance(v, torch.Tensor)})
+
+
 class ActorRole:
     """The policy trainer's ranks (a WorkerGroup of ActorWorkers); the frozen reference, when the run has one, is
     a role of its own (reference.ReferenceRole) that this class drives."""
@@ -211,6 +296,48 @@ class ActorRole:
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
         slices = self._slices(batch)
         return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
+
+    def _pair_slices(self, pairs: PairBatch) -> list[PairBatch]:
+        """One slice per rank, as _slices: equal pair slices over the dp ranks."""
+        dp = self.group.world_size // self.tp
+        if len(pairs) % dp:
+            raise ValueError(f"a batch of {len(pairs)} pairs does not split evenly over {dp} trainer ranks")
+        return [s for s in pairs.micro_batches(len(pairs) // dp) for _ in range(self.tp)]
+
+    def _per_row(self, method: str, batch: TokenBatch) -> torch.Tensor:
+        """One value per row from every rank's slice: a batch of any size (the last row repeated up to a multiple
+        of the dp ranks, the repeats dropped from the result), (B,)."""
+        n, dp = len(batch), self.group.world_size // self.tp
+        if n % dp:
+            index = torch.cat([torch.arange(n), torch.full(((-n) % dp,), n - 1)])
+            batch = _take_rows(batch, index)
+        outs = self.group.call_each(method, [(s,) for s in self._slices(batch)])
+        return torch.cat(outs[:: self.tp])[:n]
+
+    def sequence_logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        if reference:
+            return (self._reference().logprobs(batch) * batch.response_mask).sum(dim=1)
+        return self._per_row("sequence_logprobs", batch)
+
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+        slices = self._pair_slices(pairs)
+        return self.group.call_each("dpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
+
+    def start_reward(self, cfg: RewardModelConfig, total_steps: int) -> None:
+        weights = _reward_model(self.policy()).state_dict()  # one copy for all ranks
+        self.group.call("start_reward", self.group.put(weights), cfg, total_steps)
+
+    def reward_step(self, pairs: PairBatch) -> StepStats:
+        slices = self._pair_slices(pairs)
+        return self.group.call_each("reward_step", [(s,) for s in slices])[0]  # same on all ranks
+
+    def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
+        return self._per_row("reward_scores", batch)
+
+    def reward_model(self) -> ScalarModel:
+        model = _reward_model(self.model)
+        model.load_state_dict(self.group.call("reward_weights")[0])
+        return model
 
     def policy(self) -> PreTrainedModel:
         self.model.load_state_dict(self.group.call("weights")[0])  # local: the model's own tensors, unchanged

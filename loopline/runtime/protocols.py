@@ -14,10 +14,11 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from loopline.config import CriticConfig, GRPOConfig, OptimConfig
+from loopline.config import CriticConfig, DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
+from loopline.data.preference import PairBatch
 from loopline.rollout.engine import Completion, SamplingParams
-from loopline.training.critic import ValueBatch
+from loopline.training.critic import ScalarModel, ValueBatch
 from loopline.training.policy import StepStats
 
 
@@ -41,6 +42,32 @@ class Actor(Protocol):
 
     def policy(self) -> PreTrainedModel:
         """The policy's whole weights in the driver's model (leaves the optimizer alone)."""
+        ...
+
+    def sequence_logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
+        """Summed response log-prob of each row (B,), without gradients: under the policy (in eval mode; a batch
+        of any size), or under the frozen reference (a batch that splits evenly over the ranks)."""
+        ...
+
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+        """One optimizer step of dpo.loss; the pairs carry their reference log-probs."""
+        ...
+
+    def start_reward(self, cfg: RewardModelConfig, total_steps: int) -> None:
+        """A reward model on the ranks: the policy's body as it is now (copied) and a zero scalar head, and its
+        optimizer and LR schedule (the policy's own optimizer is left alone)."""
+        ...
+
+    def reward_step(self, pairs: PairBatch) -> StepStats:
+        """One optimizer step of the reward model's Bradley-Terry loss."""
+        ...
+
+    def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
+        """The reward model's score of each row (B,), without gradients (a batch of any size)."""
+        ...
+
+    def reward_model(self) -> ScalarModel:
+        """The reward model's whole weights, as a ScalarModel in this process."""
         ...
 
     def state(self) -> tuple[PreTrainedModel, dict]:

@@ -69,7 +69,7 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     trainer = WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model))
     engines = WorkerGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
     reference = None
-    if cfg.grpo.kl_coef > 0:  # its rank holds nothing until a phase asks for a reference
+    if wants_reference(cfg):  # its rank holds nothing until a phase asks for a reference
         reference = ReferenceRole(
             WorkerGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False
         )
@@ -78,6 +78,11 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
         critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
     return Roles(ActorRole(trainer, model, reference), rollout, ScorerRole(), lambda: None, critic)
+
+
+def wants_reference(cfg: RunConfig) -> bool:
+    """A frozen reference role: the KL term of RL (grpo.kl_coef > 0), or DPO's reference asked for per batch."""
+    return cfg.grpo.kl_coef > 0 or cfg.dpo.reference == "online"
 
 
 def default_placement(rt: RuntimeConfig) -> PlacementConfig:
@@ -143,7 +148,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         where = dict(pools)
         for role, cls, wanted in (
             ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
-            ("ref", ReferenceWorker, cfg.grpo.kl_coef > 0),
+            ("ref", ReferenceWorker, wants_reference(cfg)),
         ):
             if wanted:
                 workers[role] = (cls, rt.trainer_ranks, (cfg,))

@@ -164,9 +164,18 @@ def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
 class RewardTrainer:
     """Owns a reward model (ScalarModel) and its optimizer: Bradley-Terry steps on preference pairs."""
 
-    def __init__(self, model: ScalarModel, cfg: RewardModelConfig, total_steps: int) -> None:
+    def __init__(
+        self,
+        model: ScalarModel,
+        cfg: RewardModelConfig,
+        total_steps: int,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        """group: the data-parallel ranks of a model under FSDP2 (gradients summed): each rank steps on its slice
+        of the pairs, its loss weighted by its share of the global pair count, as PolicyTrainer."""
         self.model = model
         self.cfg = cfg
+        self.group = group
         self.optimizer, self.scheduler = build_optimizer(model, cfg.optim, total_steps)
 
     def scores(self, batch: TokenBatch) -> torch.Tensor:
@@ -180,8 +189,11 @@ class RewardTrainer:
         """One optimizer step of the Bradley-Terry loss (margin = the pair's + rm.margin, centring)."""
         self.model.train()
         sums = {"loss": 0.0, "pair_accuracy": 0.0, "reward_margin": 0.0, "reward_mean": 0.0}
+        rows = len(pairs)
+        if self.group is not None:  # the pairs of every rank
+            rows = int(all_reduce_sum(torch.tensor([float(rows)], dtype=torch.float64), self.group)[0])
         for micro in pairs.micro_batches(self.cfg.micro_batch_size):
-            share = len(micro) / len(pairs)  # the loss is a mean over pairs
+            share = len(micro) / rows  # the loss is a mean over pairs
             chosen = self.model.last_token_scores(micro.chosen)  # (b,)
             rejected = self.model.last_token_scores(micro.rejected)  # (b,)
             loss = bradley_terry_loss(chosen, rejected, micro.margin + self.cfg.margin, self.cfg.center_coef)
@@ -192,6 +204,9 @@ class RewardTrainer:
             sums["reward_margin"] += float((chosen - rejected).mean()) * share
             sums["reward_mean"] += float((chosen + rejected).mean() / 2) * share
         grad_norm, lr = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.optim.grad_clip)
+        if self.group is not None:  # each rank holds its share of each global mean
+            total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
+            sums = dict(zip(sums, total.tolist()))
         mean_loss = sums.pop("loss")
         return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
 

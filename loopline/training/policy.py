@@ -287,8 +287,9 @@ class PolicyTrainer:
         dpo_loss = DPO_LOSSES[cfg.loss]
         sums = dict.fromkeys(("loss", "pref_loss", "chosen_nll", "pref_accuracy", "reward_margin"), 0.0)
         sums.update(chosen_reward=0.0, rejected_reward=0.0)
+        _, rows = self._totals(pairs.chosen)  # pairs over every rank: each rank's share of the global mean
         for micro in pairs.micro_batches(cfg.micro_batch_size):
-            share = len(micro) / len(pairs)  # every loss is a mean over pairs
+            share = len(micro) / rows  # every loss is a mean over pairs
             chosen_tokens, _ = response_logprobs(self.model, micro.chosen)  # (b, C)
             mask = micro.chosen.response_mask
             chosen = (chosen_tokens * mask).sum(dim=1)  # (b,)
