@@ -205,8 +205,6 @@ def _check_out_dir(value: str) -> None:
 
 def _check_preference(cfg: RunConfig, command: str) -> None:
     """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
-    if cfg.runtime.backend != "local":
-        raise ConfigError(f"runtime.backend: `loopline {command}` runs on 'local' only for now")
     if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
         raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
 
