@@ -15,17 +15,20 @@ the GRPO loop does), and the engine's tempered log-probs are checked against the
 A GRPO step whose advantages are all 0 (every episode of every group scored alike) is skipped: it has
 no gradient, and an AdamW step would still move the weights along its old momentum.
 
-Simplified, and why: everything runs in this process (the local backend: one trainer, one engine
-with its own copy of the weights; runtime.backend=ray is not wired in); env steps are asyncio tasks
-in this process rather than on the CPU worker pool (the calculator takes microseconds); only a final
-checkpoint is written, and there is no --resume. The task and its metrics are those of envs.tasks.
+The trainer and the engines are the roles of runtime.roles (runtime.backend: one trainer rank and one
+engine with its own copy of the weights in this process, or FSDP2 trainer ranks and engines on Ray), so
+this loop trains, samples and syncs only through them; its checkpoint is the one checkpoint writer's
+(checkpoint.state.Checkpointer: every trainer rank writes its shards).
+
+Simplified, and why: env steps are asyncio tasks in this process rather than on the CPU worker pool
+(the calculator takes microseconds); only a final checkpoint is written, and there is no --resume. The
+task and its metrics are those of envs.tasks.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import sys
 import time
 from pathlib import Path
@@ -36,12 +39,15 @@ from pydantic import Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from loopline.algorithms.advantages import group_advantages
-from loopline.checkpoint.state import RunState, save_checkpoint
+from loopline.checkpoint.state import Checkpointer, RunState
 from loopline.config import (
+    CheckpointConfig,
     ConfigError,
     GRPOConfig,
     ModelConfig,
     OptimConfig,
+    RunConfig,
+    RuntimeConfig,
     SamplingConfig,
     Section,
     SFTConfig,
@@ -49,7 +55,7 @@ from loopline.config import (
     merge_trees,
     read_tree,
 )
-from loopline.data.batches import RolloutBatch, TokenBatch
+from loopline.data.batches import RolloutBatch
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
 from loopline.envs.multiturn import (
@@ -71,9 +77,9 @@ from loopline.envs.tasks import (
 from loopline.envs.tools import ToolsConfig
 from loopline.metrics.logger import MetricsLogger
 from loopline.models import load_policy
-from loopline.rollout.engine import TorchEngine
 from loopline.rollout.trajectory import Trajectory
-from loopline.training.policy import PolicyTrainer, response_logprobs
+from loopline.runtime.protocols import Actor, Rollout
+from loopline.runtime.roles import build_roles
 
 
 class AgentConfig(Section):
@@ -133,6 +139,13 @@ class AgentConfig(Section):
     eval_prompts: int = Field(
         128, gt=0, description="Held-out problems scored (greedy) at each eval (at most task.num_eval)."
     )
+    runtime: RuntimeConfig = Field(
+        default_factory=RuntimeConfig,
+        description="Where the trainer and the engines run (runtime.backend=ray: as for `loopline train`).",
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="The final checkpoint (checkpoint.hf_model, ...)."
+    )
 
     @model_validator(mode="after")
     def _one_sampling_setting(self) -> AgentConfig:
@@ -147,9 +160,23 @@ def load_agent_config(path: str | None = None, overrides: list[str] | None = Non
     """An AgentConfig from an optional YAML file and dotted overrides; raises ConfigError if bad."""
     tree = merge_trees(AgentConfig().model_dump(), read_tree(path, overrides))
     try:
-        return AgentConfig.model_validate(tree)
+        cfg = AgentConfig.model_validate(tree)
+        run_config(cfg)  # the roles' checks (batches that split over the trainer ranks, ...)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
+    return cfg
+
+
+def run_config(cfg: AgentConfig) -> RunConfig:
+    """The RunConfig the roles are built from: the agent's model, seed, SFT, GRPO, runtime and checkpoint."""
+    return RunConfig.model_validate(
+        {
+            "out_dir": cfg.out_dir, "seed": cfg.seed, "threads": cfg.threads, "progress": cfg.progress,
+            "tensorboard": False, "model": cfg.model.model_dump(), "sft": cfg.sft.model_dump(),
+            "grpo": cfg.grpo.model_dump(), "runtime": cfg.runtime.model_dump(),
+            "checkpoint": cfg.checkpoint.model_dump(),
+        }
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,36 +199,13 @@ def agent_metrics(trajs: list[Trajectory], prefix: str = "") -> dict[str, float]
     return {prefix + k: v for k, v in out.items()}
 
 
-def evaluate(engine: TorchEngine, rows: list[PromptRow], cfg: AgentConfig) -> dict[str, float]:
+def evaluate(engine: Rollout, fmt: PlainFormat, rows: list[PromptRow], cfg: AgentConfig) -> dict[str, float]:
     """Greedy episodes on held-out rows; the keys start with eval_ (eval_accuracy: right answers)."""
     greedy = cfg.rollout.model_copy(update={"temperature": 0.0})
     saved = torch.get_rng_state()  # eval must not move the training RNG
-    trajs = run_rollout(
-        engine,
-        [make_env(cfg.tools, cfg.task.call_bonus) for _ in rows],
-        rows,
-        PlainFormat(engine.tokenizer),
-        greedy,
-    )
+    trajs = run_rollout(engine, [make_env(cfg.tools, cfg.task.call_bonus) for _ in rows], rows, fmt, greedy)
     torch.set_rng_state(saved)
     return agent_metrics(trajs, prefix="eval_")
-
-
-def _behaviour_logprobs(
-    model: torch.nn.Module, batch: TokenBatch, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Response-token log-probs (B, C) from one forward pass: as trained (T=1, the GRPO ratio's
-    denominator) and as sampled (logits / temperature, what the engine reports; T=1 when greedy)."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
-    ).logits
-    logits = logits[:, batch.prompt_len - 1 : -1, :].float()  # (B, C, V): position t predicts t + 1
-    targets = batch.input_ids[:, batch.prompt_len :].unsqueeze(-1)  # (B, C, 1)
-    trained = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
-    if temperature in (0.0, 1.0):
-        return trained, trained
-    return trained, torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets).squeeze(-1)
 
 
 async def _demonstrations(
@@ -234,20 +238,35 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    logger = MetricsLogger(run_dir, tensorboard=False)
-    logger.clear()
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
-    engine = TorchEngine(copy.deepcopy(model), tokenizer)  # its own weights: sync is an explicit step
-    fmt = PlainFormat(tokenizer)
+    # the trainer and the engines (their own weights: sync is an explicit step), on runtime.backend
+    roles = build_roles(run_config(cfg), model, tokenizer)
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    try:
+        logger.clear()
+        summary = _train(cfg, roles.actor, roles.rollout, PlainFormat(tokenizer), logger)
+        checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
+        checkpoints.save(RunState(phase="grpo", step=cfg.grpo.steps))
+        checkpoints.wait()
+    finally:
+        logger.close()
+        roles.shutdown()
+    return summary
+
+
+def _train(
+    cfg: AgentConfig, actor: Actor, rollout: Rollout, fmt: PlainFormat, logger: MetricsLogger
+) -> dict[str, dict[str, float]]:
+    """The two phases, through the actor and rollout roles."""
     train_rows, eval_rows = calculator_splits(cfg.task, cfg.seed)
     eval_rows = eval_rows[: cfg.eval_prompts]
     val_rows, val_accuracy = calculator_validation(cfg.task, cfg.seed), 0.0
-    pad_id = tokenizer.pad_token_id
-    summary = {"before_sft": evaluate(engine, eval_rows, cfg)}
+    pad_id = fmt.tokenizer.pad_token_id
+    summary = {"before_sft": evaluate(rollout, fmt, eval_rows, cfg)}
     logger.log({"phase": "sft", "step": 0, **summary["before_sft"]})
 
     # ---------------- SFT on demonstrations (tool results masked, as in RL)
-    trainer = PolicyTrainer(model, cfg.sft.optim, cfg.sft.steps)
+    actor.start_phase(cfg.sft.optim, cfg.sft.steps, None)
     sampler = Sampler(len(train_rows), seed=cfg.seed)
     choice = torch.Generator().manual_seed(cfg.seed)
     for step in tqdm(range(1, cfg.sft.steps + 1), desc="agent sft", disable=not cfg.progress, leave=False):
@@ -256,20 +275,20 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         use_tool = (torch.rand(len(rows), generator=choice) >= cfg.task.direct_fraction).tolist()
         traces = asyncio.run(_demonstrations(rows, use_tool, cfg, fmt))
         batch, _ = to_batch(traces, pad_id)
-        stats = trainer.sft_step(batch, cfg.sft.micro_batch_size)
+        stats = actor.sft_step(batch, cfg.sft.micro_batch_size)
         row = {"phase": "sft", "step": step, "loss": stats.loss, "grad_norm": stats.grad_norm, "lr": stats.lr}
         row["time_train"] = time.perf_counter() - t0
         if cfg.sft.eval_every and step % cfg.sft.eval_every == 0 and step < cfg.sft.steps:
-            engine.update_weights(model.state_dict(), version=0)
-            row.update(evaluate(engine, eval_rows, cfg))
+            rollout.update_weights(0)
+            row.update(evaluate(rollout, fmt, eval_rows, cfg))
         if val_rows and cfg.sft.check_due(step, val_accuracy):
-            engine.update_weights(model.state_dict(), version=0)
-            val_accuracy = row["val_accuracy"] = evaluate(engine, val_rows, cfg)["eval_accuracy"]
+            rollout.update_weights(0)
+            val_accuracy = row["val_accuracy"] = evaluate(rollout, fmt, val_rows, cfg)["eval_accuracy"]
         logger.log(row)
         if cfg.sft.stop_at_accuracy is not None and val_accuracy >= cfg.sft.stop_at_accuracy:
             break  # a skill level, not a step count
-    engine.update_weights(model.state_dict(), version=0)
-    summary["before_rl"] = evaluate(engine, eval_rows, cfg)
+    rollout.update_weights(0)
+    summary["before_rl"] = evaluate(rollout, fmt, eval_rows, cfg)
     logger.log({"phase": "grpo", "step": 0, **summary["before_rl"]})
 
     # ---------------- GRPO through the multi-turn driver
@@ -278,8 +297,8 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
     update_cfg = g.model_copy(
         update={"sampling": SamplingConfig(max_new_tokens=cfg.rollout.max_total_tokens)}
     )
-    trainer = PolicyTrainer(model, g.optim, g.steps)
-    reference = copy.deepcopy(model).eval().requires_grad_(False) if g.kl_coef > 0 else None
+    # a new optimizer; the reference (KL) is the policy as GRPO starts, frozen on the reference role
+    actor.start_phase(g.optim, g.steps, None, reference=g.kl_coef > 0)
     sampler = Sampler(len(train_rows), seed=cfg.seed + 1)
     for step in tqdm(range(1, g.steps + 1), desc="agent grpo", disable=not cfg.progress, leave=False):
         times: dict[str, float] = {}
@@ -288,7 +307,7 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         rows = [train_rows[ref.index] for ref in sampler.next_batch(g.prompts_per_step)]
         samples = [row for row in rows for _ in range(g.group_size)]
         trajs = run_rollout(
-            engine, [make_env(cfg.tools, cfg.task.call_bonus) for _ in samples], samples, fmt, cfg.rollout
+            rollout, [make_env(cfg.tools, cfg.task.call_bonus) for _ in samples], samples, fmt, cfg.rollout
         )
         times["rollout"] = time.perf_counter() - t0
 
@@ -297,11 +316,10 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         tokens, engine_logprobs = to_batch(trajs, pad_id)  # (B, P + C), (B, C)
         rewards = torch.tensor([t.total_return(cfg.rollout.returns) for t in trajs])  # (B,)
         advantages = group_advantages(rewards, g.group_size, g.adv_scale, g.adv_eps)  # (B,)
-        with torch.no_grad():
-            # (B, C) each: the behaviour policy's log-probs (the loss's, T=1) and the same at the
-            # rollout temperature (what the engine reports, for the check logged below)
-            old_logprobs, sampled_logprobs = _behaviour_logprobs(model, tokens, cfg.rollout.temperature)
-            ref_logprobs = response_logprobs(reference, tokens)[0] if reference is not None else None
+        # (B, C) each: the behaviour policy's log-probs (the loss's, T=1) and the same at the rollout
+        # temperature (what the engine reports, for the check logged below)
+        old_logprobs, sampled_logprobs = actor.behaviour_logprobs(tokens, cfg.rollout.temperature)
+        ref_logprobs = actor.logprobs(tokens, reference=True) if g.kl_coef > 0 else None
         batch = RolloutBatch(
             tokens.input_ids, tokens.attention_mask, tokens.response_mask,
             old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, advantages=advantages, rewards=rewards,
@@ -315,9 +333,9 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
         update: dict[str, float] = {"update_skipped": float(not bool(advantages.abs().max() > 0))}
         if not update["update_skipped"]:
             for _ in range(g.epochs_per_step):
-                stats = trainer.grpo_step(batch, update_cfg, reference)
+                stats = actor.grpo_step(batch, update_cfg)
             update.update(loss=stats.loss, **stats.extra, grad_norm=stats.grad_norm, lr=stats.lr)
-            engine.update_weights(model.state_dict(), version=step)
+            rollout.update_weights(step)
         times["train"] = time.perf_counter() - t0
 
         # 5. Log.
@@ -336,14 +354,12 @@ def train_agent(cfg: AgentConfig) -> dict[str, dict[str, float]]:
             **{f"time_{k}": v for k, v in times.items()},
         }
         if step == g.steps or (g.eval_every and step % g.eval_every == 0):
-            row.update(evaluate(engine, eval_rows, cfg))
+            row.update(evaluate(rollout, fmt, eval_rows, cfg))
         logger.log(row)
         if step == g.steps:
             summary["after_rl"] = {k: v for k, v in row.items() if k.startswith("eval_")}
     if g.steps == 0:
         summary["after_rl"] = summary["before_rl"]
-    save_checkpoint(run_dir, RunState(phase="grpo", step=g.steps), model, tokenizer, trainer.state_dict())
-    logger.close()
     return summary
 
 

@@ -38,7 +38,7 @@ from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerGroup
 from loopline.training.critic import RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
-from loopline.training.policy import PolicyTrainer, StepStats
+from loopline.training.policy import PolicyTrainer, StepStats, behaviour_logprobs
 from loopline.training.policy import sequence_logprobs as summed_logprobs
 
 B = TypeVar("B", bound=TokenBatch)
@@ -107,6 +107,13 @@ class ActorWorker:
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
         return frozen_logprobs(self.model, to_device(batch, self.device)).cpu()
+
+    def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows' response log-probs (b, C) from one forward without gradients: at T=1 (the loss's
+        behaviour policy) and at `temperature` (what the engine reports when it samples at it)."""
+        with torch.no_grad():
+            trained, sampled = behaviour_logprobs(self.model, to_device(batch, self.device), temperature)
+        return trained.cpu(), sampled.cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
@@ -288,6 +295,11 @@ class ActorRole:
             return self._reference().logprobs(batch)
         outs = self.group.call_each("logprobs", [(s,) for s in self._slices(batch)])
         return torch.cat(outs[:: self.tp])
+
+    def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        outs = self.group.call_each("behaviour_logprobs", [(s, temperature) for s in self._slices(batch)])
+        dp = outs[:: self.tp]
+        return torch.cat([t for t, _ in dp]), torch.cat([s for _, s in dp])
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         slices = self._slices(batch)

@@ -158,6 +158,23 @@ def response_logprobs(
     return logp, entropy
 
 
+def behaviour_logprobs(
+    model: PreTrainedModel, batch: TokenBatch, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Response-token log-probs (B, C) from one forward pass: as trained (T=1, the GRPO ratio's denominator)
+    and as sampled (logits / temperature, what an engine reports; T=1 when greedy)."""
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
+    ).logits
+    logits = logits[:, batch.prompt_len - 1 : -1, :].float()  # (B, C, V): position t predicts t + 1
+    targets = batch.input_ids[:, batch.prompt_len :].unsqueeze(-1)  # (B, C, 1)
+    trained = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
+    if temperature in (0.0, 1.0):
+        return trained, trained
+    return trained, torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets).squeeze(-1)
+
+
 def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
     """Weight of a micro-batch's mean in the global batch's mean, so accumulation is exact.
 

@@ -4,6 +4,9 @@ end to end on a tiny budget: weights change, metrics are written, the checkpoint
 from __future__ import annotations
 
 import asyncio
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
 
 import pytest
 import torch
@@ -119,3 +122,37 @@ def test_agent_command_trains_and_logs(tmp_path, capsys):
     after_sft = load_file(str(sft_only / "checkpoints" / "grpo-000000" / "model" / "model.safetensors"))
     moved = [name for name in saved if not torch.equal(after_sft[name], saved[name])]
     assert len(moved) >= len(saved) // 2, sorted(set(saved) - set(moved))
+
+    # the one checkpoint writer's layout: every trainer rank's shards, no trainer.pt of the agent's own
+    assert (out / "checkpoints" / "grpo-000002" / "dcp" / ".metadata").is_file()
+    assert not (out / "checkpoints" / "grpo-000002" / "trainer.pt").exists()
+
+
+def test_agent_config_checks_the_roles_config(capsys):
+    # the roles' own checks (runtime.*) run at load, naming the field
+    assert main([*TINY, "runtime.backend=ray", "runtime.trainer_ranks=3"]) == 2
+    assert "runtime.trainer_ranks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_agent_runs_on_ray(ray_cluster, tmp_path):
+    """`loopline agent runtime.backend=ray`: 2 FSDP2 trainer ranks, 1 engine, KL to the reference role's ranks;
+    the env steps stay in this process."""
+    out = tmp_path / "ray"
+    ray = [
+        "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
+        "runtime.call_timeout_s=180", "grpo.kl_coef=0.05",
+    ]  # fmt: skip
+    assert main([*TINY, *ray, f"out_dir={out}"]) == 0
+    rows = read_metrics(out)
+    grpo = [r for r in rows if r["phase"] == "grpo" and "reward_mean" in r]
+    assert [r["step"] for r in grpo] == [1, 2] and all(r.keys() >= GRPO_KEYS for r in grpo)
+    # the engine (its own process) and the trainer ranks agree on the sampled tokens' log-probs
+    assert all(r["logprob_gap_max"] < 1e-3 for r in grpo)
+    assert any(r["update_skipped"] == 0.0 and r["grad_norm"] > 0 and "kl" in r for r in grpo), grpo
+    final = out / "checkpoints" / "grpo-000002"
+    assert (final / "dcp" / ".metadata").is_file() and not (final / "trainer.pt").exists()
+    saved = load_file(str(final / "model" / "model.safetensors"))
+    tiny = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2)
+    initial, _ = load_policy(ModelConfig(tiny=tiny), seed=AgentConfig().seed)
+    assert any(not torch.equal(p, saved[n]) for n, p in initial.state_dict().items() if n in saved)
