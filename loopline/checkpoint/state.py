@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loopline.checkpoint.dcp import ShardWriter, copy_state, read_model_weights, shard_state
+from loopline.checkpoint.dcp import copy_state, read_model_weights
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import LEDGER_FILE
 from loopline.config import CheckpointConfig
@@ -163,8 +163,8 @@ def checkpoint_fault(path: Path) -> str | None:
         ("cursors.json", lambda: dict(read_json("cursors.json"))),
         ("rng.pt", lambda: [read_torch("rng.pt")[k] for k in ("python", "numpy", "torch")]),
     ]
-    optional = [name for name in (LOOP_FILE, "trainer.pt") if (path / name).exists()]
-    checks += [(name, functools.partial(read_torch, name)) for name in optional]
+    if (path / LOOP_FILE).exists():
+        checks.append((LOOP_FILE, functools.partial(read_torch, LOOP_FILE)))
     for name, check in checks:
         try:
             check()
@@ -407,40 +407,9 @@ def load_weights(path: str | Path, model: PreTrainedModel) -> None:
     read_model_weights(Path(path) / "dcp", model)
 
 
-def save_checkpoint(
-    run_dir: str | Path,
-    state: RunState,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    trainer_state: dict[str, Any],
-    keep_last: int = 3,
-) -> Path:
-    """Checkpoint a model trained in this process, with `trainer_state` (a whole PolicyTrainer.state_dict())."""
-    name = checkpoint_name(state)
-    root = checkpoint_root(run_dir)
-    tmp = _begin(root, name)
-    _write_small_files(tmp, state, Path(run_dir))
-    model_dir = _write_model_dir(tmp, model, tokenizer)
-    ShardWriter().save(tmp / "dcp", shard_state(model, None), hf=(model, model.state_dict(), str(model_dir)))
-    torch.save(trainer_state, tmp / "trainer.pt")
-    return _commit(root, tmp, name, keep_last)
-
-
-def load_checkpoint(path: Path, model: PreTrainedModel) -> tuple[RunState, dict[str, Any], dict[str, Any]]:
-    """Load the weights of `path` into `model`; return (run state, trainer state, rng state)."""
-    load_weights(path, model)
-    state = RunState(**json.loads((path / "state.json").read_text()))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    return state, _trainer_state(path), rng
-
-
 def _trainer_state(path: Path) -> dict[str, Any]:
     """For Actor.start_phase and the loop: {"dcp": the optimizer shards, "reference": the frozen reference's
-    shards, "loop": loop.pt} (the last two where the checkpoint has them), or trainer.pt when an in-process
-    save_checkpoint wrote it."""
-    trainer_pt = path / "trainer.pt"
-    if trainer_pt.exists():
-        return torch.load(trainer_pt, weights_only=False)
+    shards, "loop": loop.pt} (the last two where the checkpoint has them)."""
     found = {"dcp": str(path / "dcp")}
     if (path / REFERENCE_DIR).is_dir():
         found["reference"] = str(path / REFERENCE_DIR)

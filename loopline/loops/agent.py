@@ -2,7 +2,7 @@
 
     SFT:   demonstrations run through the real env (tool results are real), tool-result tokens masked
     GRPO:  rollout (group_size episodes per prompt, tools called between turns) -> returns ->
-           group advantages -> PolicyTrainer.grpo_step on the multi-turn batch -> weight sync -> log
+           group advantages -> actor.grpo_step on the multi-turn batch -> weight sync -> log
 
 What RL has to fix (seed 0, 128 held-out problems): after SFT the call is always copied right and
 every greedy error is a result miscopied into the answer (37 of 128); sampled groups disagree on many

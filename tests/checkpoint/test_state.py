@@ -9,21 +9,17 @@ import random
 import numpy as np
 import torch
 
-from loopline.checkpoint.state import (
-    RunState,
-    checkpoint_root,
-    latest_checkpoint,
-    load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
+from loopline.checkpoint.state import RunState, checkpoint_root, latest_checkpoint, rng_state
 from loopline.models.load import build_tiny_model
 
 
 def _save(run_dir, model, tokenizer, phase, step, keep_last=3):
+    """A checkpoint of `model` through the one checkpoint writer (its local actor writes the shards)."""
+    from loopline.runtime.actor import local_actor
+
     state = RunState(phase=phase, step=step, sampler={"epoch": 0, "position": step, "size": 10, "seed": 1})
-    return save_checkpoint(run_dir, state, model, tokenizer, {"step": step}, keep_last=keep_last)
+    _checkpointer(run_dir, local_actor(model), model, tokenizer, keep_last=keep_last).save(state)
+    return checkpoint_root(run_dir) / f"{phase}-{step:06d}"
 
 
 def test_save_then_load_restores_everything(tmp_path, small_model, tokenizer, small_cfg):
@@ -37,18 +33,18 @@ def test_save_then_load_restores_everything(tmp_path, small_model, tokenizer, sm
     assert path.name == "grpo-000004"
     assert json.loads((path / "state.json").read_text())["step"] == 4
 
-    fresh = build_tiny_model(small_cfg, tokenizer, seed=1)
-    state, trainer_state, rng = load_checkpoint(path, fresh)
-    assert state == RunState("grpo", 4, {"epoch": 0, "position": 4, "size": 10, "seed": 1})
-    assert trainer_state == {"step": 4}
-    for name, tensor in small_model.state_dict().items():
-        assert torch.equal(fresh.state_dict()[name], tensor), name
-    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
+    from loopline.runtime.actor import local_actor
 
+    fresh = build_tiny_model(small_cfg, tokenizer, seed=1)
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
-    set_rng_state(rng)
+    state, trainer_state = _checkpointer(tmp_path, local_actor(fresh), fresh, tokenizer).resume()
+    assert state == RunState("grpo", 4, {"epoch": 0, "position": 4, "size": 10, "seed": 1})
+    assert trainer_state == {"dcp": str(path / "dcp")}  # the optimizer shards (none before a phase)
+    for name, tensor in small_model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
     assert torch.equal(torch.get_rng_state(), expected_rng["torch"])
     assert (random.random(), np.random.rand()) == (
         random.Random(12).random(),
