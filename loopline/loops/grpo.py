@@ -2,7 +2,8 @@
 
 One loop runs the family; the config picks the parts once, up front:
 - grpo.advantage: the estimator (loops.estimators.ESTIMATORS); `gae` adds a critic, which makes it PPO.
-- grpo.policy_loss: the surrogate (training.policy.POLICY_LOSSES), with clip-higher and dual clip.
+- grpo.policy_loss: the surrogate (algorithms.policy_loss.PolicyLoss, built by training.policy.grpo_loss), with
+  clip-higher and dual clip.
 - grpo.kl_in / kl_controller: KL to the reference as a loss term or a reward penalty; fixed or adaptive.
 - DAPO extras: dynamic sampling (collect), overlong shaping and truncated-completion masking.
 
@@ -48,6 +49,7 @@ from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Critic
 from loopline.runtime.watchdog import Watchdog
 from loopline.training.critic import RewardModelScorer, ValueBatch
+from loopline.training.policy import grpo_loss
 
 B = TypeVar("B", bound=TokenBatch)
 log = logging.getLogger(__name__)
@@ -266,7 +268,16 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     # before start_phase makes the phase's optimizer (gathering a fresh optimizer's state would initialise it)
     policy = ctx.actor.policy() if ctx.critic is not None else ctx.model
     # The reference policy is the policy as RL starts (after SFT), frozen (a resumed run reads it back).
-    ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state, reference=cfg.kl_coef > 0)
+    # The policy objective is built once; each step passes only the KL coefficient the controller sets.
+    loss = grpo_loss(cfg)
+    ctx.actor.start_phase(
+        cfg.optim,
+        cfg.steps,
+        trainer_state,
+        reference=cfg.kl_coef > 0,
+        loss=loss,
+        micro_batch_size=cfg.micro_batch_size,
+    )
     estimate = ESTIMATORS[cfg.advantage]
     updates = cfg.steps * cfg.epochs_per_step * cfg.minibatches
     # Building the parts must not move the RNG: a resumed run builds them at a later point of its stream.
@@ -324,10 +335,10 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
 
         # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
         with timer("train"):
-            step_cfg = cfg.model_copy(update={"kl_coef": kl_control.value if cfg.kl_in == "loss" else 0.0})
+            loss_kl_coef = kl_control.value if cfg.kl_in == "loss" else 0.0
             for _ in range(cfg.epochs_per_step):
                 for rows in minibatch_rows(len(batch), cfg.minibatches):
-                    stats = ctx.actor.grpo_step(_take(batch, rows), step_cfg)
+                    stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
                     if critic is not None and values is not None and returns is not None:
                         value_batch = ValueBatch(
                             tokens.input_ids, tokens.attention_mask, mask, values, returns

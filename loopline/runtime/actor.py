@@ -19,6 +19,7 @@ from typing import Any, TypeVar, cast
 import torch
 from transformers import PreTrainedModel
 
+from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
 from loopline.config import DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
@@ -97,10 +98,17 @@ class ActorWorker:
             self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
         self.sync.open(generation, self.rank, self.ranks + engines)
 
-    def start_phase(self, optim: OptimConfig, total_steps: int, trainer_state: dict | None) -> None:
-        """New optimizer over this rank's shards (restored from the whole trainer_state)."""
+    def start_phase(
+        self,
+        optim: OptimConfig,
+        total_steps: int,
+        trainer_state: dict | None,
+        loss: PolicyLoss | None = None,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        """New optimizer over this rank's shards (restored from the whole trainer_state); an RL phase's objective."""
         group = self.mesh["dp"].get_group() if self.mesh is not None else None
-        self.trainer = PolicyTrainer(self.model, optim, total_steps, group=group)
+        self.trainer = PolicyTrainer(self.model, optim, total_steps, group, loss, micro_batch_size)
         if trainer_state:
             restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
 
@@ -118,7 +126,11 @@ class ActorWorker:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
 
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+        return _started(self.trainer).policy_step(to_device(batch, self.device), kl_coef)
+
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        """policy_step with the objective built from `cfg` per call: loops/agent.py's path until it uses policy_step."""
         return _started(self.trainer).grpo_step(to_device(batch, self.device), cfg, None)
 
     # Preference training (loops.preference): DPO steps the policy; the reward model is a ScalarModel of its own
@@ -276,10 +288,16 @@ class ActorRole:
         return [s for s in even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
 
     def start_phase(
-        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+        self,
+        optim: OptimConfig,
+        total_steps: int,
+        trainer_state: dict | None,
+        reference: bool = False,
+        loss: PolicyLoss | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         state = self.group.put(trainer_state) if trainer_state else None  # one copy for all ranks
-        self.group.call("start_phase", optim, total_steps, state)
+        self.group.call("start_phase", optim, total_steps, state, loss, micro_batch_size)
         if reference:  # the policy as the phase starts, frozen; a resumed phase reads its shards back
             restore = (trainer_state or {}).get("reference")
             weights = None if restore else self.group.call("weights")[0]
@@ -305,9 +323,14 @@ class ActorRole:
         slices = self._slices(batch)
         return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
         slices = self._slices(batch)
-        return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
+        return self.group.call_each("policy_step", [(s, kl_coef) for s in slices])[0]  # same on all ranks
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        # loops/agent.py's path until it uses policy_step (ActorWorker.grpo_step)
+        slices = self._slices(batch)
+        return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]
 
     def _pair_slices(self, pairs: PairBatch) -> list[PairBatch]:
         """One slice per rank, as _slices: equal pair slices over the dp ranks."""

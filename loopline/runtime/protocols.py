@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.config import CriticConfig, DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
@@ -26,10 +27,17 @@ class Actor(Protocol):
     """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
 
     def start_phase(
-        self, optim: OptimConfig, total_steps: int, trainer_state: dict | None, reference: bool = False
+        self,
+        optim: OptimConfig,
+        total_steps: int,
+        trainer_state: dict | None,
+        reference: bool = False,
+        loss: PolicyLoss | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
         """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked:
-        the policy as it is, or the reference saved in the checkpoint (trainer_state["reference"], a DCP dir)."""
+        the policy as it is, or the reference saved in the checkpoint (trainer_state["reference"], a DCP dir).
+        An RL phase hands its policy objective (training.policy.grpo_loss) and micro-batch size here, once."""
         ...
 
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
@@ -43,7 +51,13 @@ class Actor(Protocol):
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats: ...
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats: ...
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+        """One optimizer step of the phase's policy objective at this step's KL coefficient."""
+        ...
+
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+        """policy_step with the objective built from `cfg` per call; loops/agent.py's path until it uses policy_step."""
+        ...
 
     def policy(self) -> PreTrainedModel:
         """The policy's whole weights in the driver's model (leaves the optimizer alone)."""

@@ -10,14 +10,8 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from loopline.algorithms.losses import (
-    PolicyLossOutput,
-    aggregate,
-    clipped_policy_loss,
-    entropy_from_logits,
-    gspo_policy_loss,
-    kl_estimate,
-)
+from loopline.algorithms.losses import entropy_from_logits
+from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.algorithms.preference import (
     PreferenceLossOutput,
     dpo_hinge_loss,
@@ -80,26 +74,15 @@ def optimizer_step(
     return float(grad_norm), float(lr)
 
 
-def _clip_loss(
-    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig
-) -> PolicyLossOutput:
-    """PPO/GRPO token-ratio clip (clip-higher when clip_high > clip_low; dual clip when set)."""
-    return clipped_policy_loss(
-        logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, cfg.sampling.max_new_tokens,
-        dual_clip=cfg.dual_clip,
+def grpo_loss(cfg: GRPOConfig, max_len: int | None = None) -> PolicyLoss:
+    """The policy objective of a GRPO-family phase, built once from its config (grpo.policy_loss, clip_low/high,
+    dual_clip, loss_agg, entropy_coef, kl_estimator). max_len: the response width fixed_length aggregation
+    divides by (default grpo.sampling.max_new_tokens)."""
+    return PolicyLoss(
+        surrogate=cfg.policy_loss, clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
+        agg=cfg.loss_agg, max_len=cfg.sampling.max_new_tokens if max_len is None else max_len,
+        entropy_coef=cfg.entropy_coef, kl_estimator=cfg.kl_estimator,
     )  # fmt: skip
-
-
-def _gspo_loss(
-    logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, cfg: GRPOConfig
-) -> PolicyLossOutput:
-    """GSPO: clip on the length-normalised sequence ratio."""
-    max_len = cfg.sampling.max_new_tokens
-    return gspo_policy_loss(logp, old, adv, mask, cfg.clip_low, cfg.clip_high, cfg.loss_agg, max_len)
-
-
-# grpo.policy_loss -> the surrogate; each takes (logp, old_logp, advantages, mask, cfg)
-POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {"clip": _clip_loss, "gspo": _gspo_loss}
 
 
 def _dpo_sigmoid(
@@ -213,10 +196,16 @@ class PolicyTrainer:
         optim: OptimConfig,
         total_steps: int,
         group: dist.ProcessGroup | None = None,
+        loss: PolicyLoss | None = None,
+        micro_batch_size: int | None = None,
     ) -> None:
+        """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
+        which policy_step applies; an SFT phase leaves them None."""
         self.model = model
         self.cfg = optim
         self.group = group
+        self.loss = loss
+        self.micro_batch_size = micro_batch_size
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
 
     def _totals(self, batch: TokenBatch) -> tuple[float, float]:
@@ -248,10 +237,23 @@ class PolicyTrainer:
         mean_loss = self._global_sums({"loss": total})["loss"]
         return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra={})
 
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+        """One optimizer step of the phase's policy objective (self.loss) at this step's KL coefficient."""
+        if self.loss is None or self.micro_batch_size is None:
+            raise RuntimeError(
+                "policy_step needs the trainer built with loss= and micro_batch_size= (an RL phase)"
+            )
+        return self._policy_step(batch, self.loss, kl_coef, self.micro_batch_size)
+
     def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
-        """One optimizer step of the grpo.policy_loss objective (+ KL to ref, + entropy bonus)."""
+        """policy_step with the objective built from `cfg` on every call (ref_model is not read: the batch carries
+        the reference's log-probs). Kept for loops/agent.py only (through Actor.grpo_step), until it calls policy_step."""
+        return self._policy_step(batch, grpo_loss(cfg), cfg.kl_coef, cfg.micro_batch_size)
+
+    def _policy_step(
+        self, batch: RolloutBatch, loss_fn: PolicyLoss, kl_coef: float, micro_batch_size: int
+    ) -> StepStats:
         self.model.train()
-        policy_loss = POLICY_LOSSES[cfg.policy_loss]
         sums = {
             "loss": 0.0,
             "policy_loss": 0.0,
@@ -260,35 +262,25 @@ class PolicyTrainer:
             "clip_fraction": 0.0,
             "approx_kl": 0.0,
         }
-        max_len = cfg.sampling.max_new_tokens
         totals = self._totals(batch)
-        for micro in split_rows(batch, cfg.micro_batch_size):
-            share = _share(micro, totals, cfg.loss_agg)
+        for micro in split_rows(batch, micro_batch_size):
+            share = _share(micro, totals, loss_fn.agg)
             token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
             logp, entropy = response_logprobs(self.model, micro, with_entropy=True)
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
-            pg = policy_loss(logp, old, micro.advantages, micro.response_mask, cfg)
-            loss = pg.loss
-            ent = _masked_mean(entropy, micro.response_mask)
-            if cfg.entropy_coef:
-                # aggregated like the other terms, so that micro-batches accumulate exactly
-                bonus = aggregate(entropy, micro.response_mask, cfg.loss_agg, max_len)
-                loss = loss - cfg.entropy_coef * bonus
-            kl = torch.zeros(())
-            if cfg.kl_coef and micro.ref_logprobs is not None:
-                per_token_kl = kl_estimate(logp, micro.ref_logprobs, cfg.kl_estimator)
-                kl = aggregate(per_token_kl, micro.response_mask, cfg.loss_agg, max_len)
-                loss = loss + cfg.kl_coef * kl
-            (loss * share).backward()
+            mask = micro.response_mask
+            out = loss_fn(logp, old, micro.advantages, mask, entropy, micro.ref_logprobs, kl_coef)
+            ent = _masked_mean(entropy, mask)
+            (out.loss * share).backward()
             for key, value, weight in (
-                ("loss", loss, share),
-                ("policy_loss", pg.loss, share),
-                ("kl", kl, share),
+                ("loss", out.loss, share),
+                ("policy_loss", out.surrogate.loss, share),
+                ("kl", out.kl, share),
                 ("entropy", ent, token_share),
-                ("clip_fraction", pg.clip_fraction, token_share),
-                ("approx_kl", pg.approx_kl, token_share),
+                ("clip_fraction", out.surrogate.clip_fraction, token_share),
+                ("approx_kl", out.surrogate.approx_kl, token_share),
             ):
                 sums[key] += float(value.detach()) * weight
         grad_norm, lr = self._step()

@@ -26,7 +26,7 @@ from loopline.envs.multiturn import (
 )
 from loopline.envs.tools import Toolbox, ToolEnv, calculator
 from loopline.rollout.engine import TorchEngine
-from loopline.training.policy import PolicyTrainer, response_logprobs
+from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 
 
 class Overlap:
@@ -241,8 +241,8 @@ def test_scripted_trajectory_masks_tool_results(tokenizer):
     assert traj.rewards == [0.0, 1.0] and traj.finish == "done" and traj.info["tool_calls_ok"] == 1
 
 
-def test_grpo_step_trains_on_the_multi_turn_batch(tokenizer, small_model):
-    """The driver's batch, with the engine's log-probs as the behaviour policy's, trains with grpo_step."""
+def test_policy_step_trains_on_the_multi_turn_batch(tokenizer, small_model):
+    """The driver's batch, with the engine's log-probs as the behaviour policy's, trains with policy_step."""
     engine = TorchEngine(copy.deepcopy(small_model), tokenizer)
     samples = [PromptRow(i // 4, "q", str(1 + i % 3)) for i in range(8)]  # 2 groups of 4, 1-3 turns each
     trajs = run_rollout(
@@ -260,8 +260,9 @@ def test_grpo_step_trains_on_the_multi_turn_batch(tokenizer, small_model):
         ref_logprobs=None, advantages=group_advantages(rewards, 4), rewards=rewards,
     )  # fmt: skip
     before = {k: v.clone() for k, v in small_model.state_dict().items()}
-    trainer = PolicyTrainer(small_model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=1)
-    stats = trainer.grpo_step(batch, GRPOConfig(micro_batch_size=3), None)
+    optim = OptimConfig(lr=1e-2, warmup_steps=0)
+    trainer = PolicyTrainer(small_model, optim, 1, loss=grpo_loss(GRPOConfig()), micro_batch_size=3)
+    stats = trainer.policy_step(batch, kl_coef=0.0)
     # the behaviour log-probs came from the engine: the first update is on-policy (no clipping)
     assert stats.extra["clip_fraction"] == 0.0 and abs(stats.extra["approx_kl"]) < 1e-5
     assert torch.isfinite(torch.tensor(stats.loss)) and stats.grad_norm > 0

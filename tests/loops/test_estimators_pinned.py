@@ -1,7 +1,7 @@
 """Every advantage estimator and policy-loss variant through the loop's own selection path, pinned.
 
 The GRPO loop picks its parts once from the config: `ESTIMATORS[cfg.advantage](Signals(...), cfg)`
-(loops/estimators.py) and `POLICY_LOSSES[cfg.policy_loss](logp, old, adv, mask, cfg)` (training/policy.py).
+(loops/estimators.py) and `grpo_loss(cfg).policy_loss(logp, old, adv, mask)` (training/policy.py).
 These tests call exactly those entries with a `GRPOConfig` on a fixed small batch and compare with values
 worked out by hand in the comments (torchtune style), so a wrong mapping (rloo -> the GRPO estimator), a
 dropped KL term or a config field that is not passed through fails here, not only in a loop run that
@@ -18,7 +18,7 @@ import torch
 
 from loopline.config import GRPOConfig, SamplingConfig
 from loopline.loops.estimators import ESTIMATORS, Signals
-from loopline.training.policy import POLICY_LOSSES
+from loopline.training.policy import grpo_loss
 
 
 def _cfg(**fields) -> GRPOConfig:
@@ -221,7 +221,7 @@ def test_every_configurable_estimator_is_pinned_here():
     assert set(ESTIMATORS) == {*OUTCOME_EXPECTED, "reinforce_pp", "reinforce_pp_baseline", "gae"}
 
 
-# ---------------------------------------------------------------- policy losses: POLICY_LOSSES[cfg.policy_loss]
+# ---------------------------------------------------------------- policy losses: grpo_loss(cfg).policy_loss
 #
 # B = 2, C = 2, mask [[1, 1], [1, 0]], advantages [1, -1] per sequence, ratios r = exp(logp - old):
 #   row 0 (A = +1): r = [1.5, 0.9];  row 1 (A = -1): r = [5.0, 3.0 (off the mask)]
@@ -262,7 +262,7 @@ LOSS_CASES = [
 )
 def test_policy_loss_variants(fields, expected):
     cfg = _cfg(sampling=SamplingConfig(max_new_tokens=4), **fields)
-    out = POLICY_LOSSES[cfg.policy_loss](LOGP, OLD, ADV, LOSS_MASK, cfg)
+    out = grpo_loss(cfg).policy_loss(LOGP, OLD, ADV, LOSS_MASK)
     torch.testing.assert_close(out.loss, torch.tensor(expected), rtol=1e-5, atol=1e-6)
 
 
@@ -270,6 +270,6 @@ def test_policy_loss_clip_low_comes_from_the_config():
     # clip_low 0.5 with A < 0 and r = 0.4: -min(-0.4, -0.5) = 0.5 (with the default 0.2 it would be 0.8)
     cfg = _cfg(clip_low=0.5)
     old = torch.zeros(1, 1)
-    out = POLICY_LOSSES["clip"](old + math.log(0.4), old, torch.tensor([-1.0]), torch.ones(1, 1), cfg)
+    out = grpo_loss(cfg).policy_loss(old + math.log(0.4), old, torch.tensor([-1.0]), torch.ones(1, 1))
     torch.testing.assert_close(out.loss, torch.tensor(0.5))
     assert float(out.clip_fraction) == 1.0

@@ -2,7 +2,7 @@
 
 The global batch has uneven response lengths (one row empty), so token-mean weighting only comes out
 right with global denominators; gradients are compared (AdamW would hide a wrong overall scale), and so
-are the weights after two grpo_step updates (per loss_agg) and one sft_step, and the reported stats.
+are the weights after two policy_step updates (per loss_agg) and one sft_step, and the reported stats.
 One rank runs in this process on the plain model; the two ranks are real spawned processes.
 """
 
@@ -20,7 +20,7 @@ from loopline.config import GRPOConfig, OptimConfig, SamplingConfig, TinyModelCo
 from loopline.data.batches import RolloutBatch, collate, split_rows
 from loopline.models.load import build_tiny_model
 from loopline.models.tokenizer import build_byte_tokenizer
-from loopline.training.policy import PolicyTrainer, response_logprobs
+from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 LOSS_AGGS = ("token_mean", "seq_mean", "fixed_length")
@@ -63,12 +63,14 @@ def _global_batch() -> RolloutBatch:
 
 
 def _run(trainer: PolicyTrainer, batch: RolloutBatch, loss_agg: str | None, micro: int, grads: list) -> dict:
-    """GRPO_STEPS grpo_steps under `loss_agg` (or one sft_step if None); stats per step."""
+    """GRPO_STEPS policy_steps under `loss_agg` (or one sft_step if None); stats per step."""
     hook = trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(_full_grads(trainer.model)))
     if loss_agg is None:
         stats = [trainer.sft_step(batch, micro)]
     else:
-        stats = [trainer.grpo_step(batch, _grpo_cfg(loss_agg, micro), None) for _ in range(GRPO_STEPS)]
+        cfg = _grpo_cfg(loss_agg, micro)
+        trainer.loss, trainer.micro_batch_size = grpo_loss(cfg), micro  # the RL phase's objective, set once
+        stats = [trainer.policy_step(batch, cfg.kl_coef) for _ in range(GRPO_STEPS)]
     hook.remove()
     return {
         "loss": [s.loss for s in stats],

@@ -10,7 +10,7 @@ import torch
 
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig
 from loopline.data.batches import RolloutBatch, collate
-from loopline.training.policy import PolicyTrainer, build_optimizer, response_logprobs
+from loopline.training.policy import PolicyTrainer, build_optimizer, grpo_loss, response_logprobs
 
 MAX_NEW = 6
 
@@ -35,17 +35,17 @@ def _rollout(model, kl: bool) -> RolloutBatch:
 
 
 def _grads_of_one_step(model, batch, cfg: GRPOConfig):
-    """Run one grpo_step on a copy of `model`; return (stats, gradients as the optimizer saw them)."""
+    """Run one policy_step on a copy of `model`; return (stats, gradients as the optimizer saw them)."""
     model = copy.deepcopy(model)
     optim = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1e9)  # no clipping: compare raw gradients
-    trainer = PolicyTrainer(model, optim, total_steps=10)
+    trainer = PolicyTrainer(model, optim, 10, loss=grpo_loss(cfg), micro_batch_size=cfg.micro_batch_size)
     seen = {}
 
     def snapshot(opt, args, kwargs):
         seen.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
 
     trainer.optimizer.register_step_pre_hook(snapshot)
-    stats = trainer.grpo_step(batch, cfg, ref_model=None)
+    stats = trainer.policy_step(batch, cfg.kl_coef)
     return stats, seen
 
 
@@ -70,7 +70,7 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(small_model, loss_a
     assert full_stats.extra["clip_fraction"] > 0  # the batch does exercise the clipped branch
 
 
-def test_grpo_step_moves_probability_towards_positive_advantage(small_model, tokenizer):
+def test_policy_step_moves_probability_towards_positive_advantage(small_model, tokenizer):
     # Same prompt, two responses: rewarded "12" (A = +1) and unrewarded "99" (A = -1).
     prompt = tokenizer("5+7=")["input_ids"]
     good, bad = (
@@ -82,11 +82,14 @@ def test_grpo_step_moves_probability_towards_positive_advantage(small_model, tok
         tokens.input_ids, tokens.attention_mask, tokens.response_mask,
         old_logprobs=None, ref_logprobs=None, advantages=torch.tensor([1.0, -1.0]), rewards=torch.tensor([1.0, 0.0]),
     )  # fmt: skip
-    trainer = PolicyTrainer(small_model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=5)
+    loss = grpo_loss(GRPOConfig(sampling=SamplingConfig(max_new_tokens=2)))
+    trainer = PolicyTrainer(
+        small_model, OptimConfig(lr=1e-2, warmup_steps=0), 5, loss=loss, micro_batch_size=64
+    )
     with torch.no_grad():
         before = response_logprobs(small_model, tokens)[0].sum(dim=1)
     for _ in range(3):
-        trainer.grpo_step(batch, GRPOConfig(sampling=SamplingConfig(max_new_tokens=2)), ref_model=None)
+        trainer.policy_step(batch, kl_coef=0.0)
     with torch.no_grad():
         after = response_logprobs(small_model, tokens)[0].sum(dim=1)
     assert after[0] > before[0] + 0.1
@@ -132,9 +135,12 @@ def test_response_logprobs_ignore_left_padding(small_model):
 def test_non_finite_gradient_skips_the_update(small_model):
     batch = _rollout(small_model, kl=False)
     batch.advantages = torch.tensor([float("nan")] + [1.0] * 5)
-    trainer = PolicyTrainer(small_model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=10)
+    loss = grpo_loss(GRPOConfig(sampling=SamplingConfig(max_new_tokens=MAX_NEW)))
+    trainer = PolicyTrainer(
+        small_model, OptimConfig(lr=1e-2, warmup_steps=0), 10, loss=loss, micro_batch_size=64
+    )
     before = {n: p.detach().clone() for n, p in small_model.named_parameters()}
-    stats = trainer.grpo_step(batch, GRPOConfig(sampling=SamplingConfig(max_new_tokens=MAX_NEW)), None)
+    stats = trainer.policy_step(batch, kl_coef=0.0)
     assert not math.isfinite(stats.grad_norm)
     for n, p in small_model.named_parameters():
         assert torch.equal(p, before[n]), n
@@ -164,3 +170,29 @@ def test_lr_schedule(schedule, expected):
         opt.step()
         sched.step()
     assert got == pytest.approx(expected)
+
+
+def test_grpo_loss_is_built_from_the_config():
+    cfg = GRPOConfig(
+        policy_loss="clip", clip_low=0.1, clip_high=0.3, dual_clip=2.0, loss_agg="fixed_length",
+        entropy_coef=0.01, kl_estimator="k2", sampling=SamplingConfig(max_new_tokens=7),
+    )  # fmt: skip
+    loss = grpo_loss(cfg)
+    assert (loss.surrogate, loss.clip_low, loss.clip_high, loss.dual_clip) == ("clip", 0.1, 0.3, 2.0)
+    assert (loss.agg, loss.max_len, loss.entropy_coef, loss.kl_estimator) == ("fixed_length", 7, 0.01, "k2")
+    assert grpo_loss(cfg, max_len=11).max_len == 11  # the agent's driver allows another response width
+
+
+def test_grpo_step_from_a_config_equals_policy_step(small_model):
+    """The config-per-call grpo_step (kept for loops/agent.py) is policy_step with the objective built there."""
+    cfg = GRPOConfig(
+        kl_coef=0.1, entropy_coef=0.01, micro_batch_size=4, sampling=SamplingConfig(max_new_tokens=MAX_NEW)
+    )
+    batch = _rollout(small_model, kl=True)
+    optim = OptimConfig(lr=1e-2, warmup_steps=0)
+    a, b = copy.deepcopy(small_model), copy.deepcopy(small_model)
+    old = PolicyTrainer(a, optim, 10).grpo_step(batch, cfg, None)
+    new = PolicyTrainer(b, optim, 10, loss=grpo_loss(cfg), micro_batch_size=4).policy_step(batch, cfg.kl_coef)
+    assert (old.loss, old.extra, old.grad_norm) == (new.loss, new.extra, new.grad_norm)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n

@@ -35,7 +35,7 @@ from loopline.config import (
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.preference import PairBatch
 from loopline.training.critic import CriticTrainer, RewardTrainer, ScalarModel, ValueBatch
-from loopline.training.policy import PolicyTrainer, response_logprobs, sequence_logprobs
+from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs, sequence_logprobs
 
 LN2, LN3 = math.log(2.0), math.log(3.0)
 H1, H2 = 1.5 * LN2, LN3
@@ -95,7 +95,7 @@ def test_the_table_model_gives_the_log_probs_of_the_docstring():
     torch.testing.assert_close(sequence_logprobs(TableLM(), _tokens()), torch.tensor([-math.log(12), -LN2]))
 
 
-# ---------------------------------------------------------------- GRPO: grpo_step
+# ---------------------------------------------------------------- GRPO: policy_step
 #
 # On-policy (old log-probs None): ratio 1, so the clipped surrogate is -A per token. A = [1, -0.5]:
 #   per-token policy loss row 0 [-1, -1], row 1 [0.5]
@@ -153,6 +153,11 @@ def _grpo_reference(fields: dict):
     return loss
 
 
+def _policy_trainer(cfg: GRPOConfig) -> PolicyTrainer:
+    """A trainer of TableLM for an RL phase under `cfg`: its objective built once, as the loop builds it."""
+    return PolicyTrainer(TableLM(), OPTIM, 1, loss=grpo_loss(cfg), micro_batch_size=cfg.micro_batch_size)
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 @pytest.mark.parametrize("case", sorted(GRPO_CASES))
 def test_grpo_step_loss_kl_entropy_pinned(case, micro):
@@ -163,7 +168,7 @@ def test_grpo_step_loss_kl_entropy_pinned(case, micro):
         t.input_ids, t.attention_mask, t.response_mask, old_logprobs=None, ref_logprobs=LOGP - D,
         advantages=ADV, rewards=torch.zeros(2),
     )  # fmt: skip
-    stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).grpo_step(batch, cfg, ref_model=None)
+    stats = _policy_trainer(cfg).policy_step(batch, cfg.kl_coef)
     expected = want["policy_loss"] + fields["kl_coef"] * want["kl"] - fields["entropy_coef"] * want["bonus"]
     assert stats.loss == pytest.approx(expected, rel=1e-5, abs=1e-7)
     assert stats.extra["policy_loss"] == pytest.approx(want["policy_loss"], rel=1e-5)
@@ -181,7 +186,7 @@ def test_grpo_step_on_a_single_token():
         t.input_ids[1:], t.attention_mask[1:], t.response_mask[1:], old_logprobs=None, ref_logprobs=None,
         advantages=ADV[1:], rewards=torch.zeros(1),
     )  # fmt: skip
-    stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).grpo_step(batch, GRPOConfig(), ref_model=None)
+    stats = _policy_trainer(GRPOConfig()).policy_step(batch, kl_coef=0.0)
     assert stats.loss == pytest.approx(0.5)
 
 
@@ -203,7 +208,7 @@ def test_grpo_step_off_policy_clip_higher_and_dual_clip(micro):
         t.input_ids, t.attention_mask, t.response_mask, old_logprobs=LOGP - ratio.log(), ref_logprobs=None,
         advantages=torch.tensor([1.0, -1.0]), rewards=torch.zeros(2),
     )  # fmt: skip
-    stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).grpo_step(batch, cfg, ref_model=None)
+    stats = _policy_trainer(cfg).policy_step(batch, cfg.kl_coef)
     assert stats.loss == pytest.approx(0.82 / 3, rel=1e-5)
     assert stats.extra["clip_fraction"] == pytest.approx(1 / 3)
     approx = sum(r - 1 - math.log(r) for r in (1.5, 0.9, 5.0)) / 3

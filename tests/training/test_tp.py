@@ -2,7 +2,7 @@
 
 The global batch is the FSDP2 equivalence test's (uneven response lengths, one row empty); the TP ranks
 of one dp rank get the same rows. Compared with one plain rank in this process: whole gradients, the
-weights after two grpo_step updates and after one sft_step (float32), and the reported statistics.
+weights after two policy_step updates and after one sft_step (float32), and the reported statistics.
 The same world checks that each rank's local shards are the regions the weight-sync planner assigns
 to it (and a plan with the trainer's TP rule, run on those shards, fills engines at TP=1 and TP=2
 bitwise), that whole weights load into the 2-D shards, and that a DCP checkpoint of the 2-D shards
@@ -35,11 +35,11 @@ from loopline.runtime.resharding import (
 )
 from loopline.runtime.weight_sync import copy_in_process, empty_engine_shards, local_shards, param_specs
 from loopline.training.parallel import check_tp, tp_param_dims, tp_plan
-from loopline.training.policy import PolicyTrainer, response_logprobs
+from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0)
-CASES = ("token_mean", None)  # grpo_step under token_mean (two steps); None = one sft_step
+CASES = ("token_mean", None)  # policy_step under token_mean (two steps); None = one sft_step
 
 
 def _model() -> torch.nn.Module:
@@ -73,7 +73,7 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _run(trainer: PolicyTrainer, batch: RolloutBatch, case: str | None, grads: list) -> dict:
-    """Two grpo_steps under loss_agg `case` (one sft_step if None), micro-batches of 3 rows; stats per step."""
+    """Two policy_steps under loss_agg `case` (one sft_step if None), micro-batches of 3 rows; stats per step."""
     hook = trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(_full_grads(trainer.model)))
     if case is None:
         stats = [trainer.sft_step(batch, 3)]
@@ -82,7 +82,8 @@ def _run(trainer: PolicyTrainer, batch: RolloutBatch, case: str | None, grads: l
             loss_agg=case, micro_batch_size=3, kl_coef=0.05, entropy_coef=0.01,
             sampling=SamplingConfig(max_new_tokens=7),
         )  # fmt: skip
-        stats = [trainer.grpo_step(batch, cfg, None) for _ in range(2)]
+        trainer.loss, trainer.micro_batch_size = grpo_loss(cfg), 3  # the RL phase's objective, set once
+        stats = [trainer.policy_step(batch, cfg.kl_coef) for _ in range(2)]
     hook.remove()
     return {key: [getattr(s, key) for s in stats] for key in ("loss", "grad_norm", "extra")}
 
