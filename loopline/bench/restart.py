@@ -106,12 +106,14 @@ def bench_restart(
 
 def bench_save(tmp: Path, model_name: str, repeats: int) -> dict[str, float]:
     """Blocking and async checkpoint saves of `model_name` with its AdamW state, as the train loop saves."""
+    from loopline.checkpoint.config import CheckpointConfig
     from loopline.checkpoint.state import Checkpointer, RunState
-    from loopline.config import CheckpointConfig, OptimConfig, TinyModelConfig
     from loopline.data.batches import collate
+    from loopline.models.config import TinyModelConfig
     from loopline.models.load import build_tiny_model
     from loopline.models.tokenizer import build_byte_tokenizer
     from loopline.runtime.actor import local_actor
+    from loopline.training.config import OptimConfig
 
     tokenizer = build_byte_tokenizer()
     model = build_tiny_model(TinyModelConfig(**BENCH_MODELS[model_name]), tokenizer, seed=0)

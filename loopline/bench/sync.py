@@ -198,8 +198,8 @@ def _report(name: str, ranks: list[dict[str, Any]]) -> dict[str, float]:
 
 def _bench_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
     """One rank of the benchmark world: build, shard, sync both ways, write its numbers to out/rank{r}.json."""
-    from loopline.config import ModelConfig
-    from loopline.models import load_policy
+    from loopline.models.config import ModelConfig
+    from loopline.models.load import load_policy
     from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
     from loopline.runtime.weight_sync import (
         empty_engine_shards,

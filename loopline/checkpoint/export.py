@@ -14,8 +14,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from loopline.checkpoint.state import latest_checkpoint, load_weights
-from loopline.config import LoRAConfig, load_config
+from loopline.config import load_config
 from loopline.errors import UserError
+from loopline.models.config import LoRAConfig
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

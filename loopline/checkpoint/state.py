@@ -45,10 +45,10 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline.checkpoint.config import CheckpointConfig
 from loopline.checkpoint.dcp import copy_state, read_model_weights
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import LEDGER_FILE
-from loopline.config import CheckpointConfig
 from loopline.errors import UserError
 
 # Append-only run files that a checkpoint records the length of, and a resume cuts back to that length.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loopline.config import DataConfig
+from loopline.data.config import DataConfig
 from loopline.data.rows import PromptRow
 from loopline.errors import UserError
 

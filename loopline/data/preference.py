@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from loopline.config import PreferenceDataConfig
 from loopline.data.batches import TokenBatch, split_rows
+from loopline.data.config import PreferenceDataConfig
 from loopline.data.datasets import DataError, PromptRow
 
 Messages = tuple[dict[str, str], ...]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from loopline.config import TaskConfig
+from loopline.data.config import TaskConfig
 from loopline.data.rows import PromptRow
 
 

@@ -39,22 +39,9 @@ from pydantic import Field, ValidationError, model_validator
 from tqdm import tqdm
 
 from loopline.algorithms.advantages import group_advantages
+from loopline.checkpoint.config import CheckpointConfig
 from loopline.checkpoint.state import Checkpointer, RunState
-from loopline.config import (
-    CheckpointConfig,
-    ConfigError,
-    GRPOConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    RuntimeConfig,
-    SamplingConfig,
-    Section,
-    SFTConfig,
-    format_validation_error,
-    merge_trees,
-    read_tree,
-)
+from loopline.config import RunConfig
 from loopline.data.batches import RolloutBatch
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
@@ -76,10 +63,15 @@ from loopline.envs.tasks import (
 )
 from loopline.envs.tools import ToolsConfig
 from loopline.metrics.logger import MetricsLogger
-from loopline.models import load_policy
+from loopline.models.config import ModelConfig
+from loopline.models.load import load_policy
+from loopline.rollout.config import SamplingConfig
 from loopline.rollout.trajectory import Trajectory
+from loopline.runtime.config import RuntimeConfig
 from loopline.runtime.protocols import Actor, Rollout
 from loopline.runtime.roles import build_roles
+from loopline.section import ConfigError, Section, format_validation_error, merge_trees, read_tree
+from loopline.training.config import GRPOConfig, OptimConfig, SFTConfig
 
 
 class AgentConfig(Section):

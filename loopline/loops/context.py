@@ -16,13 +16,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.ledger import Ledger
 from loopline.checkpoint.state import Checkpointer
-from loopline.config import ConfigError, RunConfig, SamplingConfig, save_config
+from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation, exact_match
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
-from loopline.models import load_policy
+from loopline.models.load import load_policy
+from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.roles import build_roles

@@ -26,7 +26,7 @@ from loopline.algorithms.advantages import (
     rloo_advantages,
 )
 from loopline.algorithms.kl import kl_penalty_rewards
-from loopline.config import GRPOConfig
+from loopline.training.config import GRPOConfig
 
 
 @dataclass

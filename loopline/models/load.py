@@ -14,7 +14,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from loopline.config import ModelConfig, TinyModelConfig
+from loopline.models.config import ModelConfig, TinyModelConfig
 from loopline.models.tokenizer import build_byte_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

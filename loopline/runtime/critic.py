@@ -24,9 +24,9 @@ import torch
 from transformers import PreTrainedModel
 
 from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
-from loopline.config import CriticConfig, RunConfig
+from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
-from loopline.models import load_policy
+from loopline.models.load import load_policy
 from loopline.runtime.protocols import Critic
 from loopline.runtime.ranks import (
     even_slices,
@@ -38,6 +38,7 @@ from loopline.runtime.ranks import (
     to_device,
 )
 from loopline.runtime.workers import WorkerGroup
+from loopline.training.config import CriticConfig
 from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
 from loopline.training.policy import StepStats
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch, split_rows
-from loopline.models import load_policy
+from loopline.models.load import load_policy
 from loopline.training.policy import response_logprobs
 
 B = TypeVar("B", bound=TokenBatch)

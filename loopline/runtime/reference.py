@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
-from loopline.models import load_policy
+from loopline.models.load import load_policy
 from loopline.runtime.ranks import (
     even_slices,
     frozen_logprobs,

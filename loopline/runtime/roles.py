@@ -23,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loopline.config import ClusterConfig, PlacementConfig, RunConfig, RuntimeConfig
+from loopline.config import RunConfig
 from loopline.rollout.engine import TorchEngine
 from loopline.runtime.actor import ActorRole, ActorWorker
+from loopline.runtime.cluster import ClusterConfig
+from loopline.runtime.config import RuntimeConfig
 from loopline.runtime.engine import EngineWorker, RolloutRole
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
-from loopline.runtime.placement import PoolConfig
+from loopline.runtime.placement import PlacementConfig, PoolConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole

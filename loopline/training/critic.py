@@ -19,9 +19,9 @@ from transformers import AutoModel, PreTrainedModel
 
 from loopline.algorithms.losses import clipped_value_loss
 from loopline.algorithms.preference import bradley_terry_loss
-from loopline.config import CriticConfig, RewardModelConfig
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
+from loopline.training.config import CriticConfig, RewardModelConfig
 from loopline.training.parallel import all_reduce_sum
 from loopline.training.policy import StepStats, build_optimizer, optimizer_step
 

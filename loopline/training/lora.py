@@ -14,7 +14,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import inject_adapter_in_model
 from peft.tuners.lora import LoraLayer
 
-from loopline.config import LoRAConfig
+from loopline.models.config import LoRAConfig
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:

@@ -19,9 +19,9 @@ from loopline.algorithms.preference import (
     dpo_robust_loss,
     dpo_sigmoid_loss,
 )
-from loopline.config import DPOConfig, GRPOConfig, OptimConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.data.preference import PairBatch
+from loopline.training.config import DPOConfig, GRPOConfig, OptimConfig
 from loopline.training.parallel import (
     all_reduce_sum,
     clip_grad_norm,

@@ -1,0 +1,58 @@
+"""The model sections: which policy to load (a Hugging Face directory or the built-in tiny model's shape)
+and its LoRA adapters. Read by models.load and training.lora; pydantic only, so loading a config stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from loopline.section import Section
+
+
+class TinyModelConfig(Section):
+    """Shape of the built-in Qwen2-architecture model (used when model.path is empty)."""
+
+    hidden_size: int = Field(128, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(4, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(4, gt=0, description="Attention heads per block.")
+    num_kv_heads: int = Field(2, gt=0, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(384, gt=0, description="Width of the MLP.")
+    max_position_embeddings: int = Field(512, gt=0, description="Longest sequence the model accepts.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
+        return self
+
+
+class LoRAConfig(Section):
+    """LoRA adapters (peft): train low-rank updates of the target modules only; engines get merged weights."""
+
+    r: int = Field(0, ge=0, description="Adapter rank; 0 = no LoRA, train every weight.")
+    alpha: float = Field(16.0, gt=0.0, description="Scale numerator: the update is (alpha / r) * B A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="Names (suffixes) of the linear modules that get adapters.",
+    )
+
+
+class ModelConfig(Section):
+    """Which policy model and tokenizer to train."""
+
+    path: str = Field("", description="Local Hugging Face model directory; empty = the built-in tiny model.")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Built-in model shape.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
+    use_chat_template: bool = Field(
+        False, description="Wrap prompts with the tokenizer's chat template when it has one."
+    )
+    lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (r > 0 turns them on).")

@@ -1,0 +1,109 @@
+"""The runtime section: which backend runs the roles, how many ranks each gets, and on which Ray cluster and
+placement (runtime.cluster's and runtime.placement's sections). Read by runtime.roles; knows no model, so it
+sits low in runtime's layers. Pydantic only, so loading a config stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from loopline.runtime.cluster import ClusterConfig
+from loopline.runtime.placement import PlacementConfig
+from loopline.section import Section
+
+
+class RuntimeConfig(Section):
+    """Where the roles run: all in this process (local), or as worker groups on a Ray cluster (ray)."""
+
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="local: one process, no cluster; ray: actor, rollout and env worker groups on Ray.",
+    )
+    trainer_ranks: int = Field(
+        1,
+        gt=0,
+        description="FSDP2 ranks of the actor (ray); each gets an equal slice, micro_batch_size is per rank.",
+    )
+    trainer_tp: int = Field(
+        1,
+        gt=0,
+        description="Tensor-parallel size of the actor (ray): trainer_ranks form a (trainer_ranks/trainer_tp, "
+        "trainer_tp) mesh; each group of trainer_tp ranks splits the decoder layers (the model's HF TP plan) "
+        "and shares one data slice.",
+    )
+    engines: int = Field(
+        1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
+    )
+    env_workers: int = Field(
+        1, gt=0, description="CPU scorer workers (ray); completions are split across them."
+    )
+    call_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait for a call on a worker group, and for the trainer's collectives.",
+    )
+    stage_timeout_s: float = Field(
+        0.0,
+        ge=0,
+        description="Watchdog: a loop stage (rollout, score, train, sync, eval, checkpoint) running longer "
+        "than this fails the run with an error naming role, rank and stage; 0 = off.",
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        description="When a call on a worker group fails (ray: a rank died, or a collective broke with it), "
+        "restart the roles from the last checkpoint, at most this many times.",
+    )
+    max_engine_replacements: int = Field(
+        3,
+        ge=0,
+        description="Rollout engines whose actor dies (ray) are replaced in their bundle, synced to the current "
+        "weights and their prompts issued again, at most this many times in a run; then the death is an error "
+        "(and max_restarts applies).",
+    )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="Which Ray: a local one or an address."
+    )
+    placement: PlacementConfig | None = Field(
+        None,
+        description="Pools and role -> pool map (roles actor, rollout, env); None = one pool per role "
+        "with a {CPU: 1} bundle per rank.",
+    )
+
+    @model_validator(mode="after")
+    def _tp_divides(self) -> RuntimeConfig:
+        if self.trainer_ranks % self.trainer_tp:
+            raise ValueError(
+                f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_tp={self.trainer_tp}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _roles_fit(self) -> RuntimeConfig:
+        if self.backend == "local":
+            many = [f"{k}={v}" for k, v in self._ranks().items() if v > 1]
+            if many:
+                raise ValueError(
+                    f"backend 'local' runs one rank per role; {', '.join(many)} needs backend=ray"
+                )
+            return self
+        if self.placement is None:
+            return self
+        pools = {p.name: p for p in self.placement.pools}
+        for role, ranks in self._ranks().items():
+            field = {"actor": "trainer_ranks", "rollout": "engines", "env": "env_workers"}[role]
+            if role not in self.placement.roles:
+                raise ValueError(
+                    f"placement.roles must place role '{role}' (its {ranks} rank(s) need a pool)"
+                )
+            pool = pools[self.placement.roles[role]]
+            if pool.bundles < ranks:
+                raise ValueError(
+                    f"{field}={ranks} but pool '{pool.name}' of role '{role}' has {pool.bundles} bundles"
+                )
+        return self
+
+    def _ranks(self) -> dict[str, int]:
+        return {"actor": self.trainer_ranks, "rollout": self.engines, "env": self.env_workers}
