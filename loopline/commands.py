@@ -13,7 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from loopline.checkpoint.run_dir import prepare_new_run, record_config, resume_config
-from loopline.checkpoint.state import RunState, checkpoint_name, checkpoint_root, newest_whole_checkpoint
+from loopline.checkpoint.state import (
+    CheckpointParts,
+    RunState,
+    checkpoint_name,
+    checkpoint_root,
+    newest_whole_checkpoint,
+)
 from loopline.config import RunConfig, describe, load_config
 from loopline.errors import UserError
 from loopline.loops.context import (
@@ -61,8 +67,8 @@ def _run_config(
     return cfg, {}
 
 
-def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState, dict | None]:
-    """State and trainer state of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
+def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState, CheckpointParts | None]:
+    """State and parts of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
     ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics)."""
     found = ctx.checkpoints.resume()  # raises when there are checkpoints and every one is damaged
     for path, fault in ctx.checkpoints.skipped:
@@ -73,11 +79,11 @@ def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState
         _start_fresh(ctx)
         record_config(ctx.run_dir, "start")
         return RunState(), None
-    state, trainer_state = found
+    state, resume = found
     print(f"resumed from {ctx.checkpoints.resumed_from} ({state.phase} step {state.step})")
     event = "resume" if changes is not None else "restart"  # restart: after a worker failure, same config
     record_config(ctx.run_dir, event, changes, checkpoint=ctx.checkpoints.resumed_from.name)
-    return state, trainer_state
+    return state, resume
 
 
 def _stopped(e: Interrupted, run_dir: str, command: str) -> int:
@@ -145,24 +151,24 @@ def _train(
     """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state.
     changes: what a --resume changed in the saved config (None: a restart after a worker failure)."""
     if resume:
-        state, trainer_state = _resume(ctx, changes)
+        state, resume = _resume(ctx, changes)
         if failed_at is not None:
             print(f"recovered in {time.perf_counter() - failed_at:.1f}s (roles restarted, checkpoint loaded)")
     else:
         _start_fresh(ctx)
         record_config(ctx.run_dir, "start")
-        state, trainer_state = RunState(), None
+        state, resume = RunState(), None
 
     if state.phase == "sft":
         sync_engine(ctx, version=0)
-        if state.step == 0 and trainer_state is None:
+        if state.step == 0 and resume is None:
             ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-        state = train_sft(ctx, state, trainer_state)
-        state, trainer_state = RunState(phase="grpo", step=0), None
+        state = train_sft(ctx, state, resume)
+        state, resume = RunState(phase="grpo", step=0), None
     sync_engine(ctx, version=state.step)
     if state.step == 0:
         ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
-    state = train_grpo(ctx, state, trainer_state)
+    state = train_grpo(ctx, state, resume)
     return state
 
 

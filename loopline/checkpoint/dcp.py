@@ -72,16 +72,6 @@ def load_shards(
         trainer.scheduler.load_state_dict(state["scheduler"])
 
 
-def restore_trainer(
-    trainer: PolicyTrainer, trainer_state: Mapping[str, Any], group: dist.ProcessGroup | None
-) -> None:
-    """Optimizer and LR schedule from `trainer_state`: {"dcp": dir} of a checkpoint, or a whole trainer.state_dict()."""
-    if "dcp" in trainer_state:
-        load_shards(trainer_state["dcp"], trainer.model, trainer, group)
-    else:
-        trainer.load_state_dict(dict(trainer_state))
-
-
 def tied_aliases(model: nn.Module) -> set[str]:
     """Names of parameters that are another parameter (tied embeddings): saved once, under the first name."""
     seen: set[int] = set()

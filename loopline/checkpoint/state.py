@@ -67,6 +67,48 @@ class RunState:
     val_accuracy: float = 0.0  # SFT's last validation check (near the target, it checks every step)
 
 
+@dataclass
+class LoopState:
+    """The RL loop's own state beyond the policy (loop.pt): what a resumed phase restores to continue exactly.
+
+    On disk it is the plain dict to_dict() makes (the keys "kl", "engine_rng" and, with a critic, "critic"), as
+    every loopline has written it; from_dict() reads any of them (a key the writer lacked reads as absent).
+    """
+
+    kl: dict[str, float] | None = None  # the KL controller's state_dict() (None: the checkpoint has none)
+    engine_rng: list[Any] = field(default_factory=list)  # each engine's sampling generator state, by rank
+    critic: dict[str, Any] | None = (
+        None  # local: the critic's whole state; ray: {"dcp": its shards' dir name}
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The loop.pt form."""
+        out: dict[str, Any] = {"kl": self.kl, "engine_rng": self.engine_rng}
+        if self.critic is not None:
+            out["critic"] = self.critic
+        return out
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> LoopState:
+        return cls(kl=saved.get("kl"), engine_rng=saved.get("engine_rng", []), critic=saved.get("critic"))
+
+
+@dataclass(frozen=True)
+class CheckpointParts:
+    """Where a resumed phase finds its parts in the checkpoint it resumes from (Checkpointer.resume)."""
+
+    dcp: (
+        str  # the policy's model, optimizer and LR-schedule shards (Actor.start_phase restores the optimizer)
+    )
+    reference: str | None = None  # the frozen reference's shards, where the run has one
+    loop: str | None = None  # loop.pt (LoopState), where the phase wrote one
+
+    @property
+    def checkpoint(self) -> str:
+        """The checkpoint's directory (the critic's shards are in it, beside dcp/)."""
+        return str(Path(self.dcp).parent)
+
+
 class CheckpointActor(Protocol):
     """What checkpoints need from the actor role (runtime.protocols.Actor): every trainer rank saves its own shards."""
 
@@ -288,9 +330,7 @@ class Checkpointer:
         # the frozen reference of this phase as a whole checkpoint holds it: later saves link its files
         self._reference: Path | None = None
 
-    def save(
-        self, state: RunState, loop_state: dict[str, Any] | None = None, reference: bool = False
-    ) -> None:
+    def save(self, state: RunState, loop_state: LoopState | None = None, reference: bool = False) -> None:
         """Checkpoint `state` and the actor's model, optimizer and LR schedule: blocking, or in the background.
 
         loop_state: the loop's own state (tensors are copied now), read back by load_loop_state on resume.
@@ -311,7 +351,8 @@ class Checkpointer:
         self.actor.save_state(
             str(tmp / "dcp"), hf_dir, blocking=not self.cfg.async_save, reference=write_reference
         )
-        staged = copy_state(loop_state) if loop_state is not None else None  # as it is now: training goes on
+        # as it is now (training goes on), in its file form
+        staged = copy_state(loop_state.to_dict()) if loop_state is not None else None
         if self.cfg.async_save:
             self._pending = threading.Thread(
                 target=self._finish,
@@ -360,11 +401,11 @@ class Checkpointer:
             pending.join(self.cfg.save_timeout_s + 5.0)
         self._pending, self._error = None, None
 
-    def resume(self) -> tuple[RunState, dict[str, Any]] | None:
+    def resume(self) -> tuple[RunState, CheckpointParts] | None:
         """Restore the newest checkpoint whose files read whole: weights on every trainer rank, RNG, run files cut
         back. Damaged newer ones are passed over (self.skipped: path and the file at fault).
 
-        Returns (run state, trainer state for Actor.start_phase), or None when there is no checkpoint; raises
+        Returns (run state, where its parts are for Actor.start_phase and the loop), or None when there is no checkpoint; raises
         UserError when there are checkpoints and none is whole (the run files are left as they are).
         """
         for pattern in (".tmp-*", ".trash-*"):  # what killed saves left behind
@@ -380,7 +421,7 @@ class Checkpointer:
         truncate_run_files(self.run_dir, json.loads((path / "cursors.json").read_text()))
         self.resumed_from = path
         self._reference = path / REFERENCE_DIR if (path / REFERENCE_DIR).is_dir() else None
-        return state, _trainer_state(path)
+        return state, _parts(path)
 
 
 def newest_whole_checkpoint(run_dir: str | Path) -> tuple[Path | None, list[tuple[Path, str]]]:
@@ -407,19 +448,18 @@ def load_weights(path: str | Path, model: PreTrainedModel) -> None:
     read_model_weights(Path(path) / "dcp", model)
 
 
-def _trainer_state(path: Path) -> dict[str, Any]:
-    """For Actor.start_phase and the loop: {"dcp": the optimizer shards, "reference": the frozen reference's
-    shards, "loop": loop.pt} (the last two where the checkpoint has them)."""
-    found = {"dcp": str(path / "dcp")}
-    if (path / REFERENCE_DIR).is_dir():
-        found["reference"] = str(path / REFERENCE_DIR)
-    if (path / LOOP_FILE).is_file():
-        found["loop"] = str(path / LOOP_FILE)
-    return found
+def _parts(path: Path) -> CheckpointParts:
+    """The parts of checkpoint `path` a resumed phase reads: the reference and loop.pt where it has them."""
+    reference, loop = path / REFERENCE_DIR, path / LOOP_FILE
+    return CheckpointParts(
+        dcp=str(path / "dcp"),
+        reference=str(reference) if reference.is_dir() else None,
+        loop=str(loop) if loop.is_file() else None,
+    )
 
 
-def load_loop_state(trainer_state: dict[str, Any] | None) -> dict[str, Any]:
-    """The loop state a resumed phase's checkpoint holds (Checkpointer.save's loop_state), or {} if none."""
-    if not trainer_state or "loop" not in trainer_state:
-        return {}
-    return torch.load(trainer_state["loop"], weights_only=False)
+def load_loop_state(parts: CheckpointParts | None) -> LoopState:
+    """The loop state a resumed phase's checkpoint holds (Checkpointer.save's loop_state); empty if none."""
+    if parts is None or parts.loop is None:
+        return LoopState()
+    return LoopState.from_dict(torch.load(parts.loop, weights_only=False))

@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -31,7 +30,7 @@ from loopline.algorithms.losses import kl_estimate
 from loopline.algorithms.reward import whiten_clip
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import SampleId
-from loopline.checkpoint.state import RunState, load_loop_state
+from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler, SampleRef
@@ -190,16 +189,25 @@ def minibatch_rows(size: int, minibatches: int) -> list[torch.Tensor]:
     return list(order.chunk(minibatches))
 
 
-def _check_resumable(cfg: GRPOConfig, state: RunState, trainer_state: dict | None, loop: dict) -> None:
+def _check_resumable(
+    cfg: GRPOConfig, state: RunState, resume: CheckpointParts | None, loop: LoopState
+) -> None:
     """A resumed phase needs what its settings use from the checkpoint; fail before training on a stand-in."""
-    # "reference" comes with the actor's part of the checkpoint; "critic" and "kl" with the loop's
-    has = set(trainer_state or {}) | set(loop)
-    needed = {
-        "reference": ("frozen reference policy (grpo.kl_coef > 0)", cfg.kl_coef > 0),
-        "critic": ("critic (grpo.advantage=gae)", cfg.advantage == "gae"),
-        "kl": ("adaptive KL controller (grpo.kl_controller=adaptive)", cfg.kl_controller == "adaptive"),
-    }
-    missing = [what for key, (what, need) in needed.items() if need and key not in has]
+    # the reference comes with the actor's part of the checkpoint; the critic and the KL controller with the loop's
+    needed = [
+        (
+            "frozen reference policy (grpo.kl_coef > 0)",
+            cfg.kl_coef > 0,
+            resume is not None and resume.reference is not None,
+        ),
+        ("critic (grpo.advantage=gae)", cfg.advantage == "gae", loop.critic is not None),
+        (
+            "adaptive KL controller (grpo.kl_controller=adaptive)",
+            cfg.kl_controller == "adaptive",
+            loop.kl is not None,
+        ),
+    ]
+    missing = [what for what, need, has in needed if need and not has]
     if missing:
         raise ValueError(
             f"cannot resume grpo at step {state.step}: the checkpoint has no {' and no '.join(missing)}; it was "
@@ -211,16 +219,16 @@ def _check_resumable(cfg: GRPOConfig, state: RunState, trainer_state: dict | Non
 def _restore_loop(
     ctx: RunContext,
     state: RunState,
-    loop: dict,
+    loop: LoopState,
     kl_control: FixedKLController | AdaptiveKLController,
 ) -> None:
     """A resumed phase: the KL controller and engine generators as the checkpoint holds them (the critic
     restores itself as it starts: _start_critic)."""
-    if "kl" in loop:
-        kl_control.load_state_dict(loop["kl"])
+    if loop.kl is not None:
+        kl_control.load_state_dict(loop.kl)
     # a different number of engines cannot replay the samples: each engine is seeded from (seed, step, rank)
     reseed = ctx.cfg.seed + 1 + 1_000_003 * state.step
-    if not ctx.rollout.set_rng_states(loop.get("engine_rng", []), reseed):
+    if not ctx.rollout.set_rng_states(loop.engine_rng, reseed):
         log.warning(
             "grpo step %d: the checkpoint's engine sampling states do not fit these engines (another number of "
             "engines, or another backend): engines reseeded from %d, so this run does not replay the "
@@ -232,38 +240,46 @@ def _restore_loop(
 
 def _loop_state(
     ctx: RunContext, kl_control: FixedKLController | AdaptiveKLController, critic: Critic | None
-) -> dict:
+) -> LoopState:
     """What a checkpoint needs of the loop beyond the policy: KL controller, critic, engine generators."""
-    loop = {"kl": kl_control.state_dict(), "engine_rng": ctx.rollout.rng_states()}
-    if critic is not None:
-        loop["critic"] = critic.state()  # local: its whole state; ray: where its shards are (critic/)
-    return loop
+    return LoopState(
+        kl=kl_control.state_dict(),
+        engine_rng=ctx.rollout.rng_states(),
+        critic=critic.state()
+        if critic is not None
+        else None,  # local: its whole state; ray: where its shards are
+    )
 
 
 def _start_critic(
-    ctx: RunContext, policy: PreTrainedModel, total_steps: int, loop: dict, trainer_state: dict | None
+    ctx: RunContext,
+    policy: PreTrainedModel,
+    total_steps: int,
+    loop: LoopState,
+    resume: CheckpointParts | None,
 ) -> Critic | None:
     """PPO's critic (grpo.advantage=gae) from the policy's body, or as the resumed checkpoint holds it; from
     now on its part of each checkpoint is written with the actor's."""
     critic = ctx.critic
     if critic is None:  # the roles start one when grpo.advantage=gae
         return None
-    checkpoint = str(Path(trainer_state["dcp"]).parent) if trainer_state and "dcp" in trainer_state else None
-    critic.start_phase(policy, ctx.cfg.critic, total_steps, loop.get("critic"), checkpoint)
+    checkpoint = resume.checkpoint if resume is not None else None
+    critic.start_phase(policy, ctx.cfg.critic, total_steps, loop.critic, checkpoint)
     ctx.checkpoints.actor = CheckpointWithCritic(ctx.actor, critic)
     return critic
 
 
-def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
-    """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state."""
+def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None = None) -> RunState:
+    """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state. resume: the
+    parts of the checkpoint `state` was read from."""
     cfg = ctx.cfg.grpo
     params = sampling_params(cfg.sampling)
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed + 1)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    loop = load_loop_state(trainer_state) if state.step > 0 else {}
+    loop = load_loop_state(resume) if state.step > 0 else LoopState()
     if state.step > 0:
-        _check_resumable(cfg, state, trainer_state, loop)
+        _check_resumable(cfg, state, resume, loop)
     # PPO's critic starts from the policy as RL starts: the driver's model takes the trained weights here,
     # before start_phase makes the phase's optimizer (gathering a fresh optimizer's state would initialise it)
     policy = ctx.actor.policy() if ctx.critic is not None else ctx.model
@@ -273,7 +289,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     ctx.actor.start_phase(
         cfg.optim,
         cfg.steps,
-        trainer_state,
+        resume,
         reference=cfg.kl_coef > 0,
         loss=loss,
         micro_batch_size=cfg.micro_batch_size,
@@ -284,7 +300,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
     with torch.random.fork_rng(devices=[]):
         reward = reward_function(ctx)
         # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
-        critic = _start_critic(ctx, policy, updates, loop, trainer_state)
+        critic = _start_critic(ctx, policy, updates, loop, resume)
     kl_control = _kl_controller(cfg)
     if state.step > 0:
         _restore_loop(ctx, state, loop, kl_control)
@@ -344,7 +360,7 @@ def train_grpo(ctx: RunContext, state: RunState, trainer_state: dict | None = No
                             tokens.input_ids, tokens.attention_mask, mask, values, returns
                         )
                         critic_stats = critic.step(_take(value_batch, rows))
-            measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.extra["kl"]
+            measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.kl
             kl_coef = kl_control.value
             kl_control.update(measured_kl, len(batch))
 

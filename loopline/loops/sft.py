@@ -7,7 +7,7 @@ import time
 from tqdm import tqdm
 
 from loopline.checkpoint.faults import pause_point
-from loopline.checkpoint.state import RunState
+from loopline.checkpoint.state import CheckpointParts, RunState
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
@@ -29,13 +29,14 @@ def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
     return encode_prompt(tok, row, ctx.cfg.model.use_chat_template), target
 
 
-def train_sft(ctx: RunContext, state: RunState, trainer_state: dict | None = None) -> RunState:
-    """Run SFT from `state` to cfg.sft.steps; returns the final state (phase 'sft')."""
+def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None = None) -> RunState:
+    """Run SFT from `state` to cfg.sft.steps; returns the final state (phase 'sft'). resume: the parts of the
+    checkpoint `state` was read from."""
     cfg = ctx.cfg.sft
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed)
     if state.sampler:
         sampler.load_state_dict(state.sampler)
-    ctx.actor.start_phase(cfg.optim, cfg.steps, trainer_state)
+    ctx.actor.start_phase(cfg.optim, cfg.steps, resume)
     bar = tqdm(total=cfg.steps, initial=state.step, desc="sft", disable=not ctx.cfg.progress, leave=False)
     while state.step < cfg.steps and not state.done:
         t0 = time.perf_counter()

@@ -20,7 +20,8 @@ import torch
 from transformers import PreTrainedModel
 
 from loopline.algorithms.policy_loss import PolicyLoss
-from loopline.checkpoint.dcp import ShardWriter, load_shards, restore_trainer, shard_state
+from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
+from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
@@ -39,7 +40,7 @@ from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerGroup
 from loopline.training.critic import RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
-from loopline.training.policy import PolicyTrainer, StepStats, behaviour_logprobs
+from loopline.training.policy import PolicyStepStats, PolicyTrainer, StepStats, behaviour_logprobs
 from loopline.training.policy import sequence_logprobs as summed_logprobs
 
 B = TypeVar("B", bound=TokenBatch)
@@ -102,15 +103,15 @@ class ActorWorker:
         self,
         optim: OptimConfig,
         total_steps: int,
-        trainer_state: dict | None,
+        resume: CheckpointParts | None,
         loss: PolicyLoss | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        """New optimizer over this rank's shards (restored from the whole trainer_state); an RL phase's objective."""
+        """New optimizer over this rank's shards (restored from the resumed checkpoint's); an RL phase's objective."""
         group = self.mesh["dp"].get_group() if self.mesh is not None else None
         self.trainer = PolicyTrainer(self.model, optim, total_steps, group, loss, micro_batch_size)
-        if trainer_state:
-            restore_trainer(self.trainer, trainer_state, group=self.checkpoint_group)
+        if resume is not None:
+            load_shards(resume.dcp, self.model, self.trainer, group=self.checkpoint_group)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
@@ -126,10 +127,10 @@ class ActorWorker:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
         return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
 
-    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         return _started(self.trainer).policy_step(to_device(batch, self.device), kl_coef)
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
         """policy_step with the objective built from `cfg` per call: loops/agent.py's path until it uses policy_step."""
         return _started(self.trainer).grpo_step(to_device(batch, self.device), cfg, None)
 
@@ -291,15 +292,14 @@ class ActorRole:
         self,
         optim: OptimConfig,
         total_steps: int,
-        trainer_state: dict | None,
+        resume: CheckpointParts | None,
         reference: bool = False,
         loss: PolicyLoss | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        state = self.group.put(trainer_state) if trainer_state else None  # one copy for all ranks
-        self.group.call("start_phase", optim, total_steps, state, loss, micro_batch_size)
+        self.group.call("start_phase", optim, total_steps, resume, loss, micro_batch_size)
         if reference:  # the policy as the phase starts, frozen; a resumed phase reads its shards back
-            restore = (trainer_state or {}).get("reference")
+            restore = resume.reference if resume is not None else None
             weights = None if restore else self.group.call("weights")[0]
             self._reference().start(weights, restore)
 
@@ -323,11 +323,11 @@ class ActorRole:
         slices = self._slices(batch)
         return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
 
-    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         slices = self._slices(batch)
         return self.group.call_each("policy_step", [(s, kl_coef) for s in slices])[0]  # same on all ranks
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
         # loops/agent.py's path until it uses policy_step (ActorWorker.grpo_step)
         slices = self._slices(batch)
         return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]

@@ -39,8 +39,7 @@ from loopline.runtime.ranks import (
 )
 from loopline.runtime.workers import WorkerGroup
 from loopline.training.config import CriticConfig
-from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch
-from loopline.training.policy import StepStats
+from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch, ValueStepStats
 
 if TYPE_CHECKING:
     from loopline.checkpoint.state import CheckpointActor
@@ -129,7 +128,7 @@ class CriticWorker:
         trainer = _started(self.trainer)
         return trainer.values(to_device(tokens, model_device(trainer.model))).cpu()
 
-    def step(self, batch: ValueBatch) -> StepStats:
+    def step(self, batch: ValueBatch) -> ValueStepStats:
         trainer = _started(self.trainer)
         return trainer.step(to_device(batch, model_device(trainer.model)))
 
@@ -191,7 +190,7 @@ class CriticRole:
         slices = even_slices(tokens, self.group.world_size)
         return torch.cat(self.group.call_each("values", [(s,) for s in slices]))
 
-    def step(self, batch: ValueBatch) -> StepStats:
+    def step(self, batch: ValueBatch) -> ValueStepStats:
         slices = even_slices(batch, self.group.world_size)
         return self.group.call_each("step", [(s,) for s in slices])[0]  # global statistics, the same on all
 

@@ -15,12 +15,13 @@ import torch
 from transformers import PreTrainedModel
 
 from loopline.algorithms.policy_loss import PolicyLoss
+from loopline.checkpoint.state import CheckpointParts
 from loopline.config import CriticConfig, DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.rollout.engine import Completion, SamplingParams
-from loopline.training.critic import ScalarModel, ValueBatch
-from loopline.training.policy import StepStats
+from loopline.training.critic import ScalarModel, ValueBatch, ValueStepStats
+from loopline.training.policy import PolicyStepStats, StepStats
 
 
 class Actor(Protocol):
@@ -30,13 +31,13 @@ class Actor(Protocol):
         self,
         optim: OptimConfig,
         total_steps: int,
-        trainer_state: dict | None,
+        resume: CheckpointParts | None,
         reference: bool = False,
         loss: PolicyLoss | None = None,
         micro_batch_size: int | None = None,
     ) -> None:
-        """A new optimizer and LR schedule (restored from trainer_state); freeze a reference copy if asked:
-        the policy as it is, or the reference saved in the checkpoint (trainer_state["reference"], a DCP dir).
+        """A new optimizer and LR schedule (restored from the `resume` checkpoint's shards); freeze a reference copy
+        if asked: the policy as it is, or the reference saved in the checkpoint (resume.reference, a DCP dir).
         An RL phase hands its policy objective (training.policy.grpo_loss) and micro-batch size here, once."""
         ...
 
@@ -51,11 +52,11 @@ class Actor(Protocol):
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats: ...
 
-    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective at this step's KL coefficient."""
         ...
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> StepStats:
+    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
         """policy_step with the objective built from `cfg` per call; loops/agent.py's path until it uses policy_step."""
         ...
 
@@ -173,7 +174,7 @@ class Critic(Protocol):
         """Values (B, C) of the response positions, without gradients."""
         ...
 
-    def step(self, batch: ValueBatch) -> StepStats:
+    def step(self, batch: ValueBatch) -> ValueStepStats:
         """One optimizer step of the clipped value loss (token mean over the whole batch)."""
         ...
 

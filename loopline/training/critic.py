@@ -89,6 +89,22 @@ class ValueBatch(TokenBatch):
     returns: torch.Tensor  # (B, C) GAE returns, the regression targets
 
 
+@dataclass
+class ValueStepStats:
+    """What one critic step reports (CriticTrainer.step); every value a token mean over the global batch."""
+
+    loss: float  # the clipped value loss
+    grad_norm: float
+    lr: float
+    clip_fraction: float  # token fraction where the clipped error was the larger
+    value_mean: float  # the critic's mean value over the response tokens
+
+    @property
+    def extra(self) -> dict[str, float]:
+        """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
+        return {"value_clip_fraction": self.clip_fraction, "value_mean": self.value_mean}
+
+
 class CriticTrainer:
     """Owns the value model and its optimizer: values for GAE, and clipped value-loss steps."""
 
@@ -128,7 +144,7 @@ class CriticTrainer:
                 [self.model.response_values(m) for m in split_rows(batch, self.cfg.micro_batch_size)]
             )
 
-    def step(self, batch: ValueBatch) -> StepStats:
+    def step(self, batch: ValueBatch) -> ValueStepStats:
         """One optimizer step of token-mean clipped value loss over micro-batches."""
         self.model.train()
         if self.group is None:
@@ -152,8 +168,13 @@ class CriticTrainer:
         if self.group is not None:  # each rank holds its share of each global mean
             total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
             sums = dict(zip(sums, total.tolist()))
-        loss = sums.pop("value_loss")
-        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        return ValueStepStats(
+            loss=sums["value_loss"],
+            grad_norm=grad_norm,
+            lr=lr,
+            clip_fraction=sums["value_clip_fraction"],
+            value_mean=sums["value_mean"],
+        )
 
 
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:

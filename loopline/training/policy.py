@@ -171,12 +171,32 @@ def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
 
 @dataclass
 class StepStats:
-    """What one optimizer step reports."""
+    """What one optimizer step reports: SFT (no extra), DPO (its statistics by metrics-row name)."""
 
     loss: float
     grad_norm: float
     lr: float
     extra: dict[str, float]
+
+
+@dataclass
+class PolicyStepStats:
+    """What one RL policy step reports (PolicyTrainer.policy_step); every value a mean over the global batch."""
+
+    loss: float  # the objective: surrogate - entropy bonus + KL term (aggregated as grpo.loss_agg)
+    grad_norm: float  # before clipping; not finite when the update was skipped
+    lr: float
+    policy_loss: float  # the surrogate alone
+    kl: float  # the KL-to-reference term (0 when it is off), aggregated as the loss
+    entropy: float  # token mean of the policy's entropy
+    clip_fraction: float  # token fraction whose ratio was clipped away
+    approx_kl: float  # token mean of the k3 estimate of KL(old || new)
+
+    @property
+    def extra(self) -> dict[str, float]:
+        """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
+        names = ("policy_loss", "kl", "entropy", "clip_fraction", "approx_kl")
+        return {name: getattr(self, name) for name in names}
 
 
 class PolicyTrainer:
@@ -237,7 +257,7 @@ class PolicyTrainer:
         mean_loss = self._global_sums({"loss": total})["loss"]
         return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra={})
 
-    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> StepStats:
+    def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective (self.loss) at this step's KL coefficient."""
         if self.loss is None or self.micro_batch_size is None:
             raise RuntimeError(
@@ -245,14 +265,16 @@ class PolicyTrainer:
             )
         return self._policy_step(batch, self.loss, kl_coef, self.micro_batch_size)
 
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None) -> StepStats:
+    def grpo_step(
+        self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None
+    ) -> PolicyStepStats:
         """policy_step with the objective built from `cfg` on every call (ref_model is not read: the batch carries
         the reference's log-probs). Kept for loops/agent.py only (through Actor.grpo_step), until it calls policy_step."""
         return self._policy_step(batch, grpo_loss(cfg), cfg.kl_coef, cfg.micro_batch_size)
 
     def _policy_step(
         self, batch: RolloutBatch, loss_fn: PolicyLoss, kl_coef: float, micro_batch_size: int
-    ) -> StepStats:
+    ) -> PolicyStepStats:
         self.model.train()
         sums = {
             "loss": 0.0,
@@ -284,9 +306,7 @@ class PolicyTrainer:
             ):
                 sums[key] += float(value.detach()) * weight
         grad_norm, lr = self._step()
-        sums = self._global_sums(sums)
-        mean_loss = sums.pop("loss")
-        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        return PolicyStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums(sums))
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
         """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""

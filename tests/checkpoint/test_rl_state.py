@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from loopline.checkpoint.state import Checkpointer, RunState, load_loop_state
+from loopline.checkpoint.state import Checkpointer, CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import CheckpointConfig, CriticConfig, GRPOConfig, OptimConfig, RunConfig
 from loopline.loops.grpo import _check_resumable
 from loopline.rollout.engine import SamplingParams, TorchEngine
@@ -84,7 +84,7 @@ def test_the_reference_is_written_once_then_linked_and_read_back(tmp_path, small
     frozen = {k: v.clone() for k, v in _reference(actor).state_dict().items()}
     checkpoints = Checkpointer(tmp_path, CheckpointConfig(), actor, small_model, tokenizer)
     critic = CriticTrainer(ScalarModel.from_policy(small_model), CriticConfig(), 10)
-    loop = {"kl": {"value": 0.25, "target": 0.01, "horizon": 100}, "critic": critic.state_dict()}
+    loop = LoopState(kl={"value": 0.25, "target": 0.01, "horizon": 100}, critic=critic.state_dict())
     checkpoints.save(RunState("grpo", 1), loop, reference=True)
     checkpoints.save(RunState("grpo", 2), loop, reference=True)
     first, second = (tmp_path / "checkpoints" / n / "reference" for n in ("grpo-000001", "grpo-000002"))
@@ -93,17 +93,16 @@ def test_the_reference_is_written_once_then_linked_and_read_back(tmp_path, small
         assert (second / f.name).stat().st_ino == f.stat().st_ino
 
     resumed = local_actor(copy.deepcopy(small_model))
-    state, trainer_state = Checkpointer(
-        tmp_path, CheckpointConfig(), resumed, resumed.model, tokenizer
-    ).resume()
-    assert state.step == 2 and {"dcp", "reference", "loop"} <= set(trainer_state)
-    resumed.start_phase(OptimConfig(lr=1e-2, warmup_steps=0), 10, trainer_state, reference=True)
+    state, parts = Checkpointer(tmp_path, CheckpointConfig(), resumed, resumed.model, tokenizer).resume()
+    assert state.step == 2 and parts.reference is not None and parts.loop is not None
+    resumed.start_phase(OptimConfig(lr=1e-2, warmup_steps=0), 10, parts, reference=True)
     for name, tensor in frozen.items():  # the saved reference, not a copy of the resumed policy
         assert torch.equal(_reference(resumed).state_dict()[name], tensor), name
-    restored = load_loop_state(trainer_state)
-    assert restored["kl"] == loop["kl"]
+    restored = load_loop_state(parts)
+    assert restored.kl == loop.kl and restored.engine_rng == []
     again = CriticTrainer(ScalarModel.from_policy(small_model), CriticConfig(), 10)
-    again.load_state_dict(restored["critic"])
+    assert restored.critic is not None
+    again.load_state_dict(restored.critic)
     for name, tensor in critic.model.state_dict().items():
         assert torch.equal(again.model.state_dict()[name], tensor), name
 
@@ -119,6 +118,19 @@ def test_the_reference_is_written_once_then_linked_and_read_back(tmp_path, small
 def test_resuming_without_the_state_the_settings_need_is_a_clear_error(overrides, missing):
     cfg = GRPOConfig(**overrides)
     with pytest.raises(ValueError, match=f"cannot resume grpo at step 3: the checkpoint has no .*{missing}"):
-        _check_resumable(cfg, RunState("grpo", 3), {"dcp": "x"}, {"engine_rng": [None]})
-    full = {"dcp": "x", "reference": "r"}
-    _check_resumable(cfg, RunState("grpo", 3), full, {"kl": {}, "critic": {}, "engine_rng": [None]})
+        _check_resumable(cfg, RunState("grpo", 3), CheckpointParts(dcp="x"), LoopState(engine_rng=[None]))
+    full = CheckpointParts(dcp="x", reference="r")
+    _check_resumable(cfg, RunState("grpo", 3), full, LoopState(kl={}, critic={}, engine_rng=[None]))
+
+
+def test_loop_state_reads_and_writes_the_loop_pt_dict_as_before():
+    """loop.pt stays the plain dict every loopline wrote: {"kl", "engine_rng"[, "critic"]}; any of them reads."""
+    kl = {"value": 0.05, "target": 0.01, "horizon": 16}
+    rng = [torch.get_rng_state()]
+    with_critic = {"kl": kl, "engine_rng": rng, "critic": {"dcp": "critic"}}
+    assert LoopState.from_dict(with_critic).to_dict() == with_critic
+    assert list(LoopState.from_dict(with_critic).to_dict()) == ["kl", "engine_rng", "critic"]
+    without = {"kl": kl, "engine_rng": rng}
+    assert LoopState.from_dict(without) == LoopState(kl=kl, engine_rng=rng)
+    assert LoopState.from_dict(without).to_dict() == without  # no "critic" key without a critic
+    assert LoopState.from_dict({}) == LoopState()  # a key the writer lacked reads as absent

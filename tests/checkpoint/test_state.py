@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from loopline.checkpoint.state import RunState, checkpoint_root, latest_checkpoint, rng_state
+from loopline.checkpoint.state import CheckpointParts, RunState, checkpoint_root, latest_checkpoint, rng_state
 from loopline.models.load import build_tiny_model
 
 
@@ -39,9 +39,9 @@ def test_save_then_load_restores_everything(tmp_path, small_model, tokenizer, sm
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
-    state, trainer_state = _checkpointer(tmp_path, local_actor(fresh), fresh, tokenizer).resume()
+    state, parts = _checkpointer(tmp_path, local_actor(fresh), fresh, tokenizer).resume()
     assert state == RunState("grpo", 4, {"epoch": 0, "position": 4, "size": 10, "seed": 1})
-    assert trainer_state == {"dcp": str(path / "dcp")}  # the optimizer shards (none before a phase)
+    assert parts == CheckpointParts(dcp=str(path / "dcp"))  # the optimizer shards (none before a phase)
     for name, tensor in small_model.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
     assert fresh.lm_head.weight.data_ptr() == fresh.model.embed_tokens.weight.data_ptr()  # still tied
@@ -168,14 +168,14 @@ def test_checkpointer_resume_restores_weights_optimizer_rng_and_cuts_run_files(
     from loopline.runtime.actor import local_actor
 
     resumed_actor = local_actor(fresh)
-    resumed, trainer_state = _checkpointer(tmp_path, resumed_actor, fresh, tokenizer).resume()
+    resumed, parts = _checkpointer(tmp_path, resumed_actor, fresh, tokenizer).resume()
     assert resumed == state
     for name, tensor in expected.items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
     assert torch.equal(torch.get_rng_state(), expected_rng)
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     assert [r["step"] for r in read_ledger(tmp_path)] == [1, 2]
-    resumed_actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, trainer_state)
+    resumed_actor.start_phase(OptimConfig(lr=1e-2, warmup_steps=1, schedule="cosine"), 10, parts)
     got_optim = resumed_actor.group.local().trainer.state_dict()
     assert got_optim["scheduler"] == expected_optim["scheduler"]
     for name, moments in expected_optim["optimizer"]["state"].items():
