@@ -2,7 +2,7 @@
 
     SFT:   demonstrations run through the real env (tool results are real), tool-result tokens masked
     GRPO:  rollout (group_size episodes per prompt, tools called between turns) -> returns ->
-           group advantages -> actor.grpo_step on the multi-turn batch -> weight sync -> log
+           group advantages -> actor.policy_step on the multi-turn batch -> weight sync -> log
 
 What RL has to fix (seed 0, 128 held-out problems): after SFT the call is always copied right and
 every greedy error is a result miscopied into the answer (37 of 128); sampled groups disagree on many
@@ -72,6 +72,7 @@ from loopline.runtime.protocols import Actor, Rollout
 from loopline.runtime.roles import build_roles
 from loopline.section import ConfigError, Section, format_validation_error, merge_trees, read_tree
 from loopline.training.config import GRPOConfig, OptimConfig, SFTConfig
+from loopline.training.policy import grpo_loss
 
 
 class AgentConfig(Section):
@@ -285,12 +286,12 @@ def _train(
 
     # ---------------- GRPO through the multi-turn driver
     g = cfg.grpo
+    # a new optimizer; the reference (KL) is the policy as GRPO starts, frozen on the reference role;
     # fixed_length aggregation divides by the response width the driver allows
-    update_cfg = g.model_copy(
-        update={"sampling": SamplingConfig(max_new_tokens=cfg.rollout.max_total_tokens)}
+    loss = grpo_loss(g, max_len=cfg.rollout.max_total_tokens)
+    actor.start_phase(
+        g.optim, g.steps, None, reference=g.kl_coef > 0, loss=loss, micro_batch_size=g.micro_batch_size
     )
-    # a new optimizer; the reference (KL) is the policy as GRPO starts, frozen on the reference role
-    actor.start_phase(g.optim, g.steps, None, reference=g.kl_coef > 0)
     sampler = Sampler(len(train_rows), seed=cfg.seed + 1)
     for step in tqdm(range(1, g.steps + 1), desc="agent grpo", disable=not cfg.progress, leave=False):
         times: dict[str, float] = {}
@@ -325,7 +326,7 @@ def _train(
         update: dict[str, float] = {"update_skipped": float(not bool(advantages.abs().max() > 0))}
         if not update["update_skipped"]:
             for _ in range(g.epochs_per_step):
-                stats = actor.grpo_step(batch, update_cfg)
+                stats = actor.policy_step(batch, g.kl_coef)
             update.update(loss=stats.loss, **stats.extra, grad_norm=stats.grad_norm, lr=stats.lr)
             rollout.update_weights(step)
         times["train"] = time.perf_counter() - t0

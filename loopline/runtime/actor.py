@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.checkpoint.state import CheckpointParts
-from loopline.config import DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig, RunConfig
+from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.runtime.engine_sync import sync_plan
@@ -129,10 +129,6 @@ class ActorWorker:
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         return _started(self.trainer).policy_step(to_device(batch, self.device), kl_coef)
-
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
-        """policy_step with the objective built from `cfg` per call: loops/agent.py's path until it uses policy_step."""
-        return _started(self.trainer).grpo_step(to_device(batch, self.device), cfg, None)
 
     # Preference training (loops.preference): DPO steps the policy; the reward model is a ScalarModel of its own
     # on these ranks (the policy's body, copied, + a scalar head), sharded over the dp ranks like the policy.
@@ -326,11 +322,6 @@ class ActorRole:
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         slices = self._slices(batch)
         return self.group.call_each("policy_step", [(s, kl_coef) for s in slices])[0]  # same on all ranks
-
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
-        # loops/agent.py's path until it uses policy_step (ActorWorker.grpo_step)
-        slices = self._slices(batch)
-        return self.group.call_each("grpo_step", [(s, cfg) for s in slices])[0]
 
     def _pair_slices(self, pairs: PairBatch) -> list[PairBatch]:
         """One slice per rank, as _slices: equal pair slices over the dp ranks."""

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.checkpoint.state import CheckpointParts
-from loopline.config import CriticConfig, DPOConfig, GRPOConfig, OptimConfig, RewardModelConfig
+from loopline.config import CriticConfig, DPOConfig, OptimConfig, RewardModelConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.rollout.engine import Completion, SamplingParams
@@ -54,10 +54,6 @@ class Actor(Protocol):
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective at this step's KL coefficient."""
-        ...
-
-    def grpo_step(self, batch: RolloutBatch, cfg: GRPOConfig) -> PolicyStepStats:
-        """policy_step with the objective built from `cfg` per call; loops/agent.py's path until it uses policy_step."""
         ...
 
     def policy(self) -> PreTrainedModel:

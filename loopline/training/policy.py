@@ -265,13 +265,6 @@ class PolicyTrainer:
             )
         return self._policy_step(batch, self.loss, kl_coef, self.micro_batch_size)
 
-    def grpo_step(
-        self, batch: RolloutBatch, cfg: GRPOConfig, ref_model: PreTrainedModel | None
-    ) -> PolicyStepStats:
-        """policy_step with the objective built from `cfg` on every call (ref_model is not read: the batch carries
-        the reference's log-probs). Kept for loops/agent.py only (through Actor.grpo_step), until it calls policy_step."""
-        return self._policy_step(batch, grpo_loss(cfg), cfg.kl_coef, cfg.micro_batch_size)
-
     def _policy_step(
         self, batch: RolloutBatch, loss_fn: PolicyLoss, kl_coef: float, micro_batch_size: int
     ) -> PolicyStepStats:

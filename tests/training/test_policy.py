@@ -181,18 +181,3 @@ def test_grpo_loss_is_built_from_the_config():
     assert (loss.surrogate, loss.clip_low, loss.clip_high, loss.dual_clip) == ("clip", 0.1, 0.3, 2.0)
     assert (loss.agg, loss.max_len, loss.entropy_coef, loss.kl_estimator) == ("fixed_length", 7, 0.01, "k2")
     assert grpo_loss(cfg, max_len=11).max_len == 11  # the agent's driver allows another response width
-
-
-def test_grpo_step_from_a_config_equals_policy_step(small_model):
-    """The config-per-call grpo_step (kept for loops/agent.py) is policy_step with the objective built there."""
-    cfg = GRPOConfig(
-        kl_coef=0.1, entropy_coef=0.01, micro_batch_size=4, sampling=SamplingConfig(max_new_tokens=MAX_NEW)
-    )
-    batch = _rollout(small_model, kl=True)
-    optim = OptimConfig(lr=1e-2, warmup_steps=0)
-    a, b = copy.deepcopy(small_model), copy.deepcopy(small_model)
-    old = PolicyTrainer(a, optim, 10).grpo_step(batch, cfg, None)
-    new = PolicyTrainer(b, optim, 10, loss=grpo_loss(cfg), micro_batch_size=4).policy_step(batch, cfg.kl_coef)
-    assert (old.loss, old.extra, old.grad_norm) == (new.loss, new.extra, new.grad_norm)
-    for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert torch.equal(p, q), n
