@@ -68,7 +68,7 @@ class ActorWorker:
         )
 
     def rendezvous(self) -> str:
-        return rendezvous()
+        return rendezvous(self.cfg.runtime.call_timeout_s)
 
     def join(self, init_method: str) -> tuple[tuple[str, int], Any] | None:
         """Join the trainer's world (the trainer ranks only) as rank RANK and shard the model over it. Rank 0 also

@@ -85,7 +85,7 @@ class CriticWorker:
         self.writer = ShardWriter()
 
     def rendezvous(self) -> str:
-        return rendezvous()
+        return rendezvous(self.cfg.runtime.call_timeout_s)
 
     def join(self, init_method: str) -> None:
         """Join the critic's own world (the critic ranks only) as rank RANK."""

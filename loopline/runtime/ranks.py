@@ -65,9 +65,13 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def rendezvous() -> str:
-    """Address of a rank group's TCP store: rank 0's node and a port that was free there (WorkerGroup)."""
-    return f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+def rendezvous(timeout_s: float) -> str:
+    """The address of a rank group's TCP store, hosted by rank 0 on its node (MASTER_ADDR) on a port it holds
+    from now on; other ranks return "" (the group's driver hands rank 0's address to all)."""
+    from loopline.training.parallel import open_rendezvous
+
+    rank, _ = rank_and_world()
+    return open_rendezvous(os.environ["MASTER_ADDR"], timeout_s) if rank == 0 else ""
 
 
 def node_address() -> str:

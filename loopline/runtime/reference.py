@@ -50,7 +50,7 @@ class ReferenceWorker:
         self.writer = ShardWriter()
 
     def rendezvous(self) -> str:
-        return rendezvous()
+        return rendezvous(self.cfg.runtime.call_timeout_s)
 
     def join(self, init_method: str) -> None:
         """Join the reference's own world (its ranks only) as rank RANK."""

@@ -48,8 +48,37 @@ from torch.distributed.tensor.parallel import (
 TP_STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
+# rank 0's rendezvous stores, held from `open_rendezvous` until its `init_distributed` takes them
+_held_stores: dict[str, dist.TCPStore] = {}
+
+
+def open_rendezvous(host: str, timeout_s: float) -> str:
+    """Host a world's TCP store on a port the OS picks and return its tcp:// address. The port is bound from
+    here on, so nothing can take it between choosing and joining (a port probed free and released can be)."""
+    store = dist.TCPStore(
+        host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    address = f"tcp://{host}:{store.port}"
+    _held_stores[address] = store
+    return address
+
+
+def _store(init_method: str, timeout_s: float) -> dist.Store:
+    """The store at `init_method`: the one this process hosts (open_rendezvous), else a client of it."""
+    held = _held_stores.pop(init_method, None)
+    if held is not None:
+        return held
+    match = re.fullmatch(r"tcp://(.+):(\d+)", init_method)
+    if match is None:
+        raise ValueError(f"rendezvous address {init_method!r} is not tcp://HOST:PORT")
+    return dist.TCPStore(
+        match[1], int(match[2]), is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
 def init_distributed(init_method: str, rank: int, world_size: int, timeout_s: float) -> torch.device:
-    """Join the world at `init_method` (e.g. tcp://host:port); return this rank's device (cuda if it has one)."""
+    """Join the world whose store is at `init_method` (tcp://host:port, hosted by `open_rendezvous`); return this
+    rank's device (cuda if it has one)."""
     if init_method.startswith("tcp://127.0.0.1:"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # keep gloo's sockets on loopback
     if torch.cuda.is_available():
@@ -59,7 +88,7 @@ def init_distributed(init_method: str, rank: int, world_size: int, timeout_s: fl
         backend, device = "gloo", torch.device("cpu")
     dist.init_process_group(
         backend,
-        init_method=init_method,
+        store=_store(init_method, timeout_s),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
