@@ -38,7 +38,7 @@ from loopline.runtime.ranks import (
 )
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerGroup
-from loopline.training.critic import RewardTrainer, ScalarModel
+from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
 from loopline.training.policy import PolicyStepStats, PolicyTrainer, StepStats, behaviour_logprobs
 from loopline.training.policy import sequence_logprobs as summed_logprobs
@@ -162,7 +162,7 @@ class ActorWorker:
         model = shard_critic(model, self.mesh["dp"])
         self.reward = RewardTrainer(model, cfg, total_steps, group=self.mesh["dp"].get_group())
 
-    def reward_step(self, pairs: PairBatch) -> StepStats:
+    def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One Bradley-Terry step of the reward model on this rank's pairs."""
         return _reward(self.reward).step(_pairs_to(pairs, self.device))
 
@@ -353,7 +353,7 @@ class ActorRole:
         weights = _reward_model(self.policy()).state_dict()  # one copy for all ranks
         self.group.call("start_reward", self.group.put(weights), cfg, total_steps)
 
-    def reward_step(self, pairs: PairBatch) -> StepStats:
+    def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         slices = self._pair_slices(pairs)
         return self.group.call_each("reward_step", [(s,) for s in slices])[0]  # same on all ranks
 

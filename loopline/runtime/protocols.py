@@ -20,7 +20,7 @@ from loopline.config import CriticConfig, DPOConfig, OptimConfig, RewardModelCon
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.rollout.engine import Completion, SamplingParams
-from loopline.training.critic import ScalarModel, ValueBatch, ValueStepStats
+from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
 from loopline.training.policy import PolicyStepStats, StepStats
 
 
@@ -74,7 +74,7 @@ class Actor(Protocol):
         optimizer and LR schedule (the policy's own optimizer is left alone)."""
         ...
 
-    def reward_step(self, pairs: PairBatch) -> StepStats:
+    def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One optimizer step of the reward model's Bradley-Terry loss."""
         ...
 

@@ -23,7 +23,7 @@ from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import CriticConfig, RewardModelConfig
 from loopline.training.parallel import all_reduce_sum
-from loopline.training.policy import StepStats, build_optimizer, optimizer_step
+from loopline.training.policy import build_optimizer, optimizer_step
 
 
 class ScalarModel(nn.Module):
@@ -177,6 +177,27 @@ class CriticTrainer:
         )
 
 
+@dataclass
+class RewardStepStats:
+    """What one reward-model step reports (RewardTrainer.step); every value a mean over the global batch's pairs."""
+
+    loss: float  # the Bradley-Terry loss (with rm.margin and centring)
+    grad_norm: float  # before clipping; not finite when the update was skipped
+    lr: float
+    pair_accuracy: float  # fraction of pairs scored chosen > rejected (a tie counts half)
+    reward_margin: float  # score of chosen minus rejected
+    reward_mean: float  # mean score of chosen and rejected
+
+    @property
+    def extra(self) -> dict[str, float]:
+        """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
+        return {
+            "pair_accuracy": self.pair_accuracy,
+            "reward_margin": self.reward_margin,
+            "reward_mean": self.reward_mean,
+        }
+
+
 def pairwise_accuracy(chosen: torch.Tensor, rejected: torch.Tensor) -> float:
     """Fraction of pairs scored chosen > rejected, a tie counting half (an untrained head scores 50%)."""
     return float((chosen > rejected).float().mean() + 0.5 * (chosen == rejected).float().mean())
@@ -206,7 +227,7 @@ class RewardTrainer:
             parts = split_rows(batch, self.cfg.micro_batch_size)
             return torch.cat([self.model.last_token_scores(m) for m in parts])
 
-    def step(self, pairs: PairBatch) -> StepStats:
+    def step(self, pairs: PairBatch) -> RewardStepStats:
         """One optimizer step of the Bradley-Terry loss (margin = the pair's + rm.margin, centring)."""
         self.model.train()
         sums = {"loss": 0.0, "pair_accuracy": 0.0, "reward_margin": 0.0, "reward_mean": 0.0}
@@ -228,8 +249,7 @@ class RewardTrainer:
         if self.group is not None:  # each rank holds its share of each global mean
             total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
             sums = dict(zip(sums, total.tolist()))
-        mean_loss = sums.pop("loss")
-        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        return RewardStepStats(grad_norm=grad_norm, lr=lr, **sums)
 
 
 class RewardModelScorer:

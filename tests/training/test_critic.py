@@ -113,7 +113,7 @@ def test_reward_model_learns_the_pairs_and_round_trips(small_model, tmp_path):
     assert first.loss == pytest.approx(math.log(2), abs=1e-6)  # zero head: sigmoid(0) for every pair
     for _ in range(39):
         last = trainer.step(pairs)
-    assert last.extra["pair_accuracy"] == 1.0 and last.loss < 0.3
+    assert last.pair_accuracy == 1.0 and last.loss < 0.3
     model.save(tmp_path / "rm")
     loaded = ScalarModel.load(tmp_path / "rm")
     torch.testing.assert_close(

@@ -441,9 +441,10 @@ def test_reward_step_pinned(micro, order):
         0.09 + 1.44
     ) / 2
     assert stats.loss == pytest.approx(want, rel=1e-5)
-    assert stats.extra["pair_accuracy"] == pytest.approx(0.25)
-    assert stats.extra["reward_margin"] == pytest.approx(-0.75)
-    assert stats.extra["reward_mean"] == pytest.approx(0.225)
+    assert stats.pair_accuracy == pytest.approx(0.25)
+    assert stats.reward_margin == pytest.approx(-0.75)
+    assert stats.reward_mean == pytest.approx(0.225)
+    assert list(stats.extra) == ["pair_accuracy", "reward_margin", "reward_mean"]  # the metrics row's order
 
 
 def test_critic_step_with_a_data_parallel_group_of_one_rank(tmp_path):
