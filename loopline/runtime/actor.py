@@ -40,7 +40,13 @@ from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerGroup
 from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
-from loopline.training.policy import PolicyStepStats, PolicyTrainer, StepStats, behaviour_logprobs
+from loopline.training.policy import (
+    DPOStepStats,
+    PolicyStepStats,
+    PolicyTrainer,
+    SFTStepStats,
+    behaviour_logprobs,
+)
 from loopline.training.policy import sequence_logprobs as summed_logprobs
 
 B = TypeVar("B", bound=TokenBatch)
@@ -124,7 +130,7 @@ class ActorWorker:
             trained, sampled = behaviour_logprobs(self.model, to_device(batch, self.device), temperature)
         return trained.cpu(), sampled.cpu()
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
         return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
@@ -139,7 +145,7 @@ class ActorWorker:
         with torch.no_grad():
             return summed_logprobs(self.model, to_device(batch, self.device)).cpu()
 
-    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
         return _started(self.trainer).dpo_step(_pairs_to(pairs, self.device), cfg)
 
@@ -315,7 +321,7 @@ class ActorRole:
         dp = outs[:: self.tp]
         return torch.cat([t for t, _ in dp]), torch.cat([s for _, s in dp])
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
         slices = self._slices(batch)
         return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
 
@@ -345,7 +351,7 @@ class ActorRole:
             return (self._reference().logprobs(batch) * batch.response_mask).sum(dim=1)
         return self._per_row("sequence_logprobs", batch)
 
-    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         slices = self._pair_slices(pairs)
         return self.group.call_each("dpo_step", [(s, cfg) for s in slices])[0]  # same on all ranks
 

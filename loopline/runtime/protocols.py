@@ -21,7 +21,7 @@ from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
-from loopline.training.policy import PolicyStepStats, StepStats
+from loopline.training.policy import DPOStepStats, PolicyStepStats, SFTStepStats
 
 
 class Actor(Protocol):
@@ -50,7 +50,7 @@ class Actor(Protocol):
         behaviour policy) and at `temperature` (what an engine sampling at it reports)."""
         ...
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats: ...
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats: ...
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective at this step's KL coefficient."""
@@ -65,7 +65,7 @@ class Actor(Protocol):
         of any size), or under the frozen reference (a batch that splits evenly over the ranks)."""
         ...
 
-    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One optimizer step of dpo.loss; the pairs carry their reference log-probs."""
         ...
 

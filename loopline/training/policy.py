@@ -170,13 +170,17 @@ def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
 
 
 @dataclass
-class StepStats:
-    """What one optimizer step reports: SFT (no extra), DPO (its statistics by metrics-row name)."""
+class SFTStepStats:
+    """What one SFT step reports (PolicyTrainer.sft_step): the token-mean cross-entropy over the global batch."""
 
-    loss: float
-    grad_norm: float
+    loss: float  # token mean of the response tokens' NLL
+    grad_norm: float  # before clipping; not finite when the update was skipped
     lr: float
-    extra: dict[str, float]
+
+    @property
+    def extra(self) -> dict[str, float]:
+        """None besides loss, grad_norm and lr: the same interface as the other step stats."""
+        return {}
 
 
 @dataclass
@@ -196,6 +200,34 @@ class PolicyStepStats:
     def extra(self) -> dict[str, float]:
         """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
         names = ("policy_loss", "kl", "entropy", "clip_fraction", "approx_kl")
+        return {name: getattr(self, name) for name in names}
+
+
+@dataclass
+class DPOStepStats:
+    """What one DPO step reports (PolicyTrainer.dpo_step); every value a mean over the global batch's pairs."""
+
+    loss: float  # the objective: pref_loss + dpo.nll_coef * chosen_nll
+    grad_norm: float  # before clipping; not finite when the update was skipped
+    lr: float
+    pref_loss: float  # the dpo.loss term alone
+    chosen_nll: float  # the chosen completion's per-token NLL (RPO's anchor)
+    pref_accuracy: float  # fraction of pairs whose implicit reward ranks chosen above rejected
+    reward_margin: float  # implicit reward of chosen minus rejected
+    chosen_reward: float  # implicit reward beta * (log p - log p_ref) of the chosen completion
+    rejected_reward: float  # the same of the rejected completion
+
+    @property
+    def extra(self) -> dict[str, float]:
+        """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
+        names = (
+            "pref_loss",
+            "chosen_nll",
+            "pref_accuracy",
+            "reward_margin",
+            "chosen_reward",
+            "rejected_reward",
+        )
         return {name: getattr(self, name) for name in names}
 
 
@@ -242,7 +274,7 @@ class PolicyTrainer:
     def _step(self) -> tuple[float, float]:
         return optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> StepStats:
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked)."""
         self.model.train()
         totals = self._totals(batch)
@@ -254,8 +286,7 @@ class PolicyTrainer:
             (loss * _share(micro, totals, "token_mean")).backward()
             total += float(loss.detach()) * _share(micro, totals, "token_mean")
         grad_norm, lr = self._step()
-        mean_loss = self._global_sums({"loss": total})["loss"]
-        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra={})
+        return SFTStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums({"loss": total}))
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective (self.loss) at this step's KL coefficient."""
@@ -301,7 +332,7 @@ class PolicyTrainer:
         grad_norm, lr = self._step()
         return PolicyStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums(sums))
 
-    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> StepStats:
+    def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""
         if pairs.ref_chosen is None or pairs.ref_rejected is None:
             raise ValueError("dpo_step needs the pairs' reference log-probs (ref_chosen, ref_rejected)")
@@ -332,9 +363,7 @@ class PolicyTrainer:
             ):
                 sums[key] += float(value) * share
         grad_norm, lr = self._step()
-        sums = self._global_sums(sums)
-        mean_loss = sums.pop("loss")
-        return StepStats(loss=mean_loss, grad_norm=grad_norm, lr=lr, extra=sums)
+        return DPOStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums(sums))
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name (whole tensors; on rank 0 only when sharded) and LR schedule."""

@@ -145,12 +145,12 @@ def test_dpo_micro_batches_accumulate_and_the_first_loss_is_known(small_model, l
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-6, rtol=1e-4)
     # policy = reference: delta = 0, so sigmoid/robust give log 2, hinge 1, ipo (1 / (2 beta))^2 = 1
     expected = {"sigmoid": math.log(2), "robust": math.log(2), "hinge": 1.0, "ipo": 1.0}[loss]
-    assert stats[0].extra["pref_loss"] == pytest.approx(expected, rel=1e-5)
+    assert stats[0].pref_loss == pytest.approx(expected, rel=1e-5)
     # RPO term: the mean over pairs of the chosen completion's per-token NLL (the model is the reference)
     nll = float((-pairs.ref_chosen / pairs.chosen.response_mask.sum(1)).mean())
-    assert stats[0].extra["chosen_nll"] == pytest.approx(nll, rel=1e-5)
+    assert stats[0].chosen_nll == pytest.approx(nll, rel=1e-5)
     assert stats[0].loss == pytest.approx(expected + 0.3 * nll, rel=1e-5)
-    assert stats[0].extra["reward_margin"] == 0.0
+    assert stats[0].reward_margin == 0.0
 
 
 def test_dpo_steps_raise_the_margin(small_model):
@@ -159,7 +159,7 @@ def test_dpo_steps_raise_the_margin(small_model):
     cfg = DPOConfig(beta=0.5, micro_batch_size=6)
     for _ in range(20):
         stats = trainer.dpo_step(pairs, cfg)
-    assert stats.extra["pref_accuracy"] == 1.0 and stats.extra["reward_margin"] > 0
+    assert stats.pref_accuracy == 1.0 and stats.reward_margin > 0
 
 
 def test_reward_model_scorer_ends_completions_with_eos(small_model, tokenizer):

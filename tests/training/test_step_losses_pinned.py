@@ -279,12 +279,16 @@ def test_dpo_step_pinned(loss, micro):
     cfg = DPOConfig(loss=loss, beta=0.5, nll_coef=0.1, label_smoothing=smoothing, micro_batch_size=micro)
     stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(_pairs(), cfg)
     nll = (math.log(12) / 2 + LN2) / 2
-    assert stats.extra["pref_loss"] == pytest.approx(DPO_CASES[loss], rel=1e-5)
-    assert stats.extra["chosen_nll"] == pytest.approx(nll, rel=1e-5)
+    assert stats.pref_loss == pytest.approx(DPO_CASES[loss], rel=1e-5)
+    assert stats.chosen_nll == pytest.approx(nll, rel=1e-5)
     assert stats.loss == pytest.approx(DPO_CASES[loss] + 0.1 * nll, rel=1e-5)
-    assert stats.extra["pref_accuracy"] == 0.5 and stats.extra["reward_margin"] == pytest.approx(0.25)
-    assert stats.extra["chosen_reward"] == pytest.approx(0.125)
-    assert stats.extra["rejected_reward"] == pytest.approx(-0.125)
+    assert stats.pref_accuracy == 0.5 and stats.reward_margin == pytest.approx(0.25)
+    assert stats.chosen_reward == pytest.approx(0.125)
+    assert stats.rejected_reward == pytest.approx(-0.125)
+    # the metrics row's statistics between loss and grad_norm, in the row's order
+    assert list(stats.extra) == [
+        "pref_loss", "chosen_nll", "pref_accuracy", "reward_margin", "chosen_reward", "rejected_reward"
+    ]  # fmt: skip
 
 
 def test_dpo_step_gradient_and_lr_do_not_depend_on_micro_batching():
@@ -303,7 +307,7 @@ def test_dpo_step_counts_a_tie_as_no_win():
     pairs.ref_chosen = sequence_logprobs(TableLM(), pairs.chosen).detach()
     pairs.ref_rejected = sequence_logprobs(TableLM(), pairs.rejected).detach()
     stats = PolicyTrainer(TableLM(), OPTIM, total_steps=1).dpo_step(pairs, DPOConfig(nll_coef=0.0))
-    assert stats.extra["pref_accuracy"] == 0.0 and stats.loss == pytest.approx(math.log(2.0), rel=1e-6)
+    assert stats.pref_accuracy == 0.0 and stats.loss == pytest.approx(math.log(2.0), rel=1e-6)
 
 
 def test_dpo_step_needs_reference_log_probs():
