@@ -27,6 +27,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, in_bundle, kill, start_actor
+
 if TYPE_CHECKING:
     from loopline.runtime.placement import Pool
 
@@ -69,12 +71,6 @@ def _master_address() -> tuple[str, int]:
     import ray.util
 
     return ray.util.get_node_ip_address(), _free_port()
-
-
-def _in_bundle(pool: Pool, i: int) -> Any:
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    return PlacementGroupSchedulingStrategy(pool.placement_group, placement_group_bundle_index=i)
 
 
 def _check_role(role: str, pool: Pool) -> None:
@@ -167,9 +163,8 @@ class WorkerGroup:
             )
         _check_role(role, pool)
         # Rendezvous address: rank 0's node and a port free there (asked on that node, which may be remote).
-        probe = (
-            ray.remote(num_cpus=0)(_master_address).options(scheduling_strategy=_in_bundle(pool, 0)).remote()
-        )
+        where = in_bundle(pool.placement_group, 0)
+        probe = ray.remote(num_cpus=0, scheduling_strategy=where)(_master_address).remote()
         self._master = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
         self._spawn = (init_args, init_kwargs, env_vars, max_restarts)
         self._places = [(pool, i) for i in range(n)]
@@ -184,29 +179,18 @@ class WorkerGroup:
 
     def _start_rank(self, i: int, nodes: list[str]) -> Any:
         """Start the actor of rank i in its place (pool, bundle); `nodes` holds the node of every rank's bundle."""
-        import ray
-
         pool, bundle = self._places[i]
         init_args, init_kwargs, env_vars, max_restarts = self._spawn
-        share = pool.rank_resources()
-        options: dict[str, Any] = {
-            "num_cpus": share.pop("CPU", 0.0),
-            "num_gpus": share.pop("GPU", 0.0),
-            "max_restarts": max_restarts,
-        }
-        if "memory" in share:
-            options["memory"] = share.pop("memory")
-        options["resources"] = share
         addr, port = self._master
         local = _rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
-        return (
-            ray.remote(self.cls)
-            .options(
-                **options,
-                scheduling_strategy=_in_bundle(pool, bundle),
-                runtime_env={"env_vars": {**env_vars, **local}},
-            )
-            .remote(*init_args, **init_kwargs)
+        return start_actor(
+            self.cls,
+            init_args,
+            init_kwargs,
+            resources=pool.rank_resources(),
+            bundle=(pool.placement_group, bundle),
+            env_vars={**env_vars, **local},
+            max_restarts=max_restarts,
         )
 
     def _wait_ready(self, ranks: range | list[int]) -> None:
@@ -227,20 +211,16 @@ class WorkerGroup:
     def restart_rank(self, rank: int) -> None:
         """Kill rank `rank`'s actor (if still alive) and start a new one in its bundle, with the same arguments
         and environment; wait (at most timeout_s) until it is built. The other ranks are not touched."""
-        import ray
-
         self._ray_only("restart_rank")
         if not 0 <= rank < self.world_size:
             raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
-        ray.kill(self._ranks[rank], no_restart=True)
+        kill(self._ranks[rank])
         self._ranks[rank] = self._start_rank(rank, self._nodes())
         self._wait_ready([rank])
 
     def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
         """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;
         on failure the new ones are stopped and the group is as before."""
-        import ray
-
         self._ray_only("add_ranks")
         for pool, _ in places:
             _check_role(self.role, pool)
@@ -253,23 +233,19 @@ class WorkerGroup:
                 self._ranks.append(self._start_rank(i, nodes))
             self._wait_ready(range(first, self.world_size))
         except BaseException:
-            for handle in self._ranks[first:]:
-                ray.kill(handle, no_restart=True)
+            kill(*self._ranks[first:])
             del self._ranks[first:], self._places[first:]
             self.world_size = first
             raise
 
     def remove_ranks(self, keep: int) -> list[tuple[Pool, int]]:
         """Stop the ranks from `keep` on (their actors are killed); return their places, last rank last."""
-        import ray
-
         self._ray_only("remove_ranks")
         if not 1 <= keep <= self.world_size:
             raise ValueError(
                 f"role '{self.role}': cannot keep {keep} of {self.world_size} ranks (1 at least)"
             )
-        for handle in self._ranks[keep:]:
-            ray.kill(handle, no_restart=True)
+        kill(*self._ranks[keep:])
         removed = self._places[keep:]
         del self._ranks[keep:], self._places[keep:]
         self.world_size = keep
@@ -354,14 +330,12 @@ class WorkerGroup:
         if self.backend == "local":
             return [self._result(f) for f in futures]
 
-        import ray
-
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = {f.ref: i for i, f in enumerate(futures)}
         results: dict[int, Any] = {}
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            ready = finished(list(pending), left)
             if not ready and deadline is not None and time.monotonic() < deadline:
                 continue  # Ray rounds the timeout to milliseconds and may return a little early
             if not ready:
@@ -374,8 +348,9 @@ class WorkerGroup:
                     f"did not finish within {timeout_s:g}s"
                     + (f" (also still running: {also})" if also else ""),
                 )
-            i = pending.pop(ready[0])
-            results[i] = self._result(futures[i])
+            for ref in ready:
+                i = pending.pop(ref)
+                results[i] = self._result(futures[i])
         return [results[i] for i in range(len(futures))]
 
     def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
@@ -401,26 +376,13 @@ class WorkerGroup:
                 return f.ref.result()
             except Exception as e:
                 raise WorkerError(self.role, f.rank, f.method, f"raised {type(e).__name__}: {e}") from e
-
-        import ray
-        from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
-
         try:
-            return ray.get(f.ref)
-        except RayTaskError as e:
-            cause = e.cause
-            raise WorkerError(
-                self.role, f.rank, f.method, f"raised {type(cause).__name__}: {cause}"
-            ) from cause
-        except ActorDiedError as e:
-            if e.actor_init_failed:  # the last line of Ray's traceback is "ErrorType: message"
-                last = e.error_msg.strip().splitlines()[-1]
-                raise WorkerError(self.role, f.rank, "__init__", f"raised {last}") from e
-            raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's actor died: {e.error_msg}") from e
-        except RayActorError as e:  # ActorUnavailableError: restarting, or its node is unreachable
-            raise WorkerDiedError(
-                self.role, f.rank, f.method, f"the rank's actor is unavailable ({type(e).__name__}): {e}"
-            ) from e
+            return get(f.ref)
+        except ActorRaised as e:
+            method = "__init__" if e.in_init else f.method
+            raise WorkerError(self.role, f.rank, method, f"raised {e}") from e.__cause__
+        except ActorGone as e:
+            raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's actor {e}") from e.__cause__
 
     # -----------------------------------------------------------------------------------------------------
     # Lifetime
@@ -429,10 +391,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Stop every rank (Ray actors are killed, without restart); safe to call twice."""
         if self.backend == "ray":
-            import ray
-
-            for handle in self._ranks:
-                ray.kill(handle, no_restart=True)
+            kill(*self._ranks)
         self._ranks = []
 
     def __enter__(self) -> WorkerGroup:

@@ -1,0 +1,86 @@
+"""Ray actors started, waited on, told dead from raising, and killed: one copy for WorkerGroup and the env pool."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+class ActorRaised(Exception):
+    """A method of the actor raised (its constructor, when `in_init`); the message reads "Type: text"."""
+
+    def __init__(self, detail: str, in_init: bool = False) -> None:
+        super().__init__(detail)
+        self.in_init = in_init
+
+
+class ActorGone(Exception):
+    """The actor died or cannot be reached (restarting, or its node is lost); the message says which."""
+
+
+def in_bundle(placement_group: Any, index: int) -> Any:
+    """Ray's scheduling strategy for running in bundle `index` of `placement_group`."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=index)
+
+
+def start_actor(
+    cls: type,
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    resources: Mapping[str, float],
+    bundle: tuple[Any, int] | None = None,
+    env_vars: Mapping[str, str] | None = None,
+    max_restarts: int = 0,
+) -> Any:
+    """A new actor `cls(*args, **kwargs)` taking `resources` (CPU, GPU, memory, custom) in `bundle` (pg, index)."""
+    import ray
+
+    share = dict(resources)
+    options: dict[str, Any] = {
+        "num_cpus": share.pop("CPU", 0.0),
+        "num_gpus": share.pop("GPU", 0.0),
+        "max_restarts": max_restarts,
+    }
+    if "memory" in share:
+        options["memory"] = share.pop("memory")
+    if bundle is not None:
+        options["scheduling_strategy"] = in_bundle(*bundle)
+    if env_vars:
+        options["runtime_env"] = {"env_vars": dict(env_vars)}
+    return ray.remote(cls).options(**options, resources=share).remote(*args, **dict(kwargs or {}))
+
+
+def finished(refs: list[Any], timeout: float | None) -> list[Any]:
+    """The done ones of `refs`, in order, after waiting at most `timeout` s (None = no limit) for the first."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
+    return ray.wait(refs, num_returns=len(refs), timeout=0)[0] if ready else []
+
+
+def get(ref: Any) -> Any:
+    """A finished call's value; ActorRaised (caused by the method's exception) or ActorGone, other Ray errors as is."""
+    import ray
+    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        raise ActorRaised(f"{type(e.cause).__name__}: {e.cause}") from e.cause
+    except ActorDiedError as e:
+        if e.actor_init_failed:  # the last line of Ray's traceback is "ErrorType: message"
+            raise ActorRaised(e.error_msg.strip().splitlines()[-1], in_init=True) from e
+        raise ActorGone(f"died: {e.error_msg}") from e
+    except RayActorError as e:  # ActorUnavailableError: restarting, or its node is unreachable
+        raise ActorGone(f"is unavailable ({type(e).__name__}): {e}") from e
+
+
+def kill(*actors: Any) -> None:
+    """Kill these actors for good (no restart by Ray)."""
+    import ray
+
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
