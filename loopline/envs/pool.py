@@ -36,6 +36,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
+from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
 from loopline.section import Section
 
 logger = logging.getLogger(__name__)
@@ -475,7 +476,7 @@ class _LocalBackend:
 
 
 class _RayWorkerActor:
-    """Body of a Ray env worker actor (wrapped by ray.remote at pool start)."""
+    """Body of a Ray env worker actor (started by runtime.ray_actors.start_actor)."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn
@@ -508,32 +509,22 @@ class _RayBackend:
         # Reuse the Ray of this process if there is one; else join ray_address or start a local one.
         self.started_ray = start_ray(ClusterConfig(address=config.ray_address))
         # Workers must import loopline (fn is pickled by reference) even when it is not installed.
-        package_root = str(Path(__file__).resolve().parents[2])
-        self.options: dict[str, Any] = {
-            "max_restarts": 0,
-            "max_task_retries": 0,
-            "runtime_env": {"env_vars": {"PYTHONPATH": package_root}},
-        }
-        if bundles is None:
-            self.options.update(num_cpus=config.ray_num_cpus, resources=dict(config.ray_resources) or None)
-        else:  # the bundle reserves the resources; a worker only needs to run on its node
-            self.options.update(num_cpus=0)
+        self.env_vars = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # In a bundle the bundle reserves the resources; a worker only needs to run on its node.
+        self.resources = {"CPU": 0.0} if bundles else {**config.ray_resources, "CPU": config.ray_num_cpus}
         self.bundles = bundles
         self.load = [0] * (bundles.num_bundles if bundles else 0)  # live workers per bundle
-        self.actor_class = ray.remote(_RayWorkerActor)
         self.fn_ref = ray.put(fn)
 
     def start(self, name: str) -> _Worker:
-        options, bundle = dict(self.options), None
+        place, bundle = None, None
         if self.bundles is not None:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
             bundle = min(range(len(self.load)), key=self.load.__getitem__)
             self.load[bundle] += 1
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                self.bundles.placement_group, placement_group_bundle_index=bundle
-            )
-        actor = self.actor_class.options(**options).remote(self.fn_ref)
+            place = (self.bundles.placement_group, bundle)
+        actor = start_actor(
+            _RayWorkerActor, (self.fn_ref,), resources=self.resources, bundle=place, env_vars=self.env_vars
+        )
         return _Worker(name, _RayHandle(actor, pid_future=actor.pid.remote(), bundle=bundle))
 
     def submit(self, worker: _Worker, task: _Task) -> None:
@@ -549,15 +540,12 @@ class _RayBackend:
         if not waiting:
             time.sleep(timeout)
             return []
-        ready, _ = self.ray.wait(list(waiting), num_returns=1, timeout=timeout)
-        if ready:  # collect whatever else is ready too
-            ready, _ = self.ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
         events: list[_Event] = []
-        for future in ready:
+        for future in finished(list(waiting), timeout):
             worker, kind = waiting[future]
             try:
-                value = self.ray.get(future)
-            except self.ray.exceptions.RayError as e:  # actor died, node lost, ...
+                value = get(future)
+            except (ActorGone, ActorRaised, self.ray.exceptions.RayError) as e:  # actor died, node lost, ...
                 logger.debug("ray env worker %s failed: %s", worker.name, e)
                 events.append((worker, "dead", None))
                 continue
@@ -576,7 +564,7 @@ class _RayBackend:
         return True  # not cheap to ask Ray; a dead actor fails its next task, which is retried
 
     def kill(self, worker: _Worker) -> None:
-        self.ray.kill(worker.handle.actor, no_restart=True)
+        kill(worker.handle.actor)
         if worker.handle.bundle is not None:
             self.load[worker.handle.bundle] -= 1
             worker.handle.bundle = None
