@@ -125,6 +125,7 @@ class TransferPlan:
     classes: tuple[ClassPlan, ...]
     _src_index: dict[int, int] = field(repr=False, compare=False)
     _dst_index: dict[int, tuple[int, int]] = field(repr=False, compare=False)
+    _into: dict[int, tuple[Transfer, ...]] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         """Number of transfers, counted without expanding them."""
@@ -171,6 +172,10 @@ class TransferPlan:
         pos = self._dst_index.get(rank)
         if pos is None:
             return []
+        if params is None:  # all of them: expanded once per plan (the local sync runs them at every push)
+            if rank not in self._into:
+                self._into[rank] = tuple(self.transfers_to(rank, range(len(self.params))))
+            return list(self._into[rank])
         e, j = pos
         out: list[Transfer] = []
         for p in range(len(self.params)) if params is None else params:

@@ -1,8 +1,8 @@
 """Execute a transfer plan: trainer shards in, engine tensors filled, bitwise.
 
 Three ways to run one, all driven by the same `TransferPlan`:
-- `copy_in_process`: every rank's tensors live in this process (the local backend, tests), or
-  only the colocated transfers of one rank; plain tensor copies.
+- `copy_in_process`: the trainer's and the engines' tensors live in this process (the local backend's
+  sync, tests); plain tensor copies.
 - `sync_weights`: each rank of a torch.distributed world (gloo on CPU, any backend that has
   point-to-point) sends its shards straight to the engine ranks that need them, a bucket of
   parameters at a time, so staging memory is bounded by the bucket, never a second model.
@@ -101,23 +101,34 @@ def copy_in_process(
     plan: TransferPlan,
     shards: Mapping[int, Mapping[str, torch.Tensor]],
     targets: Mapping[int, Mapping[str, torch.Tensor]],
-    only_rank: int | None = None,
 ) -> int:
-    """Run the plan's transfers as tensor copies between tensors held in this process; returns bytes copied.
+    """Run the plan's transfers into the engine ranks of `targets` as tensor copies in this process; returns bytes.
 
-    `shards[rank][name]` are trainer shards, `targets[rank][name]` engine tensors. With `only_rank`,
-    copy just the transfers whose source and destination are both that rank (the colocated part).
+    `shards[rank][name]` are trainer shards, `targets[rank][name]` engine tensors, written in place: every engine
+    rank of the plan (a whole plan at once), or some (the local sync: each engine fills its own tensors).
     """
-    if only_rank is None:
-        transfers = plan.transfers()
-    else:
-        transfers = (t for t in plan.transfers_from(only_rank) if t.dst_rank == only_rank)
     copied = 0
     with torch.no_grad():
-        for t in transfers:
-            targets[t.dst_rank][t.name][t.dst_slice].copy_(shards[t.src_rank][t.name][t.src_slice])
-            copied += t.nbytes
+        for rank, tensors in targets.items():
+            if plan.dst_position(rank) is None:
+                raise ValueError(
+                    f"rank {rank} holds no engine shard in the plan (its engine ranks: {plan.dst_ranks.tolist()})"
+                )
+            for t in plan.transfers_to(rank):
+                _block(tensors[t.name], t.dst_slice).copy_(_block(shards[t.src_rank][t.name], t.src_slice))
+                copied += t.nbytes
     return copied
+
+
+def _block(tensor: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:
+    """`tensor[index]`; the tensor itself when the block is all of it (an unsharded trainer moves whole tensors,
+    and the local sync runs at every step: indexing every tensor would cost half as much as copying them)."""
+    if len(index) != tensor.dim():
+        return tensor[index]
+    for s, n in zip(index, tensor.shape):  # a plain loop: this runs once per tensor per push
+        if s.start != 0 or s.stop != n:
+            return tensor[index]
+    return tensor
 
 
 # ---------------------------------------------------------------------------------------------

@@ -220,6 +220,28 @@ def test_in_process_copy_is_bitwise(
             )
 
 
+def test_in_process_copy_fills_only_the_engine_ranks_given() -> None:
+    """The local sync: each engine copies its own part of the plan; a rank the plan has no engine on is refused."""
+    specs = [ParamSpec("a.q_proj.weight", (5, 3), F32), ParamSpec("a.o_proj.weight", (3, 5), F32)]
+    plan = plan_transfers(specs, TrainerLayout(2), EngineLayout(2, 2))  # engine ranks 2,3 and 4,5
+    gen = torch.Generator().manual_seed(0)
+    full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
+    shards = {m: {} for m in range(2)}
+    for p, s in enumerate(specs):
+        for m, shard in enumerate(_trainer_shards_by_torch(full[s.name], plan.tp_dims[p], 2, 1)):
+            shards[m][s.name] = shard
+    targets = {r: empty_engine_shards(plan, r) for r in (2, 3, 4, 5)}
+    for tensors in targets.values():
+        for t in tensors.values():
+            t.fill_(float("nan"))
+    copied = copy_in_process(plan, shards, {4: targets[4]})
+    assert copied == sum(t.nbytes for t in plan.transfers_to(4))
+    assert not any(t.isnan().any() for t in targets[4].values())
+    assert all(t.isnan().all() for r in (2, 3, 5) for t in targets[r].values())
+    with pytest.raises(ValueError, match="rank 1 holds no engine shard"):
+        copy_in_process(plan, shards, {1: targets[2]})
+
+
 # ---------------------------------------------------------------------------------------------
 # The checker is not vacuous
 # ---------------------------------------------------------------------------------------------
