@@ -191,7 +191,8 @@ class ActorWorker:
         self.sync.sync(self.plan, local_shards(self.model), None)
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
-        """The weights an engine in this process copies (the in-process sync): LoRA adapters folded in."""
+        """This rank's tensors as the in-process sync's source shards (one unsharded rank: whole, live), LoRA
+        adapters folded in: the plain names and values of the engine's model."""
         return merged_state_dict(self.model)  # = state_dict() without LoRA
 
     def weights(self) -> dict[str, torch.Tensor] | None:

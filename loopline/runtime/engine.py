@@ -69,9 +69,20 @@ class EngineWorker:
         self.sync.sync(self.plan, None, engine_tensors(self.engine.model))
         self.engine.version = version
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Copy whole weights in place (the in-process sync)."""
-        self.engine.update_weights(weights, version)
+    def copy_weights(
+        self,
+        shards: Mapping[int, Mapping[str, torch.Tensor]],
+        layout: Any,
+        version: int,
+        targets: tuple[int, ...],
+    ) -> None:
+        """This engine's part of the planned sync run in this process (the local sync): the plan's transfers copy
+        the trainer ranks' `shards` (rank -> name -> tensor, laid out as `layout`) into its tensors in place."""
+        from loopline.runtime.weight_sync import copy_in_process, engine_tensors
+
+        self.plan = sync_plan(self.plan, self.engine.model, layout, targets)
+        copy_in_process(self.plan, shards, {layout.size + self.rank: engine_tensors(self.engine.model)})
+        self.engine.version = version
 
     def weights(self) -> dict[str, torch.Tensor]:
         """This engine's whole weights (for checks: the sync delivered the trainer's bytes)."""

@@ -1,7 +1,8 @@
 """The weight sync between the actor's ranks and the rollout engines: one object, built with the roles.
 
-- `InProcessSync`: the actor's one rank and the engines live in this process (the local backend): the policy's
-  weights (LoRA adapters folded in) are copied into each engine's model in place.
+- `InProcessSync`: the actor's one rank and the engines live in this process (the local backend): each push runs
+  the same planned transfer (one unsharded trainer rank into the engines) as plain tensor copies, from the
+  policy's tensors (LoRA adapters folded in) into each engine's model in place; no process group.
 - `CollectiveSync` (ray): the trainer ranks form a torch.distributed world of their own (FSDP2, checkpoints); the
   sync runs over a separate gloo group (weight_sync.SyncGroup) of the trainer ranks (ranks 0..n-1) and the
   current engines (n..n+m-1), opened as a new generation whenever the engines change, so engines can die,
@@ -39,19 +40,25 @@ def sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int
 
 
 class InProcessSync:
-    """The actor's one rank and the engines in this process: each engine copies the policy's weights in place
-    (the whole state dict, adapters merged: the engine keeps a plain model)."""
+    """The planned transfer run as in-process copies: the actor's one rank and the engines live in this process."""
 
     def __init__(self, trainer: WorkerGroup, engines: WorkerGroup) -> None:
+        from loopline.runtime.resharding import TrainerLayout
+
         self.trainer, self.engines = trainer, engines
+        self.layout = TrainerLayout(fsdp=1)  # the one unsharded trainer rank: its shards are whole tensors
         self.generation = 0  # nothing to reconnect: every tensor is in this process
 
     def open(self) -> None:
         pass
 
     def push(self, version: int, targets: tuple[int, ...]) -> list[int]:
-        weights = self.trainer.call("engine_weights")[0]  # the live tensors: each engine copies them
-        self.engines.wait([self.engines.submit(i, "load_weights", weights, version) for i in targets])
+        # trainer rank -> its live tensors (adapters merged): the plan's sources, no copy until the engine's
+        shards = dict(enumerate(self.trainer.call("engine_weights")))
+        copies = [
+            self.engines.submit(i, "copy_weights", shards, self.layout, version, targets) for i in targets
+        ]
+        self.engines.wait(copies)
         return []
 
 

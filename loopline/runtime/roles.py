@@ -5,7 +5,7 @@ reference.ReferenceWorker; the scorer's env workers run runtime.scoring) under o
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
 - local: each group is one rank in this process (WorkerGroup's local backend), given the driver's objects: the
   actor trains `model` in place, the engine holds its own copy of the weights and samples from this process's
-  torch RNG, the weight sync copies in process, the scorer scores in this process.
+  torch RNG, the weight sync runs the planned transfer as in-process copies, the scorer scores in this process.
 - ray: the pools are placed (runtime.placement), each group is one Ray actor per bundle, the trainer ranks form
   their own torch.distributed world (FSDP2, TP), the critic and the reference worlds of their own placed like the
   actor, and the weight sync runs the planned transfer over a sync group of the trainer ranks and the engines.

@@ -1,5 +1,6 @@
 """The rollout role on the local backend: a one-rank WorkerGroup of the EngineWorker class Ray runs; the weight
-sync built with the roles copies the actor's weights into the engine's own copy, whatever actor it came from.
+sync built with the roles copies the actor's weights into the engine's own copy, whatever actor it came from, by
+running the planned transfer in process (LoRA adapters merged).
 (Its ray ranks and elastic engines: tests/runtime/test_elastic_engines.py; the generators: tests/checkpoint.)"""
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from loopline.config import load_config
 from loopline.rollout.engine import SamplingParams, TorchEngine
 from loopline.runtime.actor import ActorWorker
 from loopline.runtime.engine import EngineWorker
+from loopline.runtime.resharding import TrainerLayout, check_plan
 from loopline.runtime.roles import build_roles
+from loopline.runtime.weight_sync import engines_plan, param_specs
+from loopline.training.lora import merged_state_dict
 
 PROMPTS = [[5, 6, 7], [8, 9]]
 
@@ -63,3 +67,65 @@ def test_the_local_engines_and_scorer_cannot_resize(small_model, tokenizer):
     with pytest.raises(ValueError, match="runtime.backend=ray"):
         roles.scorer.resize(2)
     assert roles.scorer.take_stats() == {}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The local sync runs the planned transfer in process
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _stale(engine: TorchEngine, trainer: dict[str, torch.Tensor]) -> list[str]:
+    """The engine's parameters whose bytes differ from the trainer's (merged) weights of the same name."""
+    return [
+        n
+        for n, p in engine.model.named_parameters()
+        if not torch.equal(p.detach().view(torch.uint8), trainer[n].view(torch.uint8))
+    ]
+
+
+def _move_every_weight(model: torch.nn.Module) -> None:
+    """Move every trainer tensor (LoRA adapters and frozen base weights too), so each one needs the sync."""
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.01)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_local_sync_runs_the_plan_into_every_engine_parameter_bitwise(small_model, tokenizer, lora):
+    cfg = load_config(overrides=["model.lora.r=4"] if lora else [])
+    roles = build_roles(cfg, small_model, tokenizer)
+    worker = roles.rollout.group.local()
+    engine = worker.engine
+    _move_every_weight(small_model)
+    merged = merged_state_dict(small_model)  # the plain names the engine has, adapters folded in
+    names = [n for n, _ in engine.model.named_parameters()]
+    assert _stale(engine, merged) == names  # every parameter must be synced: one the plan missed would show
+    roles.rollout.update_weights(version=7)
+    assert engine.version == 7 and _stale(engine, merged) == []
+    assert all(torch.equal(engine.model.state_dict()[k], v) for k, v in merged.items())  # tied aliases too
+    plan = worker.plan  # the planner's plan, one unsharded trainer rank into the engine, checked exact
+    assert plan.trainer == TrainerLayout(fsdp=1) and [s.name for s in plan.params] == names
+    assert check_plan(plan).exact
+    shared = {t.data_ptr() for t in small_model.state_dict().values()}
+    assert not any(
+        p.data_ptr() in shared for p in engine.model.parameters()
+    )  # copies, not the trainer's tensors
+
+
+def test_a_plan_that_skips_a_parameter_leaves_it_stale(small_model, tokenizer, monkeypatch):
+    """The check above is not vacuous: a plan without one parameter leaves exactly that one behind."""
+    import loopline.runtime.engine as engine_module
+
+    dropped = "model.layers.1.mlp.down_proj.weight"
+
+    def without_one(plan, model, layout, targets):
+        specs = [s for s in param_specs(model) if s.name != dropped]
+        return engines_plan(specs, layout, tuple(targets))
+
+    monkeypatch.setattr(engine_module, "sync_plan", without_one)
+    roles = build_roles(load_config(overrides=[]), small_model, tokenizer)
+    engine = roles.rollout.group.local().engine
+    _move_every_weight(small_model)
+    roles.rollout.update_weights(version=1)
+    assert _stale(engine, merged_state_dict(small_model)) == [dropped]
