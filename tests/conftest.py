@@ -9,6 +9,7 @@ reason starts with GPU_ONLY stay skips: a machine without a GPU cannot run them.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import ModuleType
@@ -26,6 +27,12 @@ if TYPE_CHECKING:
 
 # Ray reads this once, on import: every Ray node of the tests listens on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# A suite started in the background of a non-interactive shell (`cmd &` in a script, as CI may) inherits SIGINT
+# ignored (POSIX), and so would every `loopline` it starts: the SIGINT tests would wait for a signal that never
+# arrives. A Python handler here is reset to the default in each child at exec, so they get SIGINT again.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The models here are tiny: one thread is as fast as two, and does not fight the other test process
 # on a 2-core machine (oversubscribed, the same tests run 5-10x slower).
