@@ -228,7 +228,6 @@ MODULE_LAYERS = {
     ),
     **dict.fromkeys(
         [
-            "tests/checkpoint/test_resume_ray.py",
             "tests/envs/test_pool.py",
             "tests/runtime/test_elastic_engines.py",
             "tests/runtime/test_fault_ray.py",

@@ -3,7 +3,7 @@
 On the session's Ray (tests/conftest.py): the group frozen from whole weights gives the log-probs of the same model in this process
 (within 1e-5, rows split over the ranks); its DCP shards (one file per rank) read back into a second group
 started from other weights give the same log-probs again. GRPO's use of it (KL, checkpoints, exact resume)
-is tested end to end in tests/checkpoint/test_resume_ray.py.
+is tested end to end in tests/runtime/test_train_ray.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,29 @@
 """`loopline train` on the ray backend: 2 FSDP2 trainer ranks, 1 engine, 2 env workers on a local Ray.
 
-The session's one Ray (tests/conftest.py) holds both ray runs. A short run
-through the real CLI must finish, write its metrics, move the weights in SFT and in GRPO, and agree
-with the local backend where the two must agree: the SFT losses (same data, same initial weights;
-the ranks each take half of every batch) and the greedy held-out eval after SFT (which runs on the
-engine, so the planned weight sync delivered the trained weights). GRPO samples on the engine's own
-RNG, so there the check is that the first-step loss is close, not equal. Then --resume with more steps
-continues from the ray checkpoint. Every call on a worker group is bounded by runtime.call_timeout_s.
+The session's one Ray (tests/conftest.py) holds every ray run here. A short run through the real CLI must
+finish, write its metrics, move the weights in SFT and in GRPO, and agree with the local backend where the
+two must agree: the SFT losses (same data, same initial weights; the ranks each take half of every batch)
+and the greedy held-out eval after SFT (which runs on the engine, so the planned weight sync delivered the
+trained weights). GRPO samples on the engine's own RNG, so there the check is that the first-step loss is
+close, not equal. Every call on a worker group is bounded by runtime.call_timeout_s.
+
+The same ray run is the uninterrupted reference of the exact-resume test: `loopline train` SIGKILLed
+inside GRPO (held by the LOOPLINE_PAUSE_AT hook) and resumed with --resume must end bitwise equal to it:
+both ranks' policy, optimizer and reference shards, the gathered weights, the engine's sampling generator
+and every metrics row. Then that 2-rank checkpoint resumes on the local backend (one rank): the reference
+shards are resharded like the policy's, and the run says that it cannot replay the engine's samples. The
+killed launch is a process of its own that joins this Ray by address, so its actors die with it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -37,6 +47,7 @@ SMALL = [
     "grpo.entropy_coef=0.01", "grpo.kl_coef=0.01", "grpo.eval_every=0",
     "eval.num_prompts=16", "eval.batch_size=16",
     "checkpoint_every=2", "progress=false", "tensorboard=false", "threads=1", "seed=3",
+    "deterministic=true",  # bitwise: the exact-resume test compares a killed and resumed run with this one
 ]  # fmt: skip
 pytestmark = pytest.mark.slow
 
@@ -44,6 +55,8 @@ RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
     "runtime.call_timeout_s=180",  # actor start-up (a new process importing torch) under a loaded CI
 ]  # fmt: skip
+FINAL = "grpo-000003"
+RUN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +123,91 @@ def test_ray_run_agrees_with_the_local_backend(runs: dict[str, Path]) -> None:
     assert g_ray[1]["entropy"] == pytest.approx(g_local[1]["entropy"], rel=0.05)
 
 
-def test_ray_run_resumes_from_its_checkpoint(runs: dict[str, Path], tmp_path: Path) -> None:
-    # on a copy: the resumed run prunes old checkpoints (keep_last), which the other tests read, in any order
-    run = tmp_path / "ray"
-    shutil.copytree(runs["ray"], run)
-    more = [f"out_dir={run}", *SMALL, *RAY, "grpo.steps=4", "grpo.kl_coef=0"]  # (KL resume needs the ref)
-    assert main(["train", "--resume", *more, "--allow-config-change"]) == 0  # grpo.kl_coef changes
-    grpo = _rows(run, "grpo")
-    assert sorted(grpo) == [0, 1, 2, 3, 4]
-    # the ranks continued from the checkpoint's weights (pushed to them), not from the initial ones
-    init = load_policy(load_config(overrides=SMALL).model, seed=3)[0].state_dict()
-    w3, w4 = _weights(run, "grpo-000003"), _weights(run, "grpo-000004")
+def _wait_for_free_cpus(timeout_s: float = 60.0) -> None:
+    """Until Ray has ended the killed driver's actors and placement groups: every CPU free again."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, (
+            f"the killed run's resources were not freed: {ray.available_resources()}"
+        )
+        time.sleep(0.2)
+
+
+def _kill_at(run: Path, point: str) -> None:
+    """Start `loopline train` on this Ray in a process of its own, wait until it is held at `point`, SIGKILL it."""
+    import ray
+
+    markers = run.parent / f"markers-{run.name}"
+    marker = markers / f"{point.replace(':', '_')}.paused"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
+    env.update(LOOPLINE_PAUSE_AT=point, LOOPLINE_PAUSE_DIR=str(markers))
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "loopline.cli", "train", *SMALL, *RAY, f"runtime.cluster.address={address}"]
+    proc = subprocess.Popen(
+        [*cmd, f"out_dir={run}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not marker.exists():
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"run ended (rc {proc.returncode}) before {point}: {proc.stderr.read()[-3000:]}"
+                )
+            assert time.monotonic() < deadline, f"run did not reach {point} within {RUN_TIMEOUT_S}s"
+            time.sleep(0.1)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _steady(run: Path) -> list[dict]:
+    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
+        for r in read_metrics(run)
+    ]
+
+
+def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
+    runs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = tmp_path / "run"
+    _kill_at(run, "step:grpo:3")  # step 3 logged, its checkpoint not written
+    assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
+    _wait_for_free_cpus()
+    assert main(["train", "--resume", *SMALL, *RAY, f"out_dir={run}"]) == 0
+
+    a, b = run / "checkpoints" / FINAL, runs["ray"] / "checkpoints" / FINAL
+    names = ["model/model.safetensors", "state.json"]
+    names += [f"{part}/__{rank}_0.distcp" for part in ("dcp", "reference") for rank in (0, 1)]
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    engines = [torch.load(c / "loop.pt", weights_only=False)["engine_rng"] for c in (a, b)]
+    assert len(engines[0]) == 1 and torch.equal(engines[0][0], engines[1][0])
+    assert _steady(run) == _steady(runs["ray"])
+    resumed = read_full_state(a / "dcp")  # the ranks' DCP shards, whole
+    assert resumed["scheduler"]["last_epoch"] == 3 and len(resumed["optim"]["state"]) > 0
+    # the resumed step measured KL to the saved reference, not to itself
+    assert _rows(run, "grpo")[3]["kl"] > 0
+
+    # the reference the ranks saved is the policy as GRPO started: the weights after SFT
+    sft = _weights(run, "sft-000004")
+    saved_reference = read_full_state(a / "reference")["model"]
+    for name, weights in sft.items():
+        assert torch.equal(saved_reference[name], weights), name
+
+    # 2 ranks -> 1: the local backend reshards policy and reference, and cannot replay the engine's samples
+    # (--resume starts from the saved config, which is ray: the backend is changed explicitly)
+    local = ["runtime.backend=local", "runtime.trainer_ranks=1"]
+    with caplog.at_level(logging.WARNING, logger="loopline.loops.grpo"):
+        assert main(["train", "--resume", *SMALL, *local, "grpo.steps=4", f"out_dir={run}"]) == 0
+    assert "does not replay the uninterrupted one exactly" in caplog.text
+    step4 = _rows(run, "grpo")[4]
+    assert 0 < step4["kl"] < 1.0
+    w3, w4 = _weights(run, FINAL), _weights(run, "grpo-000004")
     step = max(float((w4[k] - w3[k]).abs().max()) for k in w3)
-    assert 0 < step < 3e-3  # one AdamW step at lr 5e-4
-    assert max(float((w3[k] - init[k]).abs().max()) for k in w3) > 10 * step
-    resumed = read_full_state(run / "checkpoints" / "grpo-000004" / "dcp")  # the ranks' DCP shards, whole
-    assert resumed["scheduler"]["last_epoch"] == 4  # the LR schedule continued from step 3
-    assert len(resumed["optim"]["state"]) > 0  # the optimizer state, from the ranks' shards
+    assert 0 < step < 3e-3  # one AdamW step on from the 2-rank weights (not from a fresh init)
