@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
+from loopline.envs.config import EnvConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from loopline.rollout.config import EvalConfig, SamplingConfig
 from loopline.runtime.cluster import ClusterConfig
@@ -51,6 +52,7 @@ __all__ = [
     "CriticConfig",
     "DPOConfig",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "GRPOConfig",
     "LoRAConfig",
@@ -99,6 +101,7 @@ class RunConfig(Section):
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig, description="What scores the RL loop's completions.")
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (advantage=gae).")

@@ -18,7 +18,8 @@ from loopline.checkpoint.ledger import Ledger
 from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
-from loopline.data.tasks import arithmetic_validation, exact_match
+from loopline.data.tasks import arithmetic_validation
+from loopline.envs.single_turn import env_factory
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
@@ -76,6 +77,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)
+    env_factory(cfg.env.name)  # a user's env imports here first: a bad module fails before anything starts
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     limits = length_limits(cfg, model, tokenizer)
     train_rows, eval_rows, skipped = load_splits(cfg.data, cfg.seed, need_answer=need_answer, limits=limits)
@@ -166,22 +168,24 @@ def sync_engine(ctx: RunContext, version: int) -> None:
 
 
 def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, float]:
-    """Exact-match accuracy (greedy by default) and mean response length on `rows`, the held-out split by
-    default."""
+    """Accuracy (greedy by default; a response is correct when the env gives it a positive reward) and mean
+    response length on `rows`, the held-out split by default. The env scores on the env workers, as in RL."""
     rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts] if rows is None else rows
     if not rows:
         return {}
     params = sampling_params(ctx.cfg.eval.sampling, seed=ctx.cfg.seed)
     # eval must not move the training RNG: a run with evals samples exactly like one without
     saved = torch.get_rng_state()
-    correct, lengths = 0.0, 0
+    texts, answered, lengths = [], [], 0
     for start in range(0, len(rows), ctx.cfg.eval.batch_size):
         chunk = rows[start : start + ctx.cfg.eval.batch_size]
         prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in chunk]
         for c in ctx.rollout.generate(prompts, params, n=1):
-            correct += exact_match(c.text, chunk[c.prompt_index].answer)
+            texts.append(c.text)
+            answered.append(chunk[c.prompt_index])
             lengths += len(c.token_ids)
     torch.set_rng_state(saved)
+    correct = float((ctx.scorer.score(texts, answered) > 0).sum())
     return {"eval_accuracy": correct / len(rows), "eval_response_len": lengths / len(rows)}
 
 

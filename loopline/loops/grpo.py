@@ -107,8 +107,8 @@ def collect(
             prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
             completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
         with timer("score"):
-            answers = [rows[c.prompt_index].answer for c in completions]
-            verified = ctx.scorer.score([c.text for c in completions], answers)  # (B,)
+            answered = [rows[c.prompt_index] for c in completions]
+            verified = ctx.scorer.score([c.text for c in completions], answered)  # (B,) the env's rewards
             scores = reward(verified, [prompts[c.prompt_index] for c in completions], completions)  # (B,)
         n = cfg.group_size
         informative = (

@@ -69,7 +69,7 @@ def sample_policy_pairs(ctx: RunContext, rows: list[PromptRow], seed: int) -> li
         prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in part]
         completions = ctx.rollout.generate(prompts, params, n=k)  # k per prompt, contiguous
         verdicts = ctx.scorer.score(
-            [c.text for c in completions], [part[c.prompt_index].answer for c in completions]
+            [c.text for c in completions], [part[c.prompt_index] for c in completions]
         )
         for i in range(len(part)):
             samples.append([c.text for c in completions[i * k : (i + 1) * k]])

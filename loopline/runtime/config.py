@@ -37,7 +37,10 @@ class RuntimeConfig(Section):
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
     env_workers: int = Field(
-        1, gt=0, description="CPU scorer workers (ray); completions are split across them."
+        1,
+        gt=0,
+        description="Env workers (processes on local, Ray actors on ray); a step's completions are split "
+        "across them (env.name scores them).",
     )
     call_timeout_s: float = Field(
         600.0,
@@ -82,8 +85,10 @@ class RuntimeConfig(Section):
 
     @model_validator(mode="after")
     def _roles_fit(self) -> RuntimeConfig:
-        if self.backend == "local":
-            many = [f"{k}={v}" for k, v in self._ranks().items() if v > 1]
+        if (
+            self.backend == "local"
+        ):  # one rank per role in this process; the env workers are processes, any number
+            many = [f"{k}={v}" for k, v in self._ranks().items() if v > 1 and k != "env"]
             if many:
                 raise ValueError(
                     f"backend 'local' runs one rank per role; {', '.join(many)} needs backend=ray"

@@ -1,7 +1,7 @@
 """The roles a loop drives, as interfaces only (no implementations here).
 
 Each role has one worker class (a rank: runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
-reference.ReferenceWorker; the scorer's env workers run runtime.scoring) and one driver over the role's
+reference.ReferenceWorker; the scorer's env workers run envs.single_turn) and one driver over the role's
 WorkerGroup (runtime.actor.ActorRole, ...), the same code on either backend: locally the group is one rank in
 this process, on Ray one actor per rank. runtime.roles.build_roles starts them; the loops see these protocols.
 """
@@ -19,6 +19,7 @@ from loopline.checkpoint.state import CheckpointParts
 from loopline.config import CriticConfig, DPOConfig, OptimConfig, RewardModelConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
+from loopline.data.rows import PromptRow
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
 from loopline.training.policy import DPOStepStats, PolicyStepStats, SFTStepStats
@@ -135,15 +136,15 @@ class Rollout(Protocol):
 
 
 class Scorer(Protocol):
-    """The verifier: one reward per completion."""
+    """The env (`env.name`): one reward per completion, each scored against the prompt row it answers."""
 
-    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
+    def score(self, texts: list[str], rows: list[PromptRow]) -> torch.Tensor:
         """(B,) rewards, in the order of `texts`."""
         ...
 
     def resize(self, workers: int) -> None:
         """Run `workers` env workers from now on; takes effect within the step that is running (ValueError
-        where the scorer has no env workers)."""
+        below 1)."""
         ...
 
     def take_stats(self) -> dict[str, float]:

@@ -1,11 +1,11 @@
 """Start the roles of one run on cfg.runtime.backend: the one place that reads it.
 
 Every role is one worker class (runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
-reference.ReferenceWorker; the scorer's env workers run runtime.scoring) under one driver (ActorRole,
+reference.ReferenceWorker; the scorer's env workers run envs.single_turn) under one driver (ActorRole,
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
 - local: each group is one rank in this process (WorkerGroup's local backend), given the driver's objects: the
   actor trains `model` in place, the engine holds its own copy of the weights and samples from this process's
-  torch RNG, the weight sync runs the planned transfer as in-process copies, the scorer scores in this process.
+  torch RNG, the weight sync runs the planned transfer as in-process copies, the scorer's env workers are processes.
 - ray: the pools are placed (runtime.placement), each group is one Ray actor per bundle, the trainer ranks form
   their own torch.distributed world (FSDP2, TP), the critic and the reference worlds of their own placed like the
   actor, and the weight sync runs the planned transfer over a sync group of the trainer ranks and the engines.
@@ -79,7 +79,10 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     if cfg.grpo.advantage == "gae":
         critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
-    return Roles(ActorRole(trainer, model, reference), rollout, ScorerRole(), lambda: None, critic)
+    scorer = ScorerRole(
+        cfg.env.name, workers=cfg.runtime.env_workers
+    )  # processes; they start in the background
+    return Roles(ActorRole(trainer, model, reference), rollout, scorer, scorer.close, critic)
 
 
 def wants_reference(cfg: RunConfig) -> bool:
@@ -139,7 +142,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
 
     try:
         pools = place_pools(placement)
-        scorer = ScorerRole(pools["env"], rt.env_workers)  # its workers start in the background
+        scorer = ScorerRole(cfg.env.name, pools["env"], rt.env_workers)  # its workers start in the background
         workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),

@@ -33,6 +33,7 @@ GRPO_KEYS = {
     "clip_fraction", "grad_norm", "lr", "response_len_mean", "response_len_max", "truncated_fraction",
     "rollout_tokens_per_s", "train_tokens_per_s",
     "time_rollout", "time_score", "time_experience", "time_train", "time_sync",
+    "score_retries", "env_workers_replaced", "env_workers",  # the env pool: worker processes on local too
 }  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 The session's Ray (tests/conftest.py) with an env node {CPU: 1, env_node: 2} added for this file;
 each test places an env pool of {env_node: 1} bundles (workers ask for no CPU, so only placement keeps them
 off the head). Failures are real SIGKILLs of a worker's process and real hangs; the scores are compared
-with the local scorer's.
+with the env's rewards computed in the test process.
 """
 
 from __future__ import annotations
@@ -23,25 +23,26 @@ import pytest
 import ray
 import ray.cloudpickle
 
+from loopline.data.rows import PromptRow
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
+from loopline.envs.single_turn import score_chunk
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
 from loopline.runtime.scorer import ScorerRole, ScoringError
-from loopline.runtime.scoring import score_chunk
 
 # ---------------------------------------------------------------------------------------------------------
 # Chunk scorers run in the workers (pickled by value: workers cannot import this file)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def held_score_chunk(hold: str, chunk: tuple[list[str], list[str]]) -> list[float]:
-    """The verifier, once the file `hold` is gone (at most 60 s)."""
+def held_score_chunk(hold: str, chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
+    """The exact_match env, once the file `hold` is gone (at most 60 s)."""
     deadline = time.monotonic() + 60
     while os.path.exists(hold) and time.monotonic() < deadline:
         time.sleep(0.02)
-    return score_chunk(chunk)
+    return score_chunk("exact_match", chunk)
 
 
-def hang_once_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
+def hang_once_chunk(chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
     """Hangs on a text 'hang:PATH' the first time (PATH does not exist yet), or always on 'hang:always'."""
     for text in chunk[0]:
         if text == "hang:always":
@@ -52,7 +53,7 @@ def hang_once_chunk(chunk: tuple[list[str], list[str]]) -> list[float]:
     return [0.5 for _ in chunk[0]]
 
 
-def on_node_chunk(meet: str, chunk: tuple[list[str], list[str]]) -> list[float]:
+def on_node_chunk(meet: str, chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
     """1.0 for each text that is the id of the node this worker runs on.
 
     While the file `meet`/need names a count n, a chunk first checks in (a file `n-<pid>` in `meet`) and waits
@@ -92,11 +93,19 @@ def env_pool(env_node: str) -> Iterator[Pool]:
     remove_pools(pools)
 
 
-def _batch(n: int) -> tuple[list[str], list[str]]:
+def _rows(answers: list[str]) -> list[PromptRow]:
+    return [PromptRow(index=i, prompt=f"{i}?", answer=a) for i, a in enumerate(answers)]
+
+
+def _batch(n: int) -> tuple[list[str], list[PromptRow]]:
     """n completions, about a third of them right."""
-    texts = [f"so the answer is {i % 7}" for i in range(n)]
-    answers = [str(i % 3) for i in range(n)]
-    return texts, answers
+    texts = [f"{i % 7}" for i in range(n)]
+    return texts, _rows([str(i % 3) for i in range(n)])
+
+
+def _in_this_process(texts: list[str], rows: list[PromptRow]) -> list[float]:
+    """The exact_match env's rewards, computed here: what the workers must return."""
+    return score_chunk("exact_match", (texts, rows))
 
 
 def _ready(scorer: ScorerRole, n: int, timeout_s: float = 40.0) -> list[WorkerInfo]:
@@ -106,7 +115,7 @@ def _ready(scorer: ScorerRole, n: int, timeout_s: float = 40.0) -> list[WorkerIn
         workers = scorer.pool.workers()
         if len(workers) == n and all(w.pid is not None for w in workers):
             return workers
-        scorer.score(["0"], ["0"])  # the pool starts and watches its workers while it scores
+        scorer.score(["0"], _rows(["0"]))  # the pool starts and watches its workers while it scores
     raise AssertionError(f"{n} env workers did not start within {timeout_s:g}s: {scorer.pool.workers()}")
 
 
@@ -118,9 +127,11 @@ def _ready(scorer: ScorerRole, n: int, timeout_s: float = 40.0) -> list[WorkerIn
 def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
     env_pool: Pool, tmp_path: Path
 ) -> None:
-    texts, answers = _batch(48)
+    texts, rows = _batch(48)
     hold = tmp_path / "hold"
-    scorer = ScorerRole(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=3)
+    scorer = ScorerRole(
+        pool=env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=3
+    )
     try:
         before = {w.pid for w in _ready(scorer, 2)}
         scorer.take_stats()
@@ -139,7 +150,7 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
 
         killer = threading.Thread(target=kill_a_busy_worker)
         killer.start()
-        scores = scorer.score(texts, answers)
+        scores = scorer.score(texts, rows)
         killer.join()
         stats = scorer.take_stats()
         after = {w.pid for w in _ready(scorer, 2)}
@@ -147,7 +158,8 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
         scorer.close()
     assert len(killed) == 1 and killed[0] in before
     # one score per completion, in order, the same as in this process: the lost chunk was scored again
-    assert scores.tolist() == ScorerRole().score(texts, answers).tolist()
+    assert scores.tolist() == _in_this_process(texts, rows)
+    assert sum(scores.tolist()) == 9  # i % 7 == i % 3 for i < 48: 0, 1, 2, 21, 22, 23, 42, 43, 44
     assert stats == {"score_retries": 1.0, "env_workers_replaced": 1.0, "env_workers": 2.0}
     assert killed[0] not in after and len(after - before) == 1  # the dead worker was replaced
 
@@ -155,25 +167,27 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
 def test_hung_chunk_is_retried_on_another_worker_or_fails_naming_the_completions(
     env_pool: Pool, tmp_path: Path
 ) -> None:
-    scorer = ScorerRole(env_pool, workers=2, task_timeout_s=3.0, max_attempts=2, fn=hang_once_chunk)
+    scorer = ScorerRole(pool=env_pool, workers=2, task_timeout_s=3.0, max_attempts=2, fn=hang_once_chunk)
     try:
         _ready(scorer, 2)
         scorer.take_stats()
-        scores = scorer.score(["a", f"hang:{tmp_path / 'hung'}", "b", "c"], ["", "", "", ""])
+        scores = scorer.score(["a", f"hang:{tmp_path / 'hung'}", "b", "c"], _rows([""] * 4))
         assert scores.tolist() == [0.5] * 4
         assert scorer.take_stats()["score_retries"] == 1.0
         with pytest.raises(
             ScoringError, match=r"role 'env' score\(\): completions 2..3 got no score: .*timed out"
         ):
-            scorer.score(["a", "b", "hang:always", "c"], ["", "", "", ""])
+            scorer.score(["a", "b", "hang:always", "c"], _rows([""] * 4))
     finally:
         scorer.close()
 
 
 def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> None:
-    texts, answers = _batch(60)
+    texts, rows = _batch(60)
     hold = tmp_path / "hold"
-    scorer = ScorerRole(env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=10)
+    scorer = ScorerRole(
+        pool=env_pool, workers=2, fn=partial(held_score_chunk, str(hold)), chunks_per_worker=10
+    )
     try:
         first = {w.name for w in _ready(scorer, 2)}
         hold.touch()  # the workers' chunks wait: the step is still running when the third worker is up
@@ -190,15 +204,12 @@ def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> Non
 
         resizer = threading.Thread(target=resize)
         resizer.start()
-        scores = scorer.score(texts, answers)  # 20 chunks of 3
+        scores = scorer.score(texts, rows)  # 20 chunks of 3
         resizer.join()
         assert seen - first, "the added worker never took a chunk"
-        assert scores.tolist() == ScorerRole().score(texts, answers).tolist()
+        assert scores.tolist() == _in_this_process(texts, rows)
         assert scorer.pool.num_workers == 1 and len(scorer.pool.workers()) == 1
-        assert (
-            scorer.score(texts[:5], answers[:5]).tolist()
-            == ScorerRole().score(texts[:5], answers[:5]).tolist()
-        )
+        assert scorer.score(texts[:5], rows[:5]).tolist() == _in_this_process(texts[:5], rows[:5])
         assert scorer.take_stats() == {"score_retries": 0.0, "env_workers_replaced": 0.0, "env_workers": 1.0}
     finally:
         scorer.close()
@@ -209,25 +220,34 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
 ) -> None:
     need = tmp_path / "need"  # while it exists, each chunk waits until that many workers hold one
     # 3 workers in 2 bundles
-    scorer = ScorerRole(env_pool, workers=3, fn=partial(on_node_chunk, str(tmp_path)))
+    scorer = ScorerRole(pool=env_pool, workers=3, fn=partial(on_node_chunk, str(tmp_path)))
     try:
         workers = _ready(scorer, 3)
         need.write_text("3")
-        assert scorer.score([env_node] * 3, [""] * 3).tolist() == [1.0, 1.0, 1.0]  # 3 chunks, one per worker
+        assert scorer.score([env_node] * 3, _rows([""] * 3)).tolist() == [
+            1.0,
+            1.0,
+            1.0,
+        ]  # 3 chunks, one per worker
         assert {int(p.name[2:]) for p in tmp_path.glob("3-*")} == {w.pid for w in workers}
         need.unlink()
         scorer.resize(4)
         workers = _ready(scorer, 4)
         need.write_text("4")
-        assert scorer.score([env_node] * 8, [""] * 8).tolist() == [1.0] * 8  # 4 chunks of 2
+        assert scorer.score([env_node] * 8, _rows([""] * 8)).tolist() == [1.0] * 8  # 4 chunks of 2
         assert {int(p.name[2:]) for p in tmp_path.glob("4-*")} == {w.pid for w in workers}
     finally:
         scorer.close()
 
 
 def test_bad_arguments_are_named() -> None:
-    with pytest.raises(ValueError, match="runtime.backend=ray"):
-        ScorerRole().resize(2)
-    assert ScorerRole().take_stats() == {}
+    scorer = ScorerRole(workers=1)  # the local backend: env worker processes
+    try:
+        with pytest.raises(ValueError, match="env workers must be >= 1"):
+            scorer.resize(0)
+        with pytest.raises(ValueError, match="2 texts but 1 rows"):
+            scorer.score(["a", "b"], _rows(["a"]))
+    finally:
+        scorer.close()
     with pytest.raises(ValueError, match="backend 'ray'"):
-        WorkerPool(score_chunk, EnvPoolConfig(backend="local"), RayBundles(None, 1))
+        WorkerPool(partial(score_chunk, "exact_match"), EnvPoolConfig(backend="local"), RayBundles(None, 1))

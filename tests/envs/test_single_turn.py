@@ -1,0 +1,101 @@
+"""Envs chosen by `env.name`, as the env workers run them: built-ins, a user's file or module, and envs that
+misbehave (each error names the env and the prompt)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loopline.config import ConfigError, load_config
+from loopline.data.rows import PromptRow
+from loopline.envs.single_turn import EnvError, env_factory, score_chunk
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
+ROWS = [PromptRow(0, "01+02=", "003"), PromptRow(1, "2+2=", "4"), PromptRow(2, "1/2=", "\\frac{1}{2}")]
+
+
+def test_builtin_envs_score_the_first_line_or_the_math() -> None:
+    texts = ["003\nmore", "5", "so \\boxed{0.5}"]
+    assert score_chunk("addition", (texts, ROWS)) == [1.0, 0.0, 0.0]
+    assert score_chunk("exact_match", (texts, ROWS)) == [1.0, 0.0, 0.0]
+    assert score_chunk("math", (texts, ROWS)) == [1.0, 0.0, 1.0]  # "003" is 3: equal as numbers
+
+
+def test_the_example_env_from_its_file_gives_partial_credit() -> None:
+    name = f"python:{EXAMPLE}:make_env"
+    rows = [PromptRow(0, "1+2=", "3"), PromptRow(1, "1+2=", "3"), PromptRow(2, "1+2=", "3")]
+    assert score_chunk(name, (["3", "13", "abc"], rows)) == [1.0, 0.4, 0.0]
+
+
+def _user_env(tmp_path: Path, body: str) -> str:
+    path = tmp_path / f"env_{abs(hash(body))}.py"
+    path.write_text(textwrap.dedent(body))
+    return f"python:{path}:make"
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        (
+            "def make():\n    raise RuntimeError('no sandbox today')\n",
+            "raised RuntimeError: no sandbox today",
+        ),
+        (
+            "from loopline.envs.base import StepResult\n"
+            "class E:\n    def reset(self, row): pass\n"
+            "    def step(self, text): return StepResult('', float('nan'), True)\n"
+            "def make(): return E()\n",
+            "reward nan is not a finite number",
+        ),
+        (
+            "from loopline.envs.base import StepResult\n"
+            "class E:\n    def reset(self, row): pass\n"
+            "    def step(self, text): return StepResult('', 'high', True)\n"
+            "def make(): return E()\n",
+            "reward 'high' is not a finite number",
+        ),
+        (
+            "class E:\n    def reset(self, row): pass\n    def step(self, text): return 1.0\n"
+            "def make(): return E()\n",
+            "step\\(\\) returned float, not envs.base.StepResult",
+        ),
+        (
+            "from loopline.envs.base import StepResult\n"
+            "class E:\n    async def reset(self, row): pass\n"
+            "    async def step(self, text): return StepResult('tool says 4', 0.0, False)\n"
+            "def make(): return E()\n",
+            "did not end after one response",
+        ),
+    ],
+)
+def test_a_misbehaving_env_is_named_with_the_prompt(tmp_path: Path, body: str, error: str) -> None:
+    name = _user_env(tmp_path, body)
+    with pytest.raises(EnvError, match=rf"env 'python:.*:make' on prompt 1 \('2\+2='\).*{error}"):
+        score_chunk(name, (["4"], [ROWS[1]]))
+
+
+def test_a_user_env_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    with pytest.raises(EnvError, match="no file"):
+        env_factory(f"python:{tmp_path / 'missing.py'}:make")
+    with pytest.raises(EnvError, match="cannot import no_such_pkg.envs: ModuleNotFoundError"):
+        env_factory("python:no_such_pkg.envs:make")
+    with pytest.raises(EnvError, match="has no callable 'make'"):
+        env_factory(_user_env(tmp_path, "make = 3\n"))
+    with pytest.raises(EnvError, match="cannot import .*ZeroDivisionError"):
+        env_factory(_user_env(tmp_path, "1 / 0\n"))
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("adition", "unknown env 'adition': use one of addition, exact_match, math"),
+        ("code", "env 'code' is not in the RL loop yet"),
+        ("calculator", "`loopline agent`"),
+        ("python:pkg.mod", "unknown env"),  # no factory
+    ],
+)
+def test_config_names_a_bad_env(name: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=rf"env\.name.*{error}"):
+        load_config(overrides=[f"env.name={name}"])

@@ -1,0 +1,118 @@
+"""`loopline train` with `env.name`: the loop's rewards and its held-out accuracy come from the named env, whose
+episodes run on the env workers (processes of their own on the local backend), never in the controller; an env
+that misbehaves stops the run with one line naming the env and the prompt.
+
+The task is a file of sevens (every answer is "7"): after 8 SFT steps the policy says it
+about half the time, so one run's first GRPO step sees both right and wrong answers. Two runs with the same seed
+sample the same completions at that step, so their rewards can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from loopline.cli import main
+from loopline.metrics.logger import read_metrics
+
+pytestmark = pytest.mark.slow
+
+ARGS = [
+    "sft.steps=8", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
+    "sft.optim.lr=1e-2", "sft.optim.warmup_steps=0",
+    "grpo.steps=1", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.eval_every=0",
+    "eval.num_prompts=8", "progress=false", "tensorboard=false", "threads=1", "seed=0", "checkpoint_every=0",
+]  # fmt: skip
+
+# A user's env: 1 for the right answer, 0.25 for any other, and a file per episode naming the process it ran in.
+PARTIAL_CREDIT = """
+import os
+from pathlib import Path
+
+from loopline.envs.base import StepResult
+
+
+class PartialCredit:
+    async def reset(self, sample):
+        self.answer = sample.answer
+        return sample.prompt
+
+    async def step(self, action):
+        Path(os.environ["EPISODE_DIR"], f"{os.getpid()}-{id(self)}").touch()
+        right = action.split("\\n", 1)[0].strip() == self.answer
+        return StepResult(observation="", reward=1.0 if right else 0.25, done=True)
+
+
+def make():
+    return PartialCredit()
+"""
+
+
+@pytest.fixture
+def sevens(tmp_path: Path) -> list[str]:
+    path = tmp_path / "sevens.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}:", "answer": "7"}) + "\n" for i in range(40)))
+    return ["data.source=jsonl", f"data.train_path={path}", f"data.eval_path={path}"]
+
+
+def _grpo(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run) if r["phase"] == "grpo"}
+
+
+def test_the_named_env_scores_rl_and_eval_on_env_worker_processes(
+    tmp_path: Path, sevens: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env_file = tmp_path / "partial.py"
+    env_file.write_text(PARTIAL_CREDIT)
+    episodes = tmp_path / "episodes"
+    episodes.mkdir()
+    monkeypatch.setenv("EPISODE_DIR", str(episodes))  # the env workers inherit it
+    exact, partial = tmp_path / "exact", tmp_path / "partial"
+    assert main(["train", *ARGS, *sevens, "env.name=exact_match", f"out_dir={exact}"]) == 0
+    assert not list(episodes.iterdir())  # the built-in env does not run the user's file
+    assert main(["train", *ARGS, *sevens, f"env.name=python:{env_file}:make", f"out_dir={partial}"]) == 0
+
+    a, b = _grpo(exact)[1], _grpo(partial)[1]
+    assert 0 < a["reward_mean"] < 1  # right and wrong answers at this step: the comparison means something
+    assert a["response_len_mean"] == b["response_len_mean"]  # the same completions
+    assert b["reward_mean"] == pytest.approx(0.25 + 0.75 * a["reward_mean"], rel=1e-6)
+    assert b["accuracy"] == 1.0 and a["accuracy"] == pytest.approx(a["reward_mean"])  # correct: reward > 0
+    assert _grpo(partial)[0]["eval_accuracy"] == 1.0  # eval scored by the env too (every reward > 0)
+    # 16 rollouts + 8 held-out evals before and after RL (+ the SFT-end eval), each a worker process's episode
+    pids = {int(p.name.split("-")[0]) for p in episodes.iterdir()}
+    assert len(list(episodes.iterdir())) >= 16 + 8 + 8
+    assert os.getpid() not in pids
+
+
+def test_an_env_that_returns_nan_stops_the_run_naming_env_and_prompt(
+    tmp_path: Path, sevens: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    env_file = tmp_path / "nan.py"
+    env_file.write_text(
+        "from loopline.envs.base import StepResult\n"
+        "class E:\n    async def reset(self, row): pass\n"
+        "    async def step(self, text): return StepResult('', float('nan'), True)\n"
+        "def make(): return E()\n"
+    )
+    run = tmp_path / "run"
+    assert (
+        main(["train", *ARGS, *sevens, "sft.steps=1", f"env.name=python:{env_file}:make", f"out_dir={run}"])
+        == 2
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert (
+        f"env 'python:{env_file}:make' on prompt" in err[0] and "reward nan is not a finite number" in err[0]
+    )
+
+
+def test_a_user_env_that_does_not_import_fails_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *ARGS, "env.name=python:no_such_pkg.envs:make", f"out_dir={run}"]) == 2
+    assert "cannot import no_such_pkg.envs: ModuleNotFoundError" in capsys.readouterr().err
+    assert not any(run.iterdir())  # nothing half-made (the CLI made the empty out_dir, checking it can write)
