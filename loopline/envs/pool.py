@@ -378,7 +378,10 @@ class WorkerPool(Generic[T, R]):
 
 def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
     """Body of a local worker process: answer (token, item) messages until told to stop."""
-    conn.send(_READY)
+    try:
+        conn.send(_READY)
+    except OSError:  # the pool closed before this worker was up (a short run, a run that failed early)
+        return
     while True:
         try:
             message = conn.recv()
@@ -390,6 +393,8 @@ def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
         reply = _call(fn, token, item)
         try:
             conn.send(reply)
+        except OSError:  # the pool's process is gone
+            return
         except Exception as e:  # e.g. an unpicklable result
             conn.send((token, False, f"result could not be sent back: {type(e).__name__}: {e}"))
 

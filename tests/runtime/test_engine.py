@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loopline.config import load_config
+from loopline.data.rows import PromptRow
 from loopline.rollout.engine import SamplingParams, TorchEngine
 from loopline.runtime.actor import ActorWorker
 from loopline.runtime.engine import EngineWorker
@@ -60,13 +61,21 @@ def test_update_weights_copies_the_actors_weights_into_the_engines_own_copy(smal
     assert got == [c.token_ids for c in twin.generate(PROMPTS, params, n=2)]  # the same draws, in process
 
 
-def test_the_local_engines_and_scorer_cannot_resize(small_model, tokenizer):
+def test_the_local_engine_cannot_resize_but_its_env_workers_can(small_model, tokenizer):
     roles = build_roles(load_config(overrides=[]), small_model, tokenizer)
-    with pytest.raises(ValueError, match="runtime.backend=ray"):
-        roles.rollout.resize(2)
-    with pytest.raises(ValueError, match="runtime.backend=ray"):
-        roles.scorer.resize(2)
-    assert roles.scorer.take_stats() == {}
+    try:
+        with pytest.raises(ValueError, match="runtime.backend=ray"):
+            roles.rollout.resize(2)
+        roles.scorer.resize(2)  # env worker processes: any number, on either backend
+        rows = [PromptRow(i, f"{i}+0=", str(i)) for i in range(4)]
+        assert roles.scorer.score(["0", "1", "x", "3"], rows).tolist() == [1.0, 1.0, 0.0, 1.0]
+        assert roles.scorer.take_stats() == {
+            "score_retries": 0.0,
+            "env_workers_replaced": 0.0,
+            "env_workers": 2.0,
+        }
+    finally:
+        roles.shutdown()
 
 
 # ---------------------------------------------------------------------------------------------------------
