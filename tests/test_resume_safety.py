@@ -10,7 +10,6 @@ resume with exactly the README's form: `loopline train --resume out_dir=R`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from loopline.checkpoint.state import checkpoint_fault
 from loopline.cli import main
 from loopline.config import load_config
 from loopline.metrics.logger import read_metrics
+from tests.runs import pause_env, steady
 
 pytestmark = pytest.mark.slow
 
@@ -227,19 +227,12 @@ RUN_TIMEOUT_S = 300
 FINAL = "grpo-000006"
 
 
-def _env(pause: str | None = None, marker_dir: Path | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
-    if pause:
-        env.update(LOOPLINE_PAUSE_AT=pause, LOOPLINE_PAUSE_DIR=str(marker_dir))
-    return env
-
-
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "loopline.cli", *args]
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(_cli(*args), env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    return subprocess.run(_cli(*args), env=pause_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
 
 
 def _wait_for(proc: subprocess.Popen, done, what: str) -> None:
@@ -251,14 +244,6 @@ def _wait_for(proc: subprocess.Popen, done, what: str) -> None:
             )
         assert time.monotonic() < deadline, f"no {what} within {RUN_TIMEOUT_S}s"
         time.sleep(0.02)
-
-
-def _steady(rows: list[dict]) -> list[dict]:
-    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
-        for r in rows
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -273,7 +258,7 @@ def test_sigterm_mid_grpo_checkpoints_then_resumes_bitwise(uninterrupted, tmp_pa
     run = tmp_path / "run"
     proc = subprocess.Popen(
         _cli("train", *SIGNAL_ARGS, f"out_dir={run}"),
-        env=_env(),
+        env=pause_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -305,7 +290,7 @@ def test_sigterm_mid_grpo_checkpoints_then_resumes_bitwise(uninterrupted, tmp_pa
         assert (_ckpt(run, FINAL) / name).read_bytes() == (_ckpt(uninterrupted, FINAL) / name).read_bytes(), (
             name
         )
-    assert _steady(read_metrics(run)) == _steady(read_metrics(uninterrupted))
+    assert steady(read_metrics(run)) == steady(read_metrics(uninterrupted))
     assert read_ledger(run) == read_ledger(uninterrupted)
 
 
@@ -317,7 +302,7 @@ def test_second_sigint_exits_at_once_and_the_unsaved_run_is_not_resumed(uninterr
     markers = tmp_path / "markers"
     proc = subprocess.Popen(
         _cli("train", *SIGNAL_ARGS, f"out_dir={run}", "--overwrite"),
-        env=_env("step:sft:1", markers),  # held after SFT step 1's row, before any checkpoint
+        env=pause_env("step:sft:1", markers),  # held after SFT step 1's row, before any checkpoint
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -349,7 +334,7 @@ def test_sigterm_stops_loopline_sft_with_a_checkpoint(tmp_path):
     args = [*[a for a in SIGNAL_ARGS if not a.startswith("sft.steps=")], "sft.steps=8"]
     proc = subprocess.Popen(
         _cli("sft", *args, f"out_dir={run}"),
-        env=_env(),
+        env=pause_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -79,9 +79,8 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     if cfg.grpo.advantage == "gae":
         critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
-    scorer = ScorerRole(
-        cfg.env.name, workers=cfg.runtime.env_workers
-    )  # processes; they start in the background
+    # the env workers are processes; they start in the background
+    scorer = ScorerRole(cfg.env.name, workers=cfg.runtime.env_workers)
     return Roles(ActorRole(trainer, model, reference), rollout, scorer, scorer.close, critic)
 
 

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from loopline.cli import main
 from loopline.metrics.logger import read_metrics
 from loopline.training.critic import ScalarModel
+from tests.runs import steady
 
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
@@ -41,10 +42,6 @@ RM = ["rm.steps=2", "rm.batch_size=8", "rm.micro_batch_size=2", "rm.eval_every=0
 COMPARED_EXCEPT = ("phase", "lr", "eval_accuracy", "eval_response_len")
 
 
-def _steady(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith("time_") and k != "tokens_per_s"} for r in rows]
-
-
 def _same_rows(local: list[dict], ray: list[dict]) -> None:
     assert [(r["phase"], r["step"]) for r in ray] == [(r["phase"], r["step"]) for r in local]
     for a, b in zip(local, ray, strict=True):
@@ -58,10 +55,10 @@ def test_dpo_on_two_ray_ranks_matches_one_local_rank(ray_cluster, tmp_path):
     local, ray = tmp_path / "local", tmp_path / "ray"
     assert main(["dpo", *TINY, *DPO, f"out_dir={local}"]) == 0
     assert main(["dpo", *TINY, *DPO, *RAY, f"out_dir={ray}"]) == 0
-    rows = _steady(read_metrics(ray))
+    rows = steady(read_metrics(ray))
     assert [r["step"] for r in rows if r["phase"] == "dpo"] == [0, 1, 2]
     assert rows[-1]["eval_pref_accuracy"] >= 0.0 and rows[-2]["pref_loss"] == pytest.approx(0.6931, abs=1e-3)
-    _same_rows(_steady(read_metrics(local)), rows)
+    _same_rows(steady(read_metrics(local)), rows)
     # the checkpoint writer the other loops use: every rank's shards, and the whole policy (model/)
     assert (ray / "checkpoints" / "dpo-000002" / "dcp" / ".metadata").is_file()
     ours, theirs = (load_file(run / "model" / "model.safetensors") for run in (ray, local))
@@ -74,10 +71,10 @@ def test_rm_on_two_ray_ranks_matches_one_local_rank(ray_cluster, tmp_path):
     local, ray = tmp_path / "local", tmp_path / "ray"
     assert main(["rm", *TINY, *RM, f"out_dir={local}"]) == 0
     assert main(["rm", *TINY, *RM, *RAY, f"out_dir={ray}"]) == 0
-    rows = _steady(read_metrics(ray))
+    rows = steady(read_metrics(ray))
     assert [r["step"] for r in rows if r["phase"] == "rm"] == [0, 1, 2]
     assert rows[-1]["eval_pair_accuracy"] >= 0.0
-    _same_rows(_steady(read_metrics(local)), rows)
+    _same_rows(steady(read_metrics(local)), rows)
     ours, theirs = ScalarModel.load(ray / "reward_model"), ScalarModel.load(local / "reward_model")
     assert ours.head.weight.abs().sum() > 0  # the head trained on the ranks and came back whole
     for (name, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):

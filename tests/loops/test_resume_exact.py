@@ -12,17 +12,15 @@ those is killed while its background write is half done and the loop has trained
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from loopline.checkpoint.ledger import read_ledger, repeats
 from loopline.metrics.logger import read_metrics
+from tests.runs import kill_at, pause_env, steady
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +35,6 @@ FINAL = "grpo-000006"
 ASYNC = "checkpoint.async_save=true"
 
 
-def _env(pause: str | None, marker_dir: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
-    if pause:
-        env.update(LOOPLINE_PAUSE_AT=pause, LOOPLINE_PAUSE_DIR=str(marker_dir))
-    return env
-
-
 def _cmd(run: Path, resume: bool, extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "loopline.cli", "train", *(["--resume"] if resume else []), *ARGS,
             f"out_dir={run}", *extra]  # fmt: skip
@@ -53,7 +44,7 @@ def run_to_end(run: Path, resume: bool = False, extra: list[str] = ()) -> str:
     """Run `loopline train` to the end; its output."""
     done = subprocess.run(
         _cmd(run, resume, list(extra)),
-        env=_env(None, run),
+        env=pause_env(),
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT_S,
@@ -62,44 +53,12 @@ def run_to_end(run: Path, resume: bool = False, extra: list[str] = ()) -> str:
     return done.stdout
 
 
-def kill_at(run: Path, point: str, resume: bool, extra: list[str] = ()) -> None:
-    """Start `loopline train`, wait until it is held at `point`, SIGKILL it."""
-    markers = run.parent / f"markers-{run.name}"
-    marker = markers / f"{point.replace(':', '_')}.paused"
-    marker.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        _cmd(run, resume, list(extra)),
-        env=_env(point, markers),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not marker.exists():
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"run ended (rc {proc.returncode}) before {point}: {proc.stderr.read()[-3000:]}"
-                )
-            if time.monotonic() > deadline:
-                raise AssertionError(f"run did not reach {point} within {RUN_TIMEOUT_S}s")
-            time.sleep(0.05)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
+def _kill(run: Path, point: str, resume: bool, extra: list[str] = ()) -> None:
+    kill_at(_cmd(run, resume, list(extra)), point, run.parent / f"markers-{run.name}", RUN_TIMEOUT_S)
 
 
 def _latest(run: Path) -> str:
     return (run / "checkpoints" / "latest").read_text().strip()
-
-
-def _steady(rows: list[dict]) -> list[dict]:
-    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
-        for r in rows
-    ]
 
 
 def _weights(run: Path) -> bytes:
@@ -114,7 +73,7 @@ def assert_same_run(run: Path, reference: Path) -> None:
         assert (run / "checkpoints" / FINAL / name).read_bytes() == (
             reference / "checkpoints" / FINAL / name
         ).read_bytes()
-    assert _steady(read_metrics(run)) == _steady(read_metrics(reference))
+    assert steady(read_metrics(run)) == steady(read_metrics(reference))
     ledger = read_ledger(run)
     assert ledger == read_ledger(reference)
     assert [(r["phase"], r["step"]) for r in ledger] == [("sft", s) for s in range(1, 5)] + [
@@ -139,19 +98,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_killed_four_times_then_resumed_equals_uninterrupted(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     # 1. Mid-SFT: step 3's row and ledger line written, its checkpoint not (sft-000002 is the newest).
-    kill_at(run, "step:sft:3", resume=False)
+    _kill(run, "step:sft:3", resume=False)
     assert _latest(run) == "sft-000002"
     # 2. Inside the write of grpo-000002, saving asynchronously: the writer thread is held with the shards
     # on disk and the HF weights not, nothing renamed, while the loop trains on (then waits for it).
-    kill_at(run, "save:mid:grpo-000002", resume=True, extra=[ASYNC])
+    _kill(run, "save:mid:grpo-000002", resume=True, extra=[ASYNC])
     half = run / "checkpoints" / ".tmp-grpo-000002"
     assert (half / "dcp" / ".metadata").exists() and not (half / "model" / "model.safetensors").exists()
     assert _latest(run) == "sft-000004" and not (run / "checkpoints" / "grpo-000002").exists()
     # 3. Right after grpo-000002 became latest.
-    kill_at(run, "saved:grpo-000002", resume=True)
+    _kill(run, "saved:grpo-000002", resume=True)
     assert _latest(run) == "grpo-000002" and not half.exists()
     # 4. Past the epoch boundary: step 4 (epoch 1's first prompts) logged, its checkpoint not written.
-    kill_at(run, "step:grpo:4", resume=True)
+    _kill(run, "step:grpo:4", resume=True)
     assert _latest(run) == "grpo-000002"
     assert [r["step"] for r in read_metrics(run) if r["phase"] == "grpo"][-1] == 4
     out = run_to_end(run, resume=True, extra=[ASYNC])

@@ -9,11 +9,7 @@ resume run in this process (cheaper: torch and transformers are imported once).
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +18,7 @@ import torch
 
 from loopline.cli import main
 from loopline.metrics.logger import read_metrics
+from tests.runs import kill_at, steady
 
 pytestmark = pytest.mark.slow
 
@@ -53,38 +50,6 @@ def _restore_determinism() -> Iterator[None]:
     torch.use_deterministic_algorithms(saved)
 
 
-def _kill_at(run: Path, point: str, args: list[str]) -> None:
-    """Start `loopline train` in a process of its own, wait until it is held at `point`, SIGKILL it."""
-    markers = run.parent / f"markers-{run.name}"
-    marker = markers / f"{point.replace(':', '_')}.paused"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
-    env.update(LOOPLINE_PAUSE_AT=point, LOOPLINE_PAUSE_DIR=str(markers))
-    cmd = [sys.executable, "-m", "loopline.cli", "train", *args, f"out_dir={run}"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not marker.exists():
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"run ended (rc {proc.returncode}) before {point}: {proc.stderr.read()[-3000:]}"
-                )
-            assert time.monotonic() < deadline, f"run did not reach {point} within {RUN_TIMEOUT_S}s"
-            time.sleep(0.05)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
-
-
-def _steady(run: Path) -> list[dict]:
-    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
-        for r in read_metrics(run)
-    ]
-
-
 def _assert_same_state(a: Path, b: Path) -> None:
     """Every byte of the final checkpoint's weights and shards, and the loop state's tensors, equal."""
     ca, cb = a / "checkpoints" / FINAL, b / "checkpoints" / FINAL
@@ -102,14 +67,15 @@ def _assert_same_state(a: Path, b: Path) -> None:
         for i in sa:
             for k in sa[i]:
                 assert torch.equal(sa[i][k], sb[i][k]), (i, k)
-    assert _steady(a) == _steady(b)
+    assert steady(read_metrics(a)) == steady(read_metrics(b))
 
 
 def _resumed_equals_uninterrupted(tmp_path: Path, args: list[str], kill_point: str) -> dict[int, dict]:
     reference = tmp_path / "reference"
     assert main(["train", *args, f"out_dir={reference}"]) == 0
     run = tmp_path / "run"
-    _kill_at(run, kill_point, args)
+    cmd = [sys.executable, "-m", "loopline.cli", "train", *args, f"out_dir={run}"]
+    kill_at(cmd, kill_point, run.parent / f"markers-{run.name}", RUN_TIMEOUT_S)
     assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
     assert main(["train", "--resume", *args, f"out_dir={run}"]) == 0
     _assert_same_state(run, reference)

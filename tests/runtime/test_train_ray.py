@@ -20,8 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +35,7 @@ from loopline.cli import main
 from loopline.config import load_config
 from loopline.metrics.logger import read_metrics
 from loopline.models import load_policy
+from tests.runs import kill_at, steady
 
 SMALL = [
     "sft.steps=4", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.eval_every=0",
@@ -135,48 +134,16 @@ def _wait_for_free_cpus(timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def _kill_at(run: Path, point: str) -> None:
-    """Start `loopline train` on this Ray in a process of its own, wait until it is held at `point`, SIGKILL it."""
-    import ray
-
-    markers = run.parent / f"markers-{run.name}"
-    marker = markers / f"{point.replace(':', '_')}.paused"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
-    env.update(LOOPLINE_PAUSE_AT=point, LOOPLINE_PAUSE_DIR=str(markers))
-    address = ray.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "loopline.cli", "train", *SMALL, *RAY, f"runtime.cluster.address={address}"]
-    proc = subprocess.Popen(
-        [*cmd, f"out_dir={run}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not marker.exists():
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"run ended (rc {proc.returncode}) before {point}: {proc.stderr.read()[-3000:]}"
-                )
-            assert time.monotonic() < deadline, f"run did not reach {point} within {RUN_TIMEOUT_S}s"
-            time.sleep(0.1)
-    finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        proc.stderr.close()
-    assert proc.returncode == -signal.SIGKILL
-
-
-def _steady(run: Path) -> list[dict]:
-    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
-    return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
-        for r in read_metrics(run)
-    ]
-
-
 def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
     runs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    import ray
+
     run = tmp_path / "run"
-    _kill_at(run, "step:grpo:3")  # step 3 logged, its checkpoint not written
+    # the killed launch joins this Ray by address, so its actors die with it
+    address = ray.get_runtime_context().gcs_address
+    cmd = [sys.executable, "-m", "loopline.cli", "train", *SMALL, *RAY, f"runtime.cluster.address={address}"]
+    kill_at([*cmd, f"out_dir={run}"], "step:grpo:3", tmp_path / "markers", RUN_TIMEOUT_S)  # logged, not saved
     assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
     _wait_for_free_cpus()
     assert main(["train", "--resume", *SMALL, *RAY, f"out_dir={run}"]) == 0
@@ -188,7 +155,7 @@ def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     engines = [torch.load(c / "loop.pt", weights_only=False)["engine_rng"] for c in (a, b)]
     assert len(engines[0]) == 1 and torch.equal(engines[0][0], engines[1][0])
-    assert _steady(run) == _steady(runs["ray"])
+    assert steady(read_metrics(run)) == steady(read_metrics(runs["ray"]))
     resumed = read_full_state(a / "dcp")  # the ranks' DCP shards, whole
     assert resumed["scheduler"]["last_epoch"] == 3 and len(resumed["optim"]["state"]) > 0
     # the resumed step measured KL to the saved reference, not to itself

@@ -1,0 +1,50 @@
+"""Helpers for tests that run `loopline` as a process of its own: hold it at a pause point and SIGKILL it there,
+and compare metrics rows without their wall-clock fields."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+def pause_env(point: str | None = None, markers: Path | None = None) -> dict[str, str]:
+    """This environment less any inherited LOOPLINE_PAUSE_*; with `point`, the run holds there
+    (loopline.checkpoint.faults) and writes its marker into `markers`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LOOPLINE_PAUSE")}
+    if point:
+        env.update(LOOPLINE_PAUSE_AT=point, LOOPLINE_PAUSE_DIR=str(markers))
+    return env
+
+
+def kill_at(cmd: list[str], point: str, markers: Path, timeout_s: float) -> None:
+    """Start `cmd` (a `loopline` run), wait until it is held at `point`, SIGKILL it."""
+    marker = markers / f"{point.replace(':', '_')}.paused"
+    marker.unlink(missing_ok=True)
+    proc = subprocess.Popen(
+        cmd, env=pause_env(point, markers), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"run ended (rc {proc.returncode}) before {point}: {proc.stderr.read()[-3000:]}"
+                )
+            assert time.monotonic() < deadline, f"run did not reach {point} within {timeout_s:g}s"
+            time.sleep(0.05)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def steady(rows: list[dict]) -> list[dict]:
+    """Metrics rows without wall-clock measurements (those differ between any two runs)."""
+    return [
+        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
+        for r in rows
+    ]
