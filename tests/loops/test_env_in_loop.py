@@ -27,9 +27,11 @@ ARGS = [
     "eval.num_prompts=8", "progress=false", "tensorboard=false", "threads=1", "seed=0", "checkpoint_every=0",
 ]  # fmt: skip
 
-# A user's env: 1 for the right answer, 0.25 for any other, and a file per episode naming the process it ran in.
+# A user's env: 1 for the right answer, 0.25 for any other, and a file per episode naming the process it ran in
+# (a uuid, not id(self): a freed env's id is reused by the next one).
 PARTIAL_CREDIT = """
 import os
+import uuid
 from pathlib import Path
 
 from loopline.envs.base import StepResult
@@ -41,7 +43,7 @@ class PartialCredit:
         return sample.prompt
 
     async def step(self, action):
-        Path(os.environ["EPISODE_DIR"], f"{os.getpid()}-{id(self)}").touch()
+        Path(os.environ["EPISODE_DIR"], f"{os.getpid()}-{uuid.uuid4().hex}").touch()
         right = action.split("\\n", 1)[0].strip() == self.answer
         return StepResult(observation="", reward=1.0 if right else 0.25, done=True)
 
