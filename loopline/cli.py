@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from loopline.checkpoint.run_dir import RESUMABLE
-from loopline.config import ConfigError, RunConfig, load_config
+from loopline.config import ConfigError, RunConfig, describe, load_config
 from loopline.errors import UserError
 
 
@@ -298,8 +298,12 @@ def _run(argv: list[str]) -> int:
         if args.command in ("eval", "generate"):
             config, overrides = _model_dir_first(config, overrides)
         cfg = load_config(config, overrides)  # a bad config fails in a second, before torch is imported
-        if args.command != "config":
-            check_run(cfg, args.command)  # and so do missing files and an out_dir that cannot be written
+        if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
+            print("\n".join(describe(cfg)))
+            return 0
+        check_run(
+            cfg, args.command
+        )  # missing files and an out_dir that cannot be written fail before torch too
         from loopline import commands
 
         return getattr(commands, args.command)(config, overrides, args)

@@ -20,7 +20,7 @@ from loopline.checkpoint.state import (
     checkpoint_root,
     newest_whole_checkpoint,
 )
-from loopline.config import RunConfig, describe, load_config
+from loopline.config import RunConfig, load_config
 from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
@@ -261,12 +261,6 @@ def generate(config: str | None, overrides: list[str], args: argparse.Namespace)
         for c in ctx.rollout.generate(prompts, params, n=args.n):
             row = {"prompt": args.prompt[c.prompt_index], "completion": c.text, "finish": c.finish_reason}
             print(json.dumps(row))
-    return 0
-
-
-def config(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """Print every field: dotted key = value  # description."""
-    print("\n".join(describe(load_config(config, overrides))))
     return 0
 
 

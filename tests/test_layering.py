@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.runtime.placement", 1, "placement groups from pool configs: knows no model"),
     ("loopline.runtime.config", 1, "RuntimeConfig: ranks per role, cluster and placement sections"),
     ("loopline.envs.config", 1, "EnvConfig: the env section (names only), read by loopline.config"),
+    ("loopline.envs.sandbox.config", 1, "SandboxConfig: the sandbox's section, part of the env section"),
     ("loopline.runtime.workers", 1, "WorkerGroup: N ranks of any class, local or Ray"),
     ("loopline.runtime.ray_actors", 1, "Ray actors: start, wait, failures, kill (workers, env pool)"),
     ("loopline.runtime.shard_layout", 1, "trainer and engine layouts, shard boxes: pure"),

@@ -106,7 +106,21 @@ def _iter_raw(path: Path, cfg: DataConfig, need_answer: bool) -> Iterator[tuple[
         raise DataError(f"unknown data source {cfg.source!r}")
 
 
-def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool) -> PromptRow:
+def _extra(raw: dict[str, Any], fields: tuple[str, ...], where: str, has: str) -> tuple[tuple[str, str], ...]:
+    """The row's `fields` that the env reads, as strings (numbers converted); each must be there."""
+    extra = []
+    for name in fields:
+        value = raw.get(name)
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or str(value) == "":
+            what = "missing" if value is None else "not a non-empty string"
+            raise _BadRow(f"{where}: field '{name}' is {what}; the env reads it {has}")
+        extra.append((name, str(value)))
+    return tuple(extra)
+
+
+def _to_row(
+    raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool, fields: tuple[str, ...] = ()
+) -> PromptRow:
     if isinstance(raw, DataError):
         raise raw
     if not isinstance(raw, dict):
@@ -137,7 +151,8 @@ def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool
                 "(`loopline sft` trains on chat rows that end with an assistant message)",
                 "no_answer",
             )
-        return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages))
+        extra = _extra(raw, fields, where, has)
+        return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages), extra=extra)
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
         raise _BadRow(f"{where}: missing or empty string field '{cfg.prompt_field}' {has}")
@@ -151,7 +166,8 @@ def _to_row(raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool
         raise _BadRow(f"{where}: missing field '{cfg.answer_field}' {has}", "no_answer")
     if not isinstance(completion, str):
         raise _BadRow(f"{where}: field '{cfg.completion_field}' must be a string")
-    return PromptRow(index=index, prompt=prompt, answer=str(answer), completion=completion)
+    extra = _extra(raw, fields, where, has)
+    return PromptRow(index=index, prompt=prompt, answer=str(answer), completion=completion, extra=extra)
 
 
 # No tokenizer in use makes tokens of this many characters on average: a row with more characters than this per
@@ -178,9 +194,14 @@ def _over_limit(row: PromptRow, limits: LengthLimits) -> str:
 
 
 def load_rows(
-    path: str | Path, cfg: DataConfig, need_answer: bool = True, limits: LengthLimits | None = None
+    path: str | Path,
+    cfg: DataConfig,
+    need_answer: bool = True,
+    limits: LengthLimits | None = None,
+    fields: tuple[str, ...] = (),
 ) -> tuple[list[PromptRow], dict[str, int]]:
-    """Read prompt rows from a file; returns (rows, skipped rows by reason, keys of SKIP_REASONS). Bad rows
+    """Read prompt rows from a file; returns (rows, skipped rows by reason, keys of SKIP_REASONS). `fields`: more
+    fields every row must have, kept for the env (PromptRow.get). Bad rows
     raise DataError naming file and row, or are skipped and counted when cfg.skip_bad_rows is set; rows
     over `limits` likewise, by limits.overlong. One summary line reports what was skipped."""
     p = Path(path)
@@ -197,7 +218,7 @@ def load_rows(
     for rownum, raw in _iter_raw(p, cfg, need_answer):
         where = f"{p}: row {rownum}"
         try:
-            row = _to_row(raw, len(rows), cfg, where, need_answer)
+            row = _to_row(raw, len(rows), cfg, where, need_answer, fields)
         except _BadRow as e:
             if not cfg.skip_bad_rows:
                 raise DataError(f"{e} (set data.skip_bad_rows=true to skip such rows)") from None
@@ -223,19 +244,26 @@ def load_rows(
 
 
 def load_splits(
-    cfg: DataConfig, seed: int, need_answer: bool = True, limits: LengthLimits | None = None
+    cfg: DataConfig,
+    seed: int,
+    need_answer: bool = True,
+    limits: LengthLimits | None = None,
+    fields: tuple[str, ...] = (),
+    answered: bool = True,
 ) -> tuple[list[PromptRow], list[PromptRow], dict[str, int]]:
     """Train and held-out rows for a run (the built-in task or files named in the config), and the rows
-    skipped in both by reason. Held-out rows always need answers: eval scores them by exact match."""
+    skipped in both by reason. need_answer: the training rows are scored (RL). Rows that are scored need what the
+    env reads: the answer when `answered`, and `fields`; held-out rows are always scored."""
     if cfg.source == "builtin":
         from loopline.data.tasks import arithmetic_splits
 
         return (*arithmetic_splits(cfg.task, seed), {})
     if not cfg.train_path:
         raise DataError(f"data.train_path is required when data.source is '{cfg.source}'")
-    train, skipped = load_rows(cfg.train_path, cfg, need_answer, limits)
+    train_fields = fields if need_answer else ()
+    train, skipped = load_rows(cfg.train_path, cfg, need_answer and answered, limits, train_fields)
     held_out: list[PromptRow] = []
     if cfg.eval_path:
-        held_out, eval_skipped = load_rows(cfg.eval_path, cfg, True, limits)
+        held_out, eval_skipped = load_rows(cfg.eval_path, cfg, answered, limits, fields)
         skipped = dict(Counter(skipped) + Counter(eval_skipped))
     return train, held_out, skipped

@@ -15,3 +15,10 @@ class PromptRow:
     answer: str = ""
     completion: str = ""
     messages: tuple[dict[str, str], ...] = ()
+    extra: tuple[
+        tuple[str, str], ...
+    ] = ()  # more fields of the file's row that the env reads (data.extra_fields)
+
+    def get(self, name: str, default: str = "") -> str:
+        """The row's extra field `name` (e.g. the code env's 'test'), or `default`."""
+        return dict(self.extra).get(name, default)

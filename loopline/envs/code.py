@@ -31,6 +31,7 @@ HumanEval's tests need neither (all 164 canonical solutions pass).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import gzip
 import importlib.util
@@ -42,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loopline.data.rows import PromptRow
+from loopline.envs.base import StepResult
 from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxResult, inside_source
 
 PROBLEM_FIELDS = ("task_id", "prompt", "entry_point", "test")
@@ -62,13 +65,16 @@ class CodeProblem:
 class CodeScore:
     """The verdict on one completion and the sandbox run that produced it."""
 
-    passed: bool
+    passed: bool  # every test passed
     detail: str  # "passed", or why not (first line of the failure)
     result: SandboxResult
+    tests: tuple[int, int] = (0, 0)  # (passed, total) when tallied and check() ran to its end
 
     @property
     def reward(self) -> float:
-        """1.0 for a pass, else 0.0."""
+        """The fraction of tests passed when tallied, else 1.0 for a pass and 0.0 otherwise."""
+        if self.tests[1]:
+            return self.tests[0] / self.tests[1]
         return 1.0 if self.passed else 0.0
 
 
@@ -151,8 +157,14 @@ def load_human_eval() -> list[CodeProblem]:
 # ---------------------------------------------------------------------------------------------
 
 
-def score(problem: CodeProblem, completion: str, sandbox: Sandbox | None = None) -> CodeScore:
-    """Run `problem.test` against `prompt + completion` in the sandbox; passed = check() returned."""
+def score(
+    problem: CodeProblem, completion: str, sandbox: Sandbox | None = None, tally: bool = False
+) -> CodeScore:
+    """Run `problem.test` against `prompt + completion` in the sandbox; passed = check() returned.
+
+    tally: each assert-holding top-level statement of check's body is a test of its own, a failed one does
+    not stop the others, and `tests` counts them (a run that times out or crashes the judge tallies nothing).
+    """
     sandbox = sandbox or default_sandbox()
     nonce = secrets.token_hex(16)
     payload = {
@@ -161,6 +173,7 @@ def score(problem: CodeProblem, completion: str, sandbox: Sandbox | None = None)
         "solution": problem.prompt + completion,
         "test": problem.test,
         "entry_point": problem.entry_point,
+        "tally": tally,
     }
     result = sandbox.run(JUDGE_PROGRAM, stdin=marshal.dumps(payload, 4))
     verdict = _verdict(result.stdout)
@@ -168,6 +181,10 @@ def score(problem: CodeProblem, completion: str, sandbox: Sandbox | None = None)
         return CodeScore(False, f"timed out after {sandbox.config.timeout_s:g}s", result)
     if verdict == f"passed {nonce}" and result.exit_code == 0:
         return CodeScore(True, "passed", result)
+    tallied = verdict.split(" ")
+    if len(tallied) == 4 and tallied[0] == "tally" and tallied[3] == nonce and result.exit_code == 0:
+        passed, total = int(tallied[1]), int(tallied[2])
+        return CodeScore(passed == total, f"{passed}/{total} tests passed", result, (passed, total))
     if verdict.startswith("failed "):
         return CodeScore(False, verdict.removeprefix("failed "), result)
     return CodeScore(False, f"no valid verdict from the judge (exit status {result.exit_code})", result)
@@ -213,3 +230,31 @@ def _verdict(stdout: str) -> str:
 VERDICT = "loopline-verdict"  # the judge's marker (inside/judge.py prints the same)
 # The judge, run in the sandbox as the program; it forks the solution process (see the top).
 JUDGE_PROGRAM = inside_source("judge.py")
+
+
+class CodeEnv:
+    """env.name=code: one episode per completion of a HumanEval-form row (prompt, entry_point, test), its tests run
+    in this process's sandbox (in a thread: the episodes of a chunk run side by side). The reward is 1 for a pass,
+    or the fraction of tests passed with `tally`."""
+
+    def __init__(self, sandbox: SandboxConfig, tally: bool = False) -> None:
+        self.sandbox, self.tally = sandbox, tally
+        self.problem: CodeProblem | None = None
+
+    async def reset(self, sample: PromptRow) -> str:
+        """Take the row's problem; the observation is its prompt."""
+        self.problem = CodeProblem(
+            task_id=str(sample.index), prompt=sample.prompt, entry_point=sample.get("entry_point"),
+            test=sample.get("test"),
+        )  # fmt: skip
+        if not self.problem.entry_point or not self.problem.test:
+            raise ValueError("the row has no 'entry_point' or no 'test' (HumanEval form)")
+        return sample.prompt
+
+    async def step(self, action: str) -> StepResult:
+        """Run the tests against prompt + `action`; the episode ends."""
+        if self.problem is None:
+            raise RuntimeError("step() before reset()")
+        verdict = await asyncio.to_thread(score, self.problem, action, sandbox_for(self.sandbox), self.tally)
+        info: dict[str, float | int | str] = {"passed": float(verdict.passed), "detail": verdict.detail}
+        return StepResult(observation="", reward=verdict.reward, done=True, info=info)

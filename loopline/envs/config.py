@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 
+from loopline.envs.sandbox.config import SandboxConfig
 from loopline.section import Section
 
 # name -> what it checks; the single-turn envs of envs.single_turn
@@ -16,11 +18,14 @@ BUILTIN_ENVS = {
     "exact_match": "file datasets: the first line of the response equals the row's answer (spaces ignored)",
     "math": "the response's final answer (\\boxed{...}, 'answer is ...' or its last number) is mathematically "
     "equal to the row's answer (sympy)",
+    "code": "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
+    "workers (env.code_reward: all, or the fraction of check()'s asserts passed)",
 }
 NOT_IN_THE_LOOP_YET = {
-    "code": "sandboxed unit tests are scored by `loopline sandbox check`",
     "calculator": "the tool-using agent trains with `loopline agent`",
 }
+# The fields of a file's rows an env reads besides the prompt (and whether it reads the answer).
+ROW_FIELDS = {"code": ("entry_point", "test")}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -36,6 +41,31 @@ class EnvConfig(Section):
         "MODULE is a dotted module name or a path to a .py file (stored absolute) and FACTORY() returns a fresh "
         "envs.base.Env (one per episode).",
     )
+
+    code_reward: Literal["all", "fraction"] = Field(
+        "all",
+        description="env.name=code: 1 when every test passes (all), or the fraction passed, where each top-level "
+        "statement of check() that holds an assert is one test (fraction). Accuracy counts full passes either way.",
+    )
+    sandbox: SandboxConfig = Field(
+        default_factory=SandboxConfig,
+        description="env.name=code: the sandbox the tests run in (isolation, limits), as `loopline sandbox check`.",
+    )
+
+    fields: list[str] = Field(
+        default_factory=list,
+        description="More fields of a file's rows that your env reads (row.get(name)); every row must have them.",
+    )
+
+    @property
+    def row_fields(self) -> tuple[str, ...]:
+        """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
+        return tuple(dict.fromkeys([*ROW_FIELDS.get(self.name, ()), *self.fields]))
+
+    @property
+    def reads_answer(self) -> bool:
+        """Whether the env scores against the row's answer (the code env runs the row's tests instead)."""
+        return self.name != "code"
 
     @field_validator("name")
     @classmethod

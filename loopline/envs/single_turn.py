@@ -3,7 +3,7 @@
 A task is a chunk of a step's completions with their prompt rows; each gets a fresh env from the env's factory,
 `reset(row)`, `step(completion)`, and its reward. The chunk's episodes run concurrently (one event loop), so an
 env that waits on a tool or a sandbox does not hold the others. Imports neither torch nor transformers: a worker
-starts in about a second.
+starts in about a second (the code env's first episode also starts the worker's sandbox).
 
 An env that raises, returns a reward that is not a finite number, or does not end after the one response fails
 the chunk with an EnvError naming the env and the prompt; the pool reports it (runtime.scorer) and the step
@@ -26,7 +26,7 @@ from pathlib import Path
 from loopline.data.rows import PromptRow
 from loopline.data.tasks import exact_match
 from loopline.envs.base import Env, StepResult, VerifierEnv
-from loopline.envs.config import BUILTIN_ENVS, USER_ENV
+from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
 from loopline.envs.math_equal import math_reward
 from loopline.errors import UserError
 
@@ -38,8 +38,12 @@ class EnvError(UserError):
     """An env could not be made, or misbehaved on an episode; the message names the env (and the prompt)."""
 
 
-def _builtin(name: str) -> EnvFactory:
-    verify = math_reward if name == "math" else exact_match  # addition and exact_match: the first line
+def _builtin(env: EnvConfig) -> EnvFactory:
+    if env.name == "code":
+        from loopline.envs.code import CodeEnv
+
+        return functools.partial(CodeEnv, env.sandbox, tally=env.code_reward == "fraction")
+    verify = math_reward if env.name == "math" else exact_match  # addition and exact_match: the first line
     return functools.partial(VerifierEnv, verify)
 
 
@@ -65,11 +69,19 @@ def _load_module(spec: str, name: str):  # -> types.ModuleType
     return module
 
 
+def env_factory(env: EnvConfig | str) -> EnvFactory:
+    """The factory of `env` (the env section, or just its name): a built-in, or python:MODULE:FACTORY imported
+    here. Made once per process and config."""
+    env = EnvConfig(name=env) if isinstance(env, str) else env
+    return _factory(env.model_dump_json())
+
+
 @functools.cache
-def env_factory(name: str) -> EnvFactory:
-    """The factory of env `name` (envs.config.EnvConfig.name): a built-in, or python:MODULE:FACTORY imported here."""
+def _factory(env_json: str) -> EnvFactory:
+    env = EnvConfig.model_validate_json(env_json)
+    name = env.name
     if name in BUILTIN_ENVS:
-        return _builtin(name)
+        return _builtin(env)
     match = USER_ENV.match(name)
     if match is None:
         raise EnvError(f"unknown env {name!r}")
@@ -114,14 +126,14 @@ async def _episode(name: str, factory: EnvFactory, text: str, row: PromptRow) ->
     return float(reward)
 
 
-async def _episodes(name: str, texts: list[str], rows: list[PromptRow]) -> list[float]:
-    factory = env_factory(name)
+async def _episodes(env: EnvConfig, texts: list[str], rows: list[PromptRow]) -> list[float]:
+    factory = env_factory(env)
     return list(
-        await asyncio.gather(*(_episode(name, factory, t, r) for t, r in zip(texts, rows, strict=True)))
+        await asyncio.gather(*(_episode(env.name, factory, t, r) for t, r in zip(texts, rows, strict=True)))
     )
 
 
-def score_chunk(name: str, chunk: Chunk) -> list[float]:
-    """One env pool task: the reward of each completion of `chunk` under env `name`, in order."""
+def score_chunk(env: EnvConfig | str, chunk: Chunk) -> list[float]:
+    """One env pool task: the reward of each completion of `chunk` under `env` (its section, or a name), in order."""
     texts, rows = chunk
-    return asyncio.run(_episodes(name, texts, rows))
+    return asyncio.run(_episodes(EnvConfig(name=env) if isinstance(env, str) else env, texts, rows))

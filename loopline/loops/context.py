@@ -19,6 +19,7 @@ from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
+from loopline.envs.config import EnvConfig
 from loopline.envs.single_turn import env_factory
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
@@ -77,10 +78,12 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)
-    env_factory(cfg.env.name)  # a user's env imports here first: a bad module fails before anything starts
+    env_factory(cfg.env)  # a user's env imports here first: a bad module fails before anything starts
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     limits = length_limits(cfg, model, tokenizer)
-    train_rows, eval_rows, skipped = load_splits(cfg.data, cfg.seed, need_answer=need_answer, limits=limits)
+    train_rows, eval_rows, skipped = load_splits(
+        cfg.data, cfg.seed, need_answer, limits, fields=cfg.env.row_fields, answered=cfg.env.reads_answer
+    )
     # the run directory only once model and data have loaded: a bad row leaves no half-made run behind
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -167,8 +170,15 @@ def sync_engine(ctx: RunContext, version: int) -> None:
     ctx.rollout.update_weights(version)
 
 
+def is_correct(env: EnvConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """Which rewards count as a correct response: a positive one, or for code a full pass (pass@1 counts
+    completions whose every test passed, whatever env.code_reward gives RL)."""
+    return rewards >= 1.0 if env.name == "code" else rewards > 0
+
+
 def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, float]:
-    """Accuracy (greedy by default; a response is correct when the env gives it a positive reward) and mean
+    """Accuracy (greedy by default; a response is correct when the env gives it a positive reward, a code
+    completion when it passes every test) and mean
     response length on `rows`, the held-out split by default. The env scores on the env workers, as in RL."""
     rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts] if rows is None else rows
     if not rows:
@@ -185,7 +195,7 @@ def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, 
             answered.append(chunk[c.prompt_index])
             lengths += len(c.token_ids)
     torch.set_rng_state(saved)
-    correct = float((ctx.scorer.score(texts, answered) > 0).sum())
+    correct = float(is_correct(ctx.cfg.env, ctx.scorer.score(texts, answered)).sum())
     return {"eval_accuracy": correct / len(rows), "eval_response_len": lengths / len(rows)}
 
 

@@ -39,6 +39,7 @@ from loopline.loops.context import (
     apply_scale_request,
     encode_prompt,
     evaluate,
+    is_correct,
     sampling_params,
     sync_engine,
 )
@@ -378,7 +379,7 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             "step": state.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float((scored.verified > 0).float().mean()),
+            "accuracy": float(is_correct(ctx.cfg.env, scored.verified).float().mean()),
             "loss": stats.loss,
             **stats.extra,
             "grad_norm": stats.grad_norm,

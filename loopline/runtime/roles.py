@@ -80,7 +80,7 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
         critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
     # the env workers are processes; they start in the background
-    scorer = ScorerRole(cfg.env.name, workers=cfg.runtime.env_workers)
+    scorer = ScorerRole(cfg.env, workers=cfg.runtime.env_workers)
     return Roles(ActorRole(trainer, model, reference), rollout, scorer, scorer.close, critic)
 
 
@@ -141,7 +141,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
 
     try:
         pools = place_pools(placement)
-        scorer = ScorerRole(cfg.env.name, pools["env"], rt.env_workers)  # its workers start in the background
+        scorer = ScorerRole(cfg.env, pools["env"], rt.env_workers)  # its workers start in the background
         workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from loopline.data.rows import PromptRow
+from loopline.envs.config import EnvConfig
 from loopline.envs.single_turn import Chunk, EnvError, score_chunk
 from loopline.runtime.workers import WorkerError
 
@@ -44,7 +45,7 @@ class ScorerRole:
 
     def __init__(
         self,
-        env: str = "addition",
+        env: EnvConfig | str = "addition",
         pool: Pool | None = None,
         workers: int = 1,
         task_timeout_s: float = 60.0,
@@ -52,7 +53,8 @@ class ScorerRole:
         fn: Callable[[Chunk], list[float]] | None = None,
         chunks_per_worker: int = 1,
     ) -> None:
-        """env: envs.config.EnvConfig.name; fn: scores one (texts, rows) chunk instead (picklable).
+        """env: the env section (envs.config.EnvConfig) or an env's name; fn: scores one (texts, rows) chunk instead
+        (picklable).
 
         chunks_per_worker: 1 by default, as measured (512 completions, 2 workers, local Ray): one chunk per
         worker 2.5 ms, 4 per worker 9 ms, one task per completion 830 ms. A task costs a ~2 ms round trip

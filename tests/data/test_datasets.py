@@ -115,6 +115,32 @@ def test_answers_optional_when_not_needed(tmp_path):
         load_rows(path, DataConfig(source="jsonl"))
 
 
+def test_env_fields_are_kept_and_required_where_rows_are_scored(tmp_path):
+    """The code env's rows (HumanEval form) carry entry_point and test and no answer: both are kept on the row,
+    required in every scored row (RL's training rows, every held-out row), and a row without one is named."""
+    good = {"prompt": "def f():\n", "entry_point": "f", "test": "def check(c):\n    assert c() == 7\n"}
+    train = _write_jsonl(tmp_path / "train.jsonl", [good, {**good, "canonical_solution": "    return 7\n"}])
+    held_out = _write_jsonl(tmp_path / "eval.jsonl", [good, {"prompt": "def g():\n", "entry_point": "g"}])
+    fields = ("entry_point", "test")
+    cfg = DataConfig(source="jsonl", train_path=str(train), completion_field="canonical_solution")
+    tr, _, _ = load_splits(cfg, seed=0, fields=fields, answered=False)
+    assert [r.get("test") for r in tr] == [good["test"]] * 2 and tr[1].completion == "    return 7\n"
+    assert tr[0].get("entry_point") == "f" and tr[0].get("nope", "-") == "-"
+    with pytest.raises(DataError, match=r"eval.jsonl: row 2: field 'test' is missing; the env reads it"):
+        load_splits(
+            cfg.model_copy(update={"eval_path": str(held_out)}), seed=0, fields=fields, answered=False
+        )
+    # unscored training rows (SFT) need no env fields, held-out rows still do
+    sft_cfg = cfg.model_copy(update={"train_path": str(held_out)})
+    assert len(load_splits(sft_cfg, seed=0, need_answer=False, fields=fields, answered=False)[0]) == 2
+    with pytest.raises(DataError, match=r"row 2: field 'test' is missing"):
+        load_splits(sft_cfg, seed=0, fields=fields, answered=False)
+    with pytest.raises(DataError, match=r"field 'test' is not a non-empty string"):
+        load_rows(_write_jsonl(tmp_path / "bad.jsonl", [{**good, "test": ["x"]}]), cfg, False, fields=fields)
+    rows, skipped = load_rows(held_out, cfg.model_copy(update={"skip_bad_rows": True}), False, fields=fields)
+    assert len(rows) == 1 and skipped == {"fields": 1}
+
+
 def test_empty_or_missing_dataset(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_rows(tmp_path / "nope.jsonl", DataConfig(source="jsonl"))

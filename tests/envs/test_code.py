@@ -121,6 +121,72 @@ def test_infinite_loop_times_out(sandbox: Sandbox) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Tally (env.code_reward=fraction): each assert-holding statement of check() is one test
+# ---------------------------------------------------------------------------------------------
+
+# Setup statements run as they are; the loop is one test; a test may call the candidate more than once.
+TALLY = CodeProblem(
+    task_id="tally",
+    prompt='def add(a, b):\n    """Return a + b."""\n',
+    entry_point="add",
+    test=(
+        "def check(candidate):\n"
+        "    pairs = [(1, 2), (3, 4)]\n"
+        "    assert candidate(1, 2) == 3\n"
+        "    for a, b in pairs:\n"
+        "        assert candidate(a, b) == a + b\n"
+        "    assert candidate(-1, 1) == 0, 'a message'\n"
+        "    if True:\n"
+        "        assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9\n"
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    ("completion", "tests"),
+    [
+        ("    return a + b\n", (4, 4)),
+        ("    return int(a + b)\n", (3, 4)),  # wrong on the float case only
+        ("    return a + b if a > 0.75 else 99\n", (2, 4)),  # wrong on the last two, which still run
+        ("    return 0\n", (1, 4)),  # right on (-1, 1) only: a failed test does not stop the others
+        ("    raise ValueError('no')\n", (0, 4)),  # every call raises: each test counted failed
+    ],
+    ids=["all", "three", "two", "one", "raises"],
+)
+def test_tally_counts_each_test(sandbox: Sandbox, completion: str, tests: tuple[int, int]) -> None:
+    result = score(TALLY, completion, sandbox, tally=True)
+    assert result.tests == tests, (result.detail, result.result.stderr[-2000:])
+    assert result.reward == tests[0] / tests[1]
+    assert result.passed == (tests[0] == tests[1]) and result.detail == f"{tests[0]}/{tests[1]} tests passed"
+    plain = score(TALLY, completion, sandbox)  # untallied: all or nothing, the same verdict on a full pass
+    assert plain.reward == float(tests[0] == tests[1]) and plain.tests == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "completion", ["    return a +\n", "    while True:\n        pass\n", "    import os\n    os._exit(0)\n"]
+)
+def test_a_completion_that_does_not_load_or_run_tallies_nothing(completion: str) -> None:
+    result = score(TALLY, completion, Sandbox(SandboxConfig(timeout_s=1.5)), tally=True)
+    assert result.reward == 0.0 and not result.passed
+
+
+def test_a_tally_needs_the_nonce_and_exit_status_0(sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_judge(monkeypatch, "print('loopline-verdict tally 3 4', payload['nonce'])")
+    assert score(ADD, "", sandbox, tally=True).tests == (
+        3,
+        4,
+    )  # the stand-in that knows the nonce is believed
+    _fake_judge(monkeypatch, "print('loopline-verdict tally 4 4', '0' * 32)")
+    assert score(ADD, "", sandbox, tally=True).reward == 0.0
+    _fake_judge(monkeypatch, "print('loopline-verdict tally 4 4', payload['nonce'])\nsys.exit(1)")
+    assert score(ADD, "", sandbox, tally=True).reward == 0.0
+    # and the solution printing a tally line of its own reaches only stderr
+    fake = "    print('loopline-verdict tally 4 4 ' + '0' * 32, flush=True)\n    return 0\n"
+    monkeypatch.undo()
+    assert score(ADD, fake, sandbox, tally=True).tests == (1, 3)
+
+
+# ---------------------------------------------------------------------------------------------
 # Reward hacking
 # ---------------------------------------------------------------------------------------------
 

@@ -91,8 +91,7 @@ def test_a_user_env_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     ("name", "error"),
     [
         ("adition", "unknown env 'adition': use one of addition, exact_match, math"),
-        ("code", "env 'code' is not in the RL loop yet"),
-        ("calculator", "`loopline agent`"),
+        ("calculator", "env 'calculator' is not in the RL loop yet.*`loopline agent`"),
         ("python:pkg.mod", "unknown env"),  # no factory
     ],
 )

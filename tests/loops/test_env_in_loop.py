@@ -118,3 +118,44 @@ def test_a_user_env_that_does_not_import_fails_before_anything_starts(
     assert main(["train", *ARGS, "env.name=python:no_such_pkg.envs:make", f"out_dir={run}"]) == 2
     assert "cannot import no_such_pkg.envs: ModuleNotFoundError" in capsys.readouterr().err
     assert not any(run.iterdir())  # nothing half-made (the CLI made the empty out_dir, checking it can write)
+
+
+def _code_rows(path: Path, start: int, test: str) -> Path:
+    """HumanEval-form rows whose function should return 7 (the SFT target says so), with `test` as their check."""
+    rows = [
+        {
+            "prompt": f"def f{i}():\n",
+            "entry_point": f"f{i}",
+            "test": test,
+            "canonical_solution": "    return 7\n",
+        }
+        for i in range(start, start + 40)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_code_env_scores_by_running_each_rows_tests_in_the_sandbox(tmp_path: Path) -> None:
+    """env.name=code on two env workers: the training rows' check() wants 7 and 8 (no completion passes both), the
+    held-out rows' wants 7. All-or-nothing gives no reward, the fraction of tests gives 0.5 per completion that
+    returns either; held-out accuracy (full passes) is the same for both and not zero: the tests decide."""
+    both = "def check(candidate):\n    assert candidate() == 7\n    assert candidate() == 8\n"
+    train = _code_rows(tmp_path / "train.jsonl", 0, both)
+    held_out = _code_rows(
+        tmp_path / "eval.jsonl", 100, "def check(candidate):\n    assert candidate() == 7\n"
+    )
+    code = [
+        "data.source=jsonl", f"data.train_path={train}", f"data.eval_path={held_out}",
+        "data.completion_field=canonical_solution", "env.name=code", "runtime.env_workers=2", "sft.steps=60",
+        "grpo.sampling.max_new_tokens=16", "eval.sampling.max_new_tokens=16",  # "    return 7\n" and its end
+    ]  # fmt: skip
+    every, fraction = tmp_path / "all", tmp_path / "fraction"
+    assert main(["train", *ARGS, *code, f"out_dir={every}"]) == 0
+    assert main(["train", *ARGS, *code, "env.code_reward=fraction", f"out_dir={fraction}"]) == 0
+
+    a, b = _grpo(every), _grpo(fraction)
+    assert a[1]["response_len_mean"] == b[1]["response_len_mean"]  # the same completions
+    assert a[1]["reward_mean"] == 0.0 and a[1]["accuracy"] == b[1]["accuracy"] == 0.0
+    halves = b[1]["reward_mean"] * 2 * 16  # 16 completions, each 0 or 0.5
+    assert 0 < b[1]["reward_mean"] <= 0.5 and halves == pytest.approx(round(halves))
+    assert 0 < a[0]["eval_accuracy"] == b[0]["eval_accuracy"]

@@ -24,6 +24,7 @@ import ray
 import ray.cloudpickle
 
 from loopline.data.rows import PromptRow
+from loopline.envs.config import EnvConfig
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
 from loopline.envs.single_turn import score_chunk
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
@@ -238,6 +239,24 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
         assert {int(p.name[2:]) for p in tmp_path.glob("4-*")} == {w.pid for w in workers}
     finally:
         scorer.close()
+
+
+def test_the_code_env_runs_each_rows_tests_in_a_sandbox_on_the_env_actors(env_pool: Pool) -> None:
+    """env.name=code on Ray: the row's tests run in the sandbox of the env worker actor that took the chunk, and
+    env.code_reward=fraction counts the tests passed (the same scores as in this process)."""
+    test = "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n"
+    rows = [
+        PromptRow(index=i, prompt="def inc(x):\n", extra=(("entry_point", "inc"), ("test", test)))
+        for i in range(4)
+    ]
+    texts = ["    return x + 1\n", "    return abs(x) + 1\n", "    return x +\n", "    return 0\n"]
+    for reward, want in (("all", [1.0, 0.0, 0.0, 0.0]), ("fraction", [1.0, 0.5, 0.0, 0.5])):
+        env = EnvConfig(name="code", code_reward=reward)
+        scorer = ScorerRole(env, pool=env_pool, workers=2)
+        try:
+            assert scorer.score(texts, rows).tolist() == want == score_chunk(env, (texts, rows))
+        finally:
+            scorer.close()
 
 
 def test_bad_arguments_are_named() -> None:

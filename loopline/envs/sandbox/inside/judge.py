@@ -2,12 +2,16 @@
 
 Standalone (standard library only): the host (`loopline.envs.code.score`) runs this file's text
 as the sandbox's program, with stdin = marshal.dumps({"nonce", "prompt", "solution", "test",
-"entry_point"}). It forks the solution process first, makes itself non-dumpable, reads the payload,
-runs prompt + test + check(candidate) where each candidate(*args) call goes over a pipe to the
-solution process, and prints its verdict as the last line of stdout:
+"entry_point", "tally"}). It forks the solution process first, makes itself non-dumpable, reads the
+payload, runs prompt + test + check(candidate) where each candidate(*args) call goes over a pipe to
+the solution process, and prints its verdict as the last line of stdout:
 
     loopline-verdict passed NONCE      (exit status 0: check() returned)
+    loopline-verdict tally K N NONCE   (tally: check() ran to its end, K of its N tests passed)
     loopline-verdict failed WHY        (exit status 1, or 2 when the judge itself cannot run)
+
+With "tally", each top-level statement of check's body that holds an assert is one test: a test
+that fails or raises is counted and the next one runs (see `_tallied`).
 
 Everything the test or the solution prints goes to stderr. See `loopline/envs/code.py` for why
 the verdict cannot be forged from the solution side.
@@ -101,6 +105,31 @@ def _solution_main(requests_fd: int, answers_fd: int) -> None:
         _send(answers_fd, answer)
 
 
+def _tallied(test: str) -> tuple[object, list[int]]:
+    """`test` compiled with each assert-holding top-level statement of check's body wrapped so that its
+    failure is counted, not raised; returns (code, tally), tally = [passed, total] filled as check runs."""
+    import ast
+
+    tree = ast.parse(test, "<test>")
+    tally = [0, 0]
+    for node in tree.body:
+        if not (isinstance(node, ast.FunctionDef) and node.name == "check"):
+            continue
+        body = []
+        for stmt in node.body:
+            if not any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
+                body.append(stmt)
+                continue
+            tally[1] += 1
+            counted = ast.parse(
+                "try:\n    pass\nexcept Exception:\n    pass\nelse:\n    __tally__[0] += 1"
+            ).body[0]
+            counted.body = [stmt]  # type: ignore[attr-defined]
+            body.append(counted)
+        node.body = body
+    return compile(ast.fix_missing_locations(tree), "<test>", "exec"), tally
+
+
 def _judge_main() -> None:
     """Judge process: fork the solution process, run the test against it, print the verdict."""
     # Fork the solution process first, while this process holds nothing secret (the payload and
@@ -178,7 +207,12 @@ def _judge_main() -> None:
         except SyntaxError:
             pass  # a prompt that is not valid code on its own defines no helpers
         namespace[payload["entry_point"]] = candidate
-        exec(compile(payload["test"], "<test>", "exec"), namespace)
+        if payload.get("tally"):
+            code, tally = _tallied(payload["test"])
+            namespace["__tally__"] = tally
+        else:
+            code, tally = compile(payload["test"], "<test>", "exec"), None
+        exec(code, namespace)
         namespace["check"](candidate)
     except BaseException as e:  # noqa: BLE001 - every failure is a verdict
         tb = e.__traceback__
@@ -187,7 +221,7 @@ def _judge_main() -> None:
         where = f" ({tb.tb_frame.f_code.co_filename} line {tb.tb_lineno})" if tb else ""
         verdict(f"failed {type(e).__name__}: {str(e)[:500]}{where}")
         os._exit(1)
-    verdict(f"passed {nonce}")
+    verdict(f"tally {tally[0]} {tally[1]} {nonce}" if tally and tally[1] else f"passed {nonce}")
     os._exit(0)
 
 
