@@ -192,12 +192,12 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_internal_errors_keep_their_traceback(monkeypatch):
-    from loopline import commands
+    from loopline import cli
 
     def broken(*_):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(commands, "config", broken)
+    monkeypatch.setattr(cli, "describe", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         main(["config"])
 
@@ -207,23 +207,16 @@ def test_data_errors_after_start_up_are_one_line(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "run"
-    rc, _, err, _ = _cli(
-        ["train", *TINY, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"], tmp_path
-    )
-    assert rc == 2
-    _one_line_error(err, str(empty), "no usable rows")
+    assert main(["train", *TINY, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"]) == 2
+    _one_line_error(capsys.readouterr().err, str(empty), "no usable rows")
     pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "chosen": "2"}])  # no 'rejected'
-    rc, _, err, _ = _cli(
-        ["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}", f"out_dir={out}"],
-        tmp_path,
-    )  # fmt: skip
-    assert rc == 2
-    _one_line_error(err, str(pairs), "row 1", "rejected")
+    dpo = ["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}"]
+    assert main([*dpo, f"out_dir={out}"]) == 2
+    _one_line_error(capsys.readouterr().err, str(pairs), "row 1", "rejected")
     pairs = _jsonl(
         tmp_path / "pairs.jsonl", [], raw=[b'{"prompt": "caf\xe9", "chosen": "1", "rejected": "2"}']
     )
-    assert main(["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}",
-                 f"out_dir={tmp_path / 'run2'}"]) == 2  # fmt: skip
+    assert main([*dpo, f"out_dir={tmp_path / 'run2'}"]) == 2
     _one_line_error(capsys.readouterr().err, str(pairs), "row 1", "0xe9")
 
 
@@ -232,7 +225,7 @@ def test_data_errors_after_start_up_are_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_a_10mb_row_fails_or_is_skipped_at_once(tmp_path):
+def test_a_10mb_row_fails_or_is_skipped_at_once(tmp_path, capsys):
     huge = _jsonl(
         tmp_path / "huge.jsonl", [GOOD[0], {"prompt": "1" * 10_000_000 + "+1=", "answer": "2"}, *GOOD[1:]]
     )
@@ -247,11 +240,8 @@ def test_a_10mb_row_fails_or_is_skipped_at_once(tmp_path):
     _one_line_error(err, f"{huge}: row 2", "data.max_prompt_tokens=504", "data.overlong=skip")
     maxrss_gb = int(proc.stderr.split("MAXRSS_KB ")[1].split()[0]) / 2**20
     assert maxrss_gb < 2  # the old loader took 20 GB before failing
-    proc = subprocess.run(
-        [*base, "data.overlong=skip"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=ENV
-    )
-    assert proc.returncode == 0, proc.stderr
-    assert f"{huge}: skipped 1 of 9 rows: 1 too long" in proc.stderr
+    assert main(["eval", *TINY, "data.source=jsonl", f"data.train_path={huge}", "data.overlong=skip"]) == 0
+    assert f"{huge}: skipped 1 of 9 rows: 1 too long" in capsys.readouterr().err
 
 
 def test_token_limits_name_file_and_row(tmp_path, capsys):

@@ -6,7 +6,8 @@ process's descendants by its Ray process title), at points the loop reaches dete
 step 1 after generate (the death surfaces in the weight sync), one after step 2's row (it surfaces in
 step 3's generate). The run must finish every step with nothing lost or duplicated and without
 restarting the trainer, and every engine must then hold the trainer's weights, bitwise. Resizing goes
-through the real `loopline scale` command, written while a step runs and applied before the next.
+through the real `loopline scale` command, written while a step runs and applied before the next; the same
+run does both (each ray run's actors take ~10 s apiece to start here).
 """
 
 from __future__ import annotations
@@ -111,55 +112,46 @@ def _assert_every_sample_trained_once(ctx: RunContext, steps: int) -> None:
     assert all(len(r["samples"]) == size for r in ledger)  # each step trained all its completions
 
 
-def test_killed_engines_are_replaced_and_resynced(ray_cluster, tmp_path: Path, capsys) -> None:
-    cfg = load_config(overrides=[*ARGS, "runtime.engines=2", f"out_dir={tmp_path / 'run'}"])
-    ctx = build_context(cfg)
-    try:
-        # step 1: an engine dies after generating, before the weight sync; after step 2's row: before generating
-        ctx.scorer = Hooked(ctx.scorer, "score", {1: _kill_an_engine})
-        ctx.logger = Hooked(ctx.logger, "log", {2: _kill_an_engine})  # its rows: grpo 1, 2, 3
-        state = _grpo(ctx)
-        assert state.step == 3
-        out = capsys.readouterr().out
-        assert "died in receive_weights(): replaced in" in out, out
-        assert "died in generate(): replaced in" in out, out
-        print("\n".join(line for line in out.splitlines() if "replaced in" in line))  # the time it took
-        assert ctx.rollout.engines == 2 and ctx.rollout.replacements == 2
-        assert [r["step"] for r in read_metrics(ctx.run_dir) if r["phase"] == "grpo"] == [1, 2, 3]
-        _assert_every_sample_trained_once(ctx, 3)
-        _assert_engines_hold_the_trainers_weights(ctx)
-    finally:
-        ctx.close()
-
-
-def test_engines_join_and_leave_through_loopline_scale(ray_cluster, tmp_path: Path, capsys) -> None:
+def test_killed_engines_are_replaced_then_engines_join_and_leave_through_loopline_scale(
+    ray_cluster, tmp_path: Path, capsys
+) -> None:
+    """One ray run of 5 steps: an engine dies in step 1 (after generating, before the weight sync) and another
+    after step 2's row (before step 3 generates); `loopline scale` asks for 3 engines and 2 env workers while
+    step 3 scores and for 1 engine while step 4 scores, applied before steps 4 and 5."""
     run = tmp_path / "run"
-    cfg = load_config(overrides=[*ARGS, "grpo.steps=4", "runtime.engines=1", f"out_dir={run}"])
+    cfg = load_config(overrides=[*ARGS, "grpo.steps=5", "runtime.engines=2", f"out_dir={run}"])
     ctx = build_context(cfg)
     try:
-        # the cluster's 5 CPUs hold 1 trainer rank, 1 engine, 1 env worker and 2 more engines, not 7
-        with pytest.raises(PlacementError, match=r"8 rollout engines \(7 more\).* room for only 2 more"):
+        # the cluster's 5 CPUs hold 1 trainer rank, 2 engines, 1 env worker and 1 more engine, not 7
+        with pytest.raises(PlacementError, match=r"8 rollout engines \(6 more\).* room for only 1 more"):
             ctx.rollout.resize(8)
-        assert ctx.rollout.engines == 1
-        # asked while steps 1 and 2 run (scoring), applied before steps 2 and 3
+        assert ctx.rollout.engines == 2
         ctx.scorer = Hooked(
             ctx.scorer,
             "score",
             {
-                1: lambda: main(["scale", str(run), "engines=2", "env_workers=2"]),
-                2: lambda: main(["scale", str(run), "engines=1"]),
+                1: _kill_an_engine,
+                3: lambda: main(["scale", str(run), "engines=3", "env_workers=2"]),
+                4: lambda: main(["scale", str(run), "engines=1"]),
             },
         )
-        _grpo(ctx)
+        ctx.logger = Hooked(ctx.logger, "log", {2: _kill_an_engine})  # its rows: grpo 1, 2, ...
+        state = _grpo(ctx)
+        assert state.step == 5
+        out = capsys.readouterr().out
+        assert "died in receive_weights(): replaced in" in out, out
+        assert "died in generate(): replaced in" in out, out
+        print("\n".join(line for line in out.splitlines() if "replaced in" in line or "scaled to" in line))
+        assert ctx.rollout.replacements == 2
         rows = {r["step"]: r for r in read_metrics(run) if r["phase"] == "grpo"}
-        assert sorted(rows) == [1, 2, 3, 4]
-        assert "engines" not in rows[1] and rows[2]["engines"] == 2 and rows[3]["engines"] == 1
-        assert "engines" not in rows[4] and rows[2]["scale_s"] > 0
-        assert rows[1]["env_workers"] == 1 and rows[2]["env_workers"] == rows[4]["env_workers"] == 2
-        assert not (run / "scale_request.json").exists()
-        print("\n".join(line for line in capsys.readouterr().out.splitlines() if "scaled to" in line))
-        assert ctx.rollout.engines == 1
-        _assert_every_sample_trained_once(ctx, 4)
+        assert sorted(rows) == [1, 2, 3, 4, 5]
+        assert not {"engines"} & (
+            rows[1].keys() | rows[2].keys() | rows[3].keys()
+        )  # replacements are not scaling
+        assert rows[4]["engines"] == 3 and rows[5]["engines"] == 1 and rows[4]["scale_s"] > 0
+        assert rows[3]["env_workers"] == 1 and rows[4]["env_workers"] == rows[5]["env_workers"] == 2
+        assert ctx.rollout.engines == 1 and not (run / "scale_request.json").exists()
+        _assert_every_sample_trained_once(ctx, 5)
         _assert_engines_hold_the_trainers_weights(ctx)
     finally:
         ctx.close()
