@@ -9,10 +9,9 @@ ordinary model and never sees an adapter.
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import inject_adapter_in_model
-from peft.tuners.lora import LoraLayer
 
 from loopline.models.config import LoRAConfig
 
@@ -23,6 +22,9 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
         raise ValueError("model.lora.r must be > 0 to apply LoRA")
     if has_lora(model):
         raise ValueError("the model already has LoRA adapters")
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
     peft_cfg = PeftLoraConfig(
         r=cfg.r,
         lora_alpha=cfg.alpha,  # type: ignore[arg-type]  # peft scales by any number
@@ -38,15 +40,25 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     return model
 
 
+def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules that carry adapters, by name. Without peft imported there are none: peft (with accelerate,
+    ~0.5 s) is imported only by a run that uses LoRA, not by every trainer, engine and CLI process."""
+    if "peft" not in sys.modules:
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
 def has_lora(model: torch.nn.Module) -> bool:
     """True if any module of the model carries LoRA adapters."""
-    return any(isinstance(m, LoraLayer) for m in model.modules())
+    return bool(_lora_layers(model))
 
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under their plain names, adapters folded in; `state_dict()` if it has none."""
     state = model.state_dict()
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    layers = _lora_layers(model)
     if not layers:
         return state
     merged = {k: v for k, v in state.items() if "lora_" not in k and ".base_layer." not in k}
