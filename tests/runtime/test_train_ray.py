@@ -1,4 +1,5 @@
-"""`loopline train` on the ray backend: 2 FSDP2 trainer ranks, 1 engine, 2 env workers on a local Ray.
+"""`loopline train` on the ray backend: 2 FSDP2 trainer ranks, 1 engine, 2 env workers on a local Ray, the
+rewards from a user's env (env.name=python:FILE:FACTORY) whose episodes must run on the env workers.
 
 The session's one Ray (tests/conftest.py) holds every ray run here. A short run through the real CLI must
 finish, write its metrics, move the weights in SFT and in GRPO, and agree with the local backend where the
@@ -58,13 +59,61 @@ FINAL = "grpo-000003"
 RUN_TIMEOUT_S = 300
 
 
+# A user's env (env.name=python:FILE:FACTORY), the built-in task's rule, that leaves a file per episode naming
+# the process it ran in (EPISODES is replaced by a directory).
+USER_ENV = """
+import os, uuid
+from pathlib import Path
+
+from loopline.envs.base import StepResult
+
+
+class Exact:
+    async def reset(self, sample):
+        self.answer = sample.answer
+
+    async def step(self, action):
+        Path("EPISODES", f"{os.getpid()}-{uuid.uuid4().hex}").touch()
+        return StepResult("", float(action.split("\\n", 1)[0].strip() == self.answer), True)
+
+
+def make():
+    return Exact()
+"""
+
+
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The same short job on the local and on the ray backend."""
+def user_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    """(the env.name override of a user's env, the directory its episodes mark)."""
+    out = tmp_path_factory.mktemp("user_env")
+    (out / "episodes").mkdir()
+    (out / "user_env.py").write_text(USER_ENV.replace("EPISODES", str(out / "episodes")))
+    return f"env.name=python:{out / 'user_env.py'}:make", out / "episodes"
+
+
+@pytest.fixture(scope="module")
+def runs(
+    ray_cluster, user_env: tuple[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The same short job on the local and on the ray backend, its rewards from a user's env; the pids its
+    episodes ran in, by backend."""
     out = tmp_path_factory.mktemp("train")
-    assert main(["train", f"out_dir={out / 'local'}", *SMALL]) == 0
-    assert main(["train", f"out_dir={out / 'ray'}", *SMALL, *RAY]) == 0
+    env, episodes = user_env
+    pids = {}
+    for backend, extra in (("local", []), ("ray", RAY)):
+        assert main(["train", f"out_dir={out / backend}", *SMALL, env, *extra]) == 0
+        pids[backend] = {int(p.name.split("-")[0]) for p in episodes.iterdir()} - set().union(*pids.values())
+        (out / f"{backend}.pids").write_text(" ".join(map(str, sorted(pids[backend]))))
     return {"local": out / "local", "ray": out / "ray"}
+
+
+def test_the_user_env_ran_on_the_env_workers_of_each_backend(runs: dict[str, Path]) -> None:
+    local, ray_ = (
+        {int(p) for p in (runs[b].parent / f"{b}.pids").read_text().split()} for b in ("local", "ray")
+    )
+    assert local and ray_ and not local & ray_  # each run's own env workers: processes, then Ray actors
+    assert os.getpid() not in local | ray_  # never the controller
+    assert len(ray_) <= 2  # runtime.env_workers=2, none replaced
 
 
 def _rows(run: Path, phase: str) -> dict[int, dict]:
@@ -135,18 +184,27 @@ def _wait_for_free_cpus(timeout_s: float = 60.0) -> None:
 
 
 def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
-    runs: dict[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+    runs: dict[str, Path], user_env: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     import ray
 
     run = tmp_path / "run"
     # the killed launch joins this Ray by address, so its actors die with it
     address = ray.get_runtime_context().gcs_address
-    cmd = [sys.executable, "-m", "loopline.cli", "train", *SMALL, *RAY, f"runtime.cluster.address={address}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopline.cli",
+        "train",
+        *SMALL,
+        user_env[0],
+        *RAY,
+        f"runtime.cluster.address={address}",
+    ]
     kill_at([*cmd, f"out_dir={run}"], "step:grpo:3", tmp_path / "markers", RUN_TIMEOUT_S)  # logged, not saved
     assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
     _wait_for_free_cpus()
-    assert main(["train", "--resume", *SMALL, *RAY, f"out_dir={run}"]) == 0
+    assert main(["train", "--resume", *SMALL, user_env[0], *RAY, f"out_dir={run}"]) == 0
 
     a, b = run / "checkpoints" / FINAL, runs["ray"] / "checkpoints" / FINAL
     names = ["model/model.safetensors", "state.json"]
@@ -171,7 +229,7 @@ def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
     # (--resume starts from the saved config, which is ray: the backend is changed explicitly)
     local = ["runtime.backend=local", "runtime.trainer_ranks=1"]
     with caplog.at_level(logging.WARNING, logger="loopline.loops.grpo"):
-        assert main(["train", "--resume", *SMALL, *local, "grpo.steps=4", f"out_dir={run}"]) == 0
+        assert main(["train", "--resume", *SMALL, user_env[0], *local, "grpo.steps=4", f"out_dir={run}"]) == 0
     assert "does not replay the uninterrupted one exactly" in caplog.text
     step4 = _rows(run, "grpo")[4]
     assert 0 < step4["kl"] < 1.0
