@@ -10,10 +10,14 @@ ordinary model and never sees an adapter.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from loopline.models.config import LoRAConfig
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 
 def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
@@ -40,12 +44,12 @@ def apply_lora(model: torch.nn.Module, cfg: LoRAConfig) -> torch.nn.Module:
     return model
 
 
-def _lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def _lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
     """The modules that carry adapters, by name. Without peft imported there are none: peft (with accelerate,
     ~0.5 s) is imported only by a run that uses LoRA, not by every trainer, engine and CLI process."""
     if "peft" not in sys.modules:
         return {}
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # noqa: F811 - the class itself, at run time
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
