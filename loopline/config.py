@@ -132,6 +132,12 @@ class RunConfig(Section):
                 f"grpo.prompts_per_step * grpo.group_size ({rollout}) must split into grpo.minibatches "
                 f"({self.grpo.minibatches}) of a multiple of runtime.trainer_ranks ({n}) rows each"
             )
+        if self.env.row_fields and self.data.source == "builtin":
+            # the built-in task's rows are 'a+b=' prompts with answers: nothing for such an env to read
+            raise ValueError(
+                f"env.name={self.env.name} reads the fields {', '.join(self.env.row_fields)} of each row: "
+                "give it a file dataset that has them (data.source=jsonl data.train_path=... data.eval_path=...)"
+            )
         if self.model.lora.r and self.runtime.backend != "local":
             raise ValueError("model.lora (r > 0) runs on runtime.backend 'local' only for now")
         if self.sft.batch_size % n:

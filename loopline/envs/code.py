@@ -31,6 +31,7 @@ HumanEval's tests need neither (all 164 canonical solutions pass).
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import functools
 import gzip
@@ -249,6 +250,7 @@ class CodeEnv:
         )  # fmt: skip
         if not self.problem.entry_point or not self.problem.test:
             raise ValueError("the row has no 'entry_point' or no 'test' (HumanEval form)")
+        _check_test(self.problem.test)
         return sample.prompt
 
     async def step(self, action: str) -> StepResult:
@@ -258,3 +260,15 @@ class CodeEnv:
         verdict = await asyncio.to_thread(score, self.problem, action, sandbox_for(self.sandbox), self.tally)
         info: dict[str, float | int | str] = {"passed": float(verdict.passed), "detail": verdict.detail}
         return StepResult(observation="", reward=verdict.reward, done=True, info=info)
+
+
+@functools.cache
+def _check_test(test: str) -> None:
+    """A row's test must be Python that defines check(candidate): otherwise every completion would score 0 in
+    silence, and the run would train on nothing."""
+    try:
+        tree = ast.parse(test)
+    except SyntaxError as e:
+        raise ValueError(f"the row's test is not valid Python (line {e.lineno}: {e.msg})") from None
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body):
+        raise ValueError("the row's test defines no check(candidate)")

@@ -98,3 +98,31 @@ def test_a_user_env_that_cannot_be_made_is_named(tmp_path: Path) -> None:
 def test_config_names_a_bad_env(name: str, error: str) -> None:
     with pytest.raises(ConfigError, match=rf"env\.name.*{error}"):
         load_config(overrides=[f"env.name={name}"])
+
+
+def test_an_env_that_reads_row_fields_needs_a_file_dataset(tmp_path: Path) -> None:
+    """The built-in task's rows have no tests: env.name=code (or a user env naming env.fields) on them is refused
+    when the config loads, naming the fields, not at the first score after SFT."""
+    with pytest.raises(ConfigError, match=r"env.name=code reads the fields entry_point, test of each row"):
+        load_config(overrides=["env.name=code"])
+    with pytest.raises(ConfigError, match=r"reads the fields meta of each row"):
+        load_config(overrides=["env.name=math", "env.fields=[meta]"])
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("")
+    cfg = load_config(overrides=["env.name=code", "data.source=jsonl", f"data.train_path={rows}"])
+    assert cfg.env.row_fields == ("entry_point", "test") and not cfg.env.reads_answer
+
+
+@pytest.mark.parametrize(
+    ("test", "error"),
+    [
+        ("def check(candidate):\n    assert candidate( == 1\n", "not valid Python"),
+        ("assert True\n", "no check"),
+    ],
+)
+def test_a_code_row_whose_test_cannot_check_anything_is_named(test: str, error: str) -> None:
+    row = PromptRow(index=3, prompt="def f():\n", extra=(("entry_point", "f"), ("test", test)))
+    with pytest.raises(
+        EnvError, match=rf"env 'code' on prompt 3 .* raised ValueError: the row's test .*{error}"
+    ):
+        score_chunk("code", (["    return 1\n"], [row]))
