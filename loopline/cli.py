@@ -153,10 +153,10 @@ def _scale(run_dir: str, counts: list[str]) -> int:
             return fail(f"{item!r}: give engines=N and/or env_workers=M, integers >= 1")
         request[key] = int(value)
     backend = load_config(str(config)).runtime.backend
-    if backend != "ray":
+    if backend != "ray" and "engines" in request:
         return fail(
-            f"the run in {run_dir} uses runtime.backend={backend}, one engine and one scorer in one process: "
-            "nothing to scale (runtime.backend=ray runs worker groups that can grow and shrink)"
+            f"the run in {run_dir} uses runtime.backend={backend}: its one engine runs in the run's process and "
+            "cannot grow or shrink (env_workers can; runtime.backend=ray runs engines that can)"
         )
     path = write_scale_request(run_dir, request)
     print(f"wrote {path}: applied before the run's next step")

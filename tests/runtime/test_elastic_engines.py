@@ -157,18 +157,42 @@ def test_killed_engines_are_replaced_then_engines_join_and_leave_through_looplin
         ctx.close()
 
 
-def test_scale_refuses_a_local_run_and_bad_counts(tmp_path: Path, capsys) -> None:
+def test_scale_refuses_a_local_runs_engines_and_bad_counts(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     run.mkdir()
     assert main(["scale", str(run), "engines=2"]) == 2  # no config.yaml: not a run directory
     from loopline.config import save_config
 
     save_config(load_config(overrides=[f"out_dir={run}"]), run / "config.yaml")
-    assert main(["scale", str(run), "engines=2"]) == 2
-    assert "runtime.backend=local" in capsys.readouterr().err
+    assert main(["scale", str(run), "engines=2", "env_workers=2"]) == 2  # a local run's engine cannot change
+    assert "runtime.backend=local: its one engine" in capsys.readouterr().err
+    assert not (run / "scale_request.json").exists()
     save_config(load_config(overrides=[f"out_dir={run}", "runtime.backend=ray"]), run / "config.yaml")
     assert main(["scale", str(run), "engines=0"]) == 2
     assert main(["scale", str(run), "trainers=2"]) == 2
     assert not (run / "scale_request.json").exists()
     assert main(["scale", str(run), "engines=3", "env_workers=2"]) == 0
     assert (run / "scale_request.json").exists()
+
+
+def test_a_local_runs_env_workers_scale_through_loopline_scale(tmp_path: Path) -> None:
+    """The local backend's env workers are processes of a pool that grows and shrinks between steps too."""
+    run = tmp_path / "run"
+    local = [a for a in ARGS if not a.startswith("runtime.")] + ["runtime.env_workers=1", "grpo.steps=3"]
+    ctx = build_context(load_config(overrides=[*local, f"out_dir={run}"]))
+    try:
+        ctx.scorer = Hooked(
+            ctx.scorer,
+            "score",
+            {
+                1: lambda: main(["scale", str(run), "env_workers=3"]),
+                2: lambda: main(["scale", str(run), "env_workers=2"]),
+            },
+        )
+        _grpo(ctx)
+        rows = {r["step"]: r for r in read_metrics(run) if r["phase"] == "grpo"}
+        assert [rows[s]["env_workers"] for s in (1, 2, 3)] == [1, 3, 2]
+        assert "engines" not in rows[2] and rows[2]["scale_s"] > 0
+        _assert_every_sample_trained_once(ctx, 3)
+    finally:
+        ctx.close()
