@@ -79,15 +79,17 @@ def test_overrides_may_follow_options(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
 
 
-def test_agent_gets_its_own_options(capsys):
-    # every word after `agent` goes to the agent's parser: its --help and --print-config, in any order
+def test_agent_is_train_with_the_calculator_settings(capsys):
+    # `agent` stands for `train env.name=calculator` with the example's settings; the words given win, and
+    # --print-config shows the config it resolves to (in any order)
     with pytest.raises(SystemExit) as e:
         main(["agent", "--help"])
     assert e.value.code == 0
-    assert "--print-config" in capsys.readouterr().out
+    assert "usage: loopline train" in capsys.readouterr().out
     assert main(["agent", "grpo.steps=3", "--print-config", "sft.steps=7"]) == 0
     out = capsys.readouterr().out
-    assert "grpo:\n  steps: 3\n" in out and "sft:\n  steps: 7\n" in out
+    assert "grpo.steps = 3" in out and "sft.steps = 7" in out and "env.name = 'calculator'" in out
+    assert "sft.optim.lr = 0.001" in out and "grpo.sampling.temperature = 0.7" in out
     assert main(["agent", "--print-config", "grpo.stepz=1"]) == 2
     assert "unknown config key 'grpo.stepz'" in capsys.readouterr().err
 

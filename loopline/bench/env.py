@@ -3,7 +3,7 @@
 The workload is a GRPO step's scoring with env.name=code: `--completions` HumanEval-form completions (a function
 each, four asserts in its check, a quarter of them wrong), every check run in the sandbox behind the judge. Each
 way scores the same batch `--rounds` times after a warm-up (workers started, warm sandboxes up):
-- inprocess: `envs.single_turn.score_chunk` in this process (what a loop without env workers would do: the
+- inprocess: `envs.episodes.score_chunk` in this process (what a loop without env workers would do: the
   episodes still run side by side, in threads);
 - workers_N: `runtime.scorer.ScorerRole` on N local env worker processes (the local backend's scorer), for
   each N of `--workers`.
@@ -19,7 +19,7 @@ import time
 
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
-from loopline.envs.single_turn import score_chunk
+from loopline.envs.episodes import score_chunk
 
 
 def batch(n: int) -> tuple[list[str], list[PromptRow]]:

@@ -1,5 +1,5 @@
-"""The `env` section: which environment scores the RL loop's completions. Pydantic only (loading a config
-imports no torch); the names resolve in envs.single_turn, on the env workers."""
+"""The `env` section: which environment scores the RL loop's completions, in one turn or over several. Pydantic
+only (loading a config imports no torch); the names resolve in envs.episodes, on the env workers."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from loopline.envs.sandbox.config import SandboxConfig
 from loopline.section import Section
 
-# name -> what it checks; the single-turn envs of envs.single_turn
+# name -> what it checks; made by envs.episodes
 BUILTIN_ENVS = {
     "addition": "the built-in task's verifier: the first line of the response equals the answer",
     "exact_match": "file datasets: the first line of the response equals the row's answer (spaces ignored)",
@@ -20,13 +20,53 @@ BUILTIN_ENVS = {
     "equal to the row's answer (sympy)",
     "code": "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
     "workers (env.code_reward: all, or the fraction of check()'s asserts passed)",
+    "calculator": "the agentic task (multi-turn): the model calls the calculator tool, reads its result and writes "
+    "<answer>...</answer>; reward 1 when the answer equals the row's (data.source=builtin: env.calculator's problems)",
 }
-NOT_IN_THE_LOOP_YET = {
-    "calculator": "the tool-using agent trains with `loopline agent`",
-}
+# What a multi-turn built-in needs unless the config says otherwise: its turns and the strings that end a turn.
+MULTI_TURN_DEFAULTS: dict[str, dict] = {"calculator": {"max_turns": 3, "stop": ["</tool_call>", "</answer>"]}}
 # The fields of a file's rows an env reads besides the prompt (and whether it reads the answer).
 ROW_FIELDS = {"code": ("entry_point", "test")}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
+
+
+class CalculatorConfig(Section):
+    """The calculator task: a*b+c with a, b drawn from [min_operand, max_operand] and c from [0, max_addend].
+
+    The default ranges keep every expression and every value the same length (32*32 > 999, 99*99+9 <
+    10000): with fixed lengths, what the model copies (the expression into the call, the result into
+    the answer) sits at a fixed distance, which is what a tiny model learns to copy quickly.
+    """
+
+    min_operand: int = Field(32, ge=0, description="Smallest a and b.")
+    max_operand: int = Field(99, ge=0, description="Largest a and b.")
+    max_addend: int = Field(9, ge=0, description="Largest c.")
+    num_train: int = Field(4000, gt=0, description="Training problems generated.")
+    num_eval: int = Field(
+        128, gt=0, description="Held-out problems, disjoint from training (128: a 1-problem change is 0.8%)."
+    )
+    num_val: int = Field(
+        128, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
+    )
+    direct_fraction: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
+    )
+    call_bonus: float = Field(
+        0.0, ge=0.0, description="Format reward, once per episode, for a turn whose tool calls all succeed."
+    )
+
+    @model_validator(mode="after")
+    def _enough_problems(self) -> CalculatorConfig:
+        if self.min_operand > self.max_operand:
+            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
+        space = (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1)
+        wanted = self.num_train + self.num_eval + self.num_val
+        if wanted > space // 2:
+            raise ValueError(
+                f"num_train + num_eval + num_val ({wanted}) must be at most half of the "
+                f"{space} distinct problems; widen the operand ranges"
+            )
+        return self
 
 
 class EnvConfig(Section):
@@ -57,6 +97,47 @@ class EnvConfig(Section):
         description="More fields of a file's rows that your env reads (row.get(name)); every row must have them.",
     )
 
+    max_turns: int | None = Field(
+        None,
+        ge=1,
+        description="Model turns per episode at most; null: the env's own (calculator 3, others 1). 1: "
+        "single-turn, the env ends the episode after the response; more: the multi-turn driver alternates model "
+        "turns (grpo.sampling.max_new_tokens each) and env observations, and only the model's tokens are trained.",
+    )
+    max_episode_tokens: int = Field(
+        256,
+        gt=0,
+        description="Multi-turn: response tokens per episode (model turns and observations) at most.",
+    )
+    returns: Literal["sum", "final"] = Field(
+        "sum",
+        description="Multi-turn: an episode's reward is the sum of its turns' rewards, or the last one.",
+    )
+    stop: list[str] = Field(
+        default_factory=list,
+        description="Multi-turn: strings that end a model turn (kept in it), besides the sampling's stop "
+        "(calculator: </tool_call> and </answer>).",
+    )
+    calculator: CalculatorConfig = Field(
+        default_factory=CalculatorConfig,
+        description="env.name=calculator with data.source=builtin: the generated problems (and SFT's demonstrations).",
+    )
+
+    @property
+    def turns(self) -> int:
+        """Model turns per episode at most: env.max_turns, or the env's own."""
+        return self.max_turns or MULTI_TURN_DEFAULTS.get(self.name, {}).get("max_turns", 1)
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether episodes run through the multi-turn driver (more than one turn)."""
+        return self.turns > 1
+
+    @property
+    def turn_stop(self) -> tuple[str, ...]:
+        """The strings that end a model turn besides the sampling's: the env's own, then env.stop."""
+        return tuple(dict.fromkeys([*MULTI_TURN_DEFAULTS.get(self.name, {}).get("stop", []), *self.stop]))
+
     @property
     def row_fields(self) -> tuple[str, ...]:
         """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
@@ -79,11 +160,6 @@ class EnvConfig(Section):
             return f"python:{Path(user['module']).resolve()}:{user['factory']}"
         if user:
             return name
-        if name in NOT_IN_THE_LOOP_YET:
-            raise ValueError(
-                f"env '{name}' is not in the RL loop yet ({NOT_IN_THE_LOOP_YET[name]}); "
-                f"built-in envs here: {', '.join(BUILTIN_ENVS)}"
-            )
         raise ValueError(
             f"unknown env {name!r}: use one of {', '.join(BUILTIN_ENVS)}, or python:MODULE:FACTORY for your own"
         )

@@ -16,14 +16,17 @@ samples at most `max_turn_tokens`. The return is the sum of the per-turn rewards
 
 `TurnFormat` decides how observations become tokens: `PlainFormat` appends the text as it is (the
 built-in byte model), `ChatFormat` wraps each in the tokenizer's chat template as a tool message.
+
+`EnvSteps` decides where the envs step: `WorkerEnvs` on the env workers (the RL loop: runtime.scorer replays each
+episode's history there, envs.episodes), `LocalEnvs` as Env objects in this process (tests, small tools).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
-from typing import Literal, Protocol
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Literal, Protocol, TypeVar
 
 import torch
 from pydantic import Field
@@ -37,6 +40,7 @@ from loopline.rollout.trajectory import Trajectory
 from loopline.section import Section
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class MultiTurnConfig(Section):
@@ -150,27 +154,105 @@ def _sampling(cfg: MultiTurnConfig, max_new_tokens: int, seed: int | None) -> Sa
     )
 
 
-async def _step(env: Env, action: str, traj: Trajectory) -> StepResult | None:
-    """env.step, with a failing env ending its own trajectory instead of the whole rollout."""
-    try:
-        return await env.step(action)
-    except Exception:
-        logger.exception("env step failed on sample %s; ending that trajectory", traj.sample.index)
-        return None
+class EnvSteps(Protocol):
+    """Where a rollout's envs step: every episode is reset once, then the active ones step with their new action."""
+
+    def reset(self, samples: Sequence[PromptRow]) -> list[str]:
+        """Start one episode per sample; the first observations."""
+        ...
+
+    def step(self, indices: list[int], actions: list[str]) -> list[StepResult | None]:
+        """Step episodes `indices` with one action each; None where that episode's env failed (it ends)."""
+        ...
 
 
-async def rollout(
+async def _gather(aws: Iterable[Awaitable[T]]) -> list[T]:
+    return list(await asyncio.gather(*aws))
+
+
+class LocalEnvs:
+    """Env objects in this process, one per episode, stepped concurrently on one event loop. An env that raises
+    ends its own episode (logged, finish 'env_error'), not the rollout."""
+
+    def __init__(self, envs: Sequence[Env]) -> None:
+        self.envs = list(envs)
+
+    def reset(self, samples: Sequence[PromptRow]) -> list[str]:
+        if len(self.envs) != len(samples):
+            raise ValueError(f"{len(self.envs)} envs for {len(samples)} samples: give one env per trajectory")
+        self.samples = list(samples)
+        # one loop for the whole rollout: envs may hold loop-bound state from reset to their last step
+        self._loop = asyncio.new_event_loop()
+        return list(self._loop.run_until_complete(_gather(e.reset(s) for e, s in zip(self.envs, samples))))
+
+    def step(self, indices: list[int], actions: list[str]) -> list[StepResult | None]:
+        return self._loop.run_until_complete(_gather(self._step(i, a) for i, a in zip(indices, actions)))
+
+    async def _step(self, i: int, action: str) -> StepResult | None:
+        try:
+            return await self.envs[i].step(action)
+        except Exception:
+            logger.exception("env step failed on sample %s; ending that trajectory", self.samples[i].index)
+            return None
+
+    def close(self) -> None:
+        if hasattr(self, "_loop"):
+            self._loop.close()
+
+
+class Stepper(Protocol):
+    """runtime.protocols.Scorer's step: histories in, last results out (on the env workers)."""
+
+    def step(self, rows: list[PromptRow], actions: list[list[str]]) -> list[StepResult]: ...
+
+
+class WorkerEnvs:
+    """Episodes on the env workers: each turn sends every active episode's row and whole history to `scorer`,
+    whose workers replay it on a fresh env (envs.episodes). An env that misbehaves fails the call (EnvError)."""
+
+    def __init__(self, scorer: Stepper) -> None:
+        self.scorer = scorer
+
+    def reset(self, samples: Sequence[PromptRow]) -> list[str]:
+        self.rows = list(samples)
+        self.actions: list[list[str]] = [[] for _ in self.rows]
+        return [r.observation for r in self.scorer.step(self.rows, self.actions)]
+
+    def step(self, indices: list[int], actions: list[str]) -> list[StepResult | None]:
+        for i, action in zip(indices, actions, strict=True):
+            self.actions[i].append(action)
+        return list(
+            self.scorer.step([self.rows[i] for i in indices], [list(self.actions[i]) for i in indices])
+        )
+
+
+def run_rollout(
     engine: Engine,
-    envs: Sequence[Env],
+    envs: Sequence[Env] | EnvSteps,
     samples: Sequence[PromptRow],
     fmt: TurnFormat,
     cfg: MultiTurnConfig,
     seed: int | None = None,
 ) -> list[Trajectory]:
-    """Run one episode per (env, sample) pair to the end; trajectories come back in input order."""
-    if len(envs) != len(samples):
-        raise ValueError(f"{len(envs)} envs for {len(samples)} samples: give one env per trajectory")
-    first = await asyncio.gather(*(env.reset(s) for env, s in zip(envs, samples)))
+    """Run one episode per sample to the end; trajectories come back in input order. envs: one Env per sample
+    (stepped here, LocalEnvs), or where they step (WorkerEnvs)."""
+    steps = LocalEnvs(envs) if isinstance(envs, Sequence) else envs
+    try:
+        return _rollout(engine, steps, samples, fmt, cfg, seed)
+    finally:
+        if isinstance(steps, LocalEnvs):
+            steps.close()
+
+
+def _rollout(
+    engine: Engine,
+    envs: EnvSteps,
+    samples: Sequence[PromptRow],
+    fmt: TurnFormat,
+    cfg: MultiTurnConfig,
+    seed: int | None,
+) -> list[Trajectory]:
+    first = envs.reset(samples)
     trajs = [Trajectory(s, fmt.prompt_ids(obs)) for s, obs in zip(samples, first)]
     versions: list[set[int]] = [set() for _ in trajs]
     turn = 0
@@ -190,7 +272,7 @@ async def rollout(
         actions = [fmt.action_text(turns[i]) for i in active]
 
         # 2. Every env steps at once (tools, sandboxes and services overlap their waits).
-        results = await asyncio.gather(*(_step(envs[i], a, trajs[i]) for i, a in zip(active, actions)))
+        results = envs.step(active, actions)
 
         # 3. Record rewards; end trajectories or append their observation tokens.
         for i, result in zip(active, results):
@@ -218,36 +300,43 @@ async def rollout(
     return trajs
 
 
-def run_rollout(
-    engine: Engine,
-    envs: Sequence[Env],
+def demonstrations(
+    envs: Sequence[Env] | EnvSteps,
     samples: Sequence[PromptRow],
+    actions: Sequence[Sequence[str]],
     fmt: TurnFormat,
-    cfg: MultiTurnConfig,
-    seed: int | None = None,
+    tokenizer: PreTrainedTokenizerBase,
 ) -> list[Trajectory]:
-    """`rollout` from synchronous code (starts and ends an event loop)."""
-    return asyncio.run(rollout(engine, envs, samples, fmt, cfg, seed))
-
-
-async def scripted(
-    env: Env, sample: PromptRow, actions: Sequence[str], fmt: TurnFormat, tokenizer: PreTrainedTokenizerBase
-) -> Trajectory:
-    """A trajectory from given action texts (e.g. SFT demonstrations): the env answers them for real.
+    """Trajectories from given action texts (e.g. SFT demonstrations): the envs answer them for real.
 
     The actions are tokenized here (they are text, not samples); the log-probs are left at 0."""
-    traj = Trajectory(sample, fmt.prompt_ids(await env.reset(sample)))
-    for n, action in enumerate(actions):
-        ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
-        traj.add_model_turn(ids, [0.0] * len(ids))
-        result = await env.step(action)
-        traj.record(result.reward, result.info)
-        if result.done:
-            traj.finish = "done"
-            break
-        if n + 1 < len(actions):
-            traj.add_observation(fmt.observation_ids(result.observation, ids))
-    return traj
+    steps = LocalEnvs(envs) if isinstance(envs, Sequence) else envs
+    try:
+        trajs = [Trajectory(s, fmt.prompt_ids(obs)) for s, obs in zip(samples, steps.reset(samples))]
+        for turn in range(max((len(a) for a in actions), default=0)):
+            active = [i for i, t in enumerate(trajs) if not t.done and turn < len(actions[i])]
+            if not active:
+                break
+            ids = {
+                i: list(tokenizer(actions[i][turn], add_special_tokens=False)["input_ids"]) for i in active
+            }
+            for i in active:
+                trajs[i].add_model_turn(ids[i], [0.0] * len(ids[i]))
+            for i, result in zip(active, steps.step(active, [actions[i][turn] for i in active])):
+                traj = trajs[i]
+                if result is None:
+                    raise ValueError(f"the env failed on demonstration {samples[i].index}")
+                traj.record(result.reward, result.info)
+                if result.done:
+                    traj.finish = "done"
+                elif turn + 1 < len(actions[i]):
+                    traj.add_observation(fmt.observation_ids(result.observation, ids[i]))
+                else:
+                    traj.finish = "max_turns"  # the demonstration ends before the env does
+        return trajs
+    finally:
+        if isinstance(steps, LocalEnvs):
+            steps.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,56 +26,15 @@ import json
 import random
 import re
 
-from pydantic import Field, model_validator
-
 from loopline.data.datasets import PromptRow
+from loopline.envs.config import MULTI_TURN_DEFAULTS, CalculatorConfig
 from loopline.envs.tools import Toolbox, ToolEnv, ToolsConfig, calculator
-from loopline.section import Section
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-STOP = ["</tool_call>", "</answer>"]  # a model turn ends after a call or an answer
+STOP = MULTI_TURN_DEFAULTS["calculator"]["stop"]  # a model turn ends after a call or an answer
 
 
-class ToolTaskConfig(Section):
-    """The calculator task: a*b+c with a, b drawn from [min_operand, max_operand] and c from [0, max_addend].
-
-    The default ranges keep every expression and every value the same length (32*32 > 999, 99*99+9 <
-    10000): with fixed lengths, what the model copies (the expression into the call, the result into
-    the answer) sits at a fixed distance, which is what a tiny model learns to copy quickly.
-    """
-
-    min_operand: int = Field(32, ge=0, description="Smallest a and b.")
-    max_operand: int = Field(99, ge=0, description="Largest a and b.")
-    max_addend: int = Field(9, ge=0, description="Largest c.")
-    num_train: int = Field(4000, gt=0, description="Training problems generated.")
-    num_eval: int = Field(
-        128, gt=0, description="Held-out problems, disjoint from training (128: a 1-problem change is 0.8%)."
-    )
-    num_val: int = Field(
-        128, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
-    )
-    direct_fraction: float = Field(
-        0.0, ge=0.0, le=1.0, description="Share of SFT demonstrations that answer without calling the tool."
-    )
-    call_bonus: float = Field(
-        0.0, ge=0.0, description="Format reward, once per episode, for a turn whose tool calls all succeed."
-    )
-
-    @model_validator(mode="after")
-    def _enough_problems(self) -> ToolTaskConfig:
-        if self.min_operand > self.max_operand:
-            raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
-        space = (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1)
-        wanted = self.num_train + self.num_eval + self.num_val
-        if wanted > space // 2:
-            raise ValueError(
-                f"num_train + num_eval + num_val ({wanted}) must be at most half of the "
-                f"{space} distinct problems; widen the operand ranges"
-            )
-        return self
-
-
-def _calculator_problems(cfg: ToolTaskConfig, seed: int) -> list[PromptRow]:
+def _calculator_problems(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
     """Train, held-out and validation problems in one stream of distinct expressions, in that order."""
     rng = random.Random(f"calculator-{seed}")
     seen: set[str] = set()
@@ -95,13 +54,13 @@ def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
     return [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows)]
 
 
-def calculator_splits(cfg: ToolTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+def calculator_splits(cfg: CalculatorConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train and held-out problems 'What is a*b+c?' (answer the value, completion the expression)."""
     rows = _calculator_problems(cfg, seed)
     return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
 
 
-def calculator_validation(cfg: ToolTaskConfig, seed: int) -> list[PromptRow]:
+def calculator_validation(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
     """num_val problems disjoint from both splits, for SFT's stopping rule (the held-out split stays unread)."""
     return _renumbered(_calculator_problems(cfg, seed)[cfg.num_train + cfg.num_eval :])
 

@@ -20,13 +20,24 @@ from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
 from loopline.envs.config import EnvConfig
-from loopline.envs.single_turn import env_factory
+from loopline.envs.episodes import env_factory
+from loopline.envs.multiturn import (
+    ChatFormat,
+    MultiTurnConfig,
+    PlainFormat,
+    TurnFormat,
+    WorkerEnvs,
+    rollout_metrics,
+    run_rollout,
+)
+from loopline.envs.tasks import calculator_splits, calculator_validation
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
 from loopline.models.load import load_policy
 from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
+from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.roles import build_roles
 from loopline.runtime.watchdog import Watchdog
@@ -81,9 +92,14 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     env_factory(cfg.env)  # a user's env imports here first: a bad module fails before anything starts
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     limits = length_limits(cfg, model, tokenizer)
-    train_rows, eval_rows, skipped = load_splits(
-        cfg.data, cfg.seed, need_answer, limits, fields=cfg.env.row_fields, answered=cfg.env.reads_answer
-    )
+    if cfg.env.name == "calculator" and cfg.data.source == "builtin":  # the calculator's own problems
+        (train_rows, eval_rows), skipped = calculator_splits(cfg.env.calculator, cfg.seed), {}
+        val_rows = calculator_validation(cfg.env.calculator, cfg.seed)
+    else:
+        train_rows, eval_rows, skipped = load_splits(
+            cfg.data, cfg.seed, need_answer, limits, fields=cfg.env.row_fields, answered=cfg.env.reads_answer
+        )
+        val_rows = arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else []
     # the run directory only once model and data have loaded: a bad row leaves no half-made run behind
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -103,8 +119,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     watchdog = Watchdog(rt.stage_timeout_s, ranks)
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
-        roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic,
-        val_rows=arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else [],
+        roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic, val_rows=val_rows,
     )  # fmt: skip
 
 
@@ -115,6 +130,8 @@ def length_limits(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedT
     if not positions:
         positions = tokenizer.model_max_length if tokenizer.model_max_length < 1_000_000 else 32_768
     new_tokens = max(cfg.grpo.sampling.max_new_tokens, cfg.eval.sampling.max_new_tokens)
+    if cfg.env.multi_turn:  # an episode's response: model turns and observations
+        new_tokens = max(new_tokens, cfg.env.max_episode_tokens)
     max_prompt = cfg.data.max_prompt_tokens or positions - new_tokens
     if max_prompt < 1:
         raise ConfigError(
@@ -170,6 +187,39 @@ def sync_engine(ctx: RunContext, version: int) -> None:
     ctx.rollout.update_weights(version)
 
 
+def turn_format(ctx: RunContext) -> TurnFormat:
+    """How episodes' observations become tokens: the chat template when asked for and available, else plain text."""
+    if ctx.cfg.model.use_chat_template and getattr(ctx.tokenizer, "chat_template", None):
+        return ChatFormat(ctx.tokenizer)
+    return PlainFormat(ctx.tokenizer)
+
+
+def episodes(
+    ctx: RunContext, rows: list[PromptRow], sampling: SamplingConfig, seed: int | None = None
+) -> list[Trajectory]:
+    """Multi-turn episodes (env.max_turns > 1), one per row: the engines write the model turns, the env workers
+    step the env between them (envs.multiturn, WorkerEnvs); each turn samples as `sampling` says."""
+    env = ctx.cfg.env
+    limits = MultiTurnConfig(
+        max_turns=env.turns,
+        max_turn_tokens=sampling.max_new_tokens,
+        max_total_tokens=env.max_episode_tokens,
+        returns=env.returns,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        stop=list(dict.fromkeys([*sampling.stop, *env.turn_stop])),
+    )
+    return run_rollout(ctx.rollout, WorkerEnvs(ctx.scorer), rows, turn_format(ctx), limits, seed)
+
+
+def episodes_correct(trajs: list[Trajectory], returns: str = "sum") -> torch.Tensor:
+    """(B,) which episodes count as correct: the env's info 'correct' where it says, else a positive return."""
+    return torch.tensor(
+        [float(t.info["correct"]) > 0 if "correct" in t.info else t.total_return(returns) > 0 for t in trajs]  # type: ignore[arg-type]
+    )
+
+
 def is_correct(env: EnvConfig, rewards: torch.Tensor) -> torch.Tensor:
     """Which rewards count as a correct response: a positive one, or for code a full pass (pass@1 counts
     completions whose every test passed, whatever env.code_reward gives RL)."""
@@ -183,9 +233,22 @@ def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, 
     rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts] if rows is None else rows
     if not rows:
         return {}
-    params = sampling_params(ctx.cfg.eval.sampling, seed=ctx.cfg.seed)
     # eval must not move the training RNG: a run with evals samples exactly like one without
     saved = torch.get_rng_state()
+    if ctx.cfg.env.multi_turn:
+        trajs: list[Trajectory] = []
+        for start in range(0, len(rows), ctx.cfg.eval.batch_size):
+            trajs += episodes(
+                ctx, rows[start : start + ctx.cfg.eval.batch_size], ctx.cfg.eval.sampling, ctx.cfg.seed
+            )
+        torch.set_rng_state(saved)
+        summary = rollout_metrics(trajs, ctx.cfg.env.returns)
+        return {
+            "eval_accuracy": float(episodes_correct(trajs, ctx.cfg.env.returns).float().mean()),
+            "eval_response_len": summary.pop("model_tokens_mean"),
+            **{f"eval_{k}": v for k, v in summary.items() if k != "correct"},
+        }
+    params = sampling_params(ctx.cfg.eval.sampling, seed=ctx.cfg.seed)
     texts, answered, lengths = [], [], 0
     for start in range(0, len(rows), ctx.cfg.eval.batch_size):
         chunk = rows[start : start + ctx.cfg.eval.batch_size]

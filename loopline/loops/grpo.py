@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TypeVar
 
 import torch
@@ -34,10 +34,13 @@ from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler, SampleRef
+from loopline.envs.multiturn import rollout_metrics
 from loopline.loops.context import (
     RunContext,
     apply_scale_request,
     encode_prompt,
+    episodes,
+    episodes_correct,
     evaluate,
     is_correct,
     sampling_params,
@@ -45,6 +48,7 @@ from loopline.loops.context import (
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.rollout.engine import Completion, SamplingParams
+from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Critic
 from loopline.runtime.watchdog import Watchdog
@@ -72,15 +76,49 @@ class StageTimer:
 
 @dataclass
 class Scored:
-    """One step's scored completions: group_size per prompt, the samples of a prompt contiguous."""
+    """One step's scored completions: group_size per prompt, the samples of a prompt contiguous. A multi-turn
+    episode is one completion: its tokens are the model's turns and the observations between them."""
 
     prompts: list[list[int]]  # (B) prompt token ids of each completion
     completions: list[Completion]  # (B)
     ids: list[SampleId]  # (B) stable id of each completion: (epoch, prompt index, sample index)
     scores: torch.Tensor  # (B,) rewards: the verifier's, a reward model's or their sum (reward.source)
-    verified: torch.Tensor  # (B,) the verifier's scores alone (accuracy)
+    verified: torch.Tensor  # (B,) the env's rewards alone
+    correct: torch.Tensor  # (B,) bool: the env counts the completion correct (accuracy)
     rounds: int  # generate calls it took
     informative_fraction: float  # of all groups generated, those whose scores were not all equal
+    model_masks: list[list[int]] | None = None  # (B) multi-turn: 1 on the model's tokens, 0 on observations
+    episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: turns, tool calls, endings
+
+
+@dataclass
+class _Group:
+    """One prompt's group_size completions, scored."""
+
+    prompt: list[int]
+    completions: list[Completion]
+    scores: torch.Tensor
+    verified: torch.Tensor
+    correct: torch.Tensor
+    ref: SampleRef
+    model_masks: list[list[int]] | None
+
+
+def _episodes_as_completions(trajs: list[Trajectory], n: int) -> list[Completion]:
+    """Multi-turn episodes in the shape of the engine's completions (group g's samples at g*n..g*n+n-1); an episode
+    that ended without the env ending it (turn or token limit) counts as truncated."""
+    return [
+        Completion(
+            k // n,
+            k % n,
+            t.tokens,
+            t.logprobs,
+            "",
+            "stop" if t.finish == "done" else "length",
+            t.policy_version,
+        )
+        for k, t in enumerate(trajs)
+    ]
 
 
 def collect(
@@ -90,28 +128,44 @@ def collect(
     timer: StageTimer,
     reward: RewardFn | None = None,
 ) -> Scored:
-    """Sample and score prompts_per_step groups. With dynamic_sampling, groups whose scores are all equal
-    (no gradient) are set aside and more prompts sampled, for at most max_sampling_rounds generate calls;
-    if the batch is still short, set-aside groups fill it, so every step trains on the same number of rows."""
+    """Sample and score prompts_per_step groups (multi-turn envs: run group_size episodes of each prompt). With
+    dynamic_sampling, groups whose scores are all equal (no gradient) are set aside and more prompts sampled, for at
+    most max_sampling_rounds generate calls; if the batch is still short, set-aside groups fill it, so every step
+    trains on the same number of rows."""
     cfg = ctx.cfg.grpo
+    env = ctx.cfg.env
     reward = reward or verifier_reward
-    kept: list[tuple[list[int], list[Completion], torch.Tensor, torch.Tensor, SampleRef]] = []
-    spare: list[tuple[list[int], list[Completion], torch.Tensor, torch.Tensor, SampleRef]] = []
+    n = cfg.group_size
+    kept: list[_Group] = []
+    spare: list[_Group] = []
+    trajs_seen: list[Trajectory] = []
     generated, rounds = 0, 0
     while len(kept) < cfg.prompts_per_step and rounds < (
         cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     ):
         rounds += 1
+        masks: list[list[int]] | None = None
         with timer("rollout"):
             refs = sampler.next_batch(cfg.prompts_per_step)
             rows = [ctx.train_rows[ref.index] for ref in refs]
-            prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
-            completions = ctx.rollout.generate(prompts, params, n=cfg.group_size)
+            if env.multi_turn:  # the env workers step the episodes between the engines' turns
+                trajs = episodes(ctx, [row for row in rows for _ in range(n)], cfg.sampling)
+                trajs_seen += trajs
+                prompts = [trajs[g * n].prompt_ids for g in range(len(rows))]
+                completions = _episodes_as_completions(trajs, n)
+                masks = [t.mask for t in trajs]
+            else:
+                prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
+                completions = ctx.rollout.generate(prompts, params, n=n)
         with timer("score"):
-            answered = [rows[c.prompt_index] for c in completions]
-            verified = ctx.scorer.score([c.text for c in completions], answered)  # (B,) the env's rewards
+            if env.multi_turn:  # scored as they ran
+                verified = torch.tensor([t.total_return(env.returns) for t in trajs])  # (B,)
+                correct = episodes_correct(trajs, env.returns)  # (B,)
+            else:
+                answered = [rows[c.prompt_index] for c in completions]
+                verified = ctx.scorer.score([c.text for c in completions], answered)  # (B,) the env's rewards
+                correct = is_correct(env, verified)  # (B,)
             scores = reward(verified, [prompts[c.prompt_index] for c in completions], completions)  # (B,)
-        n = cfg.group_size
         informative = (
             informative_groups(scores, n)
             if cfg.dynamic_sampling
@@ -119,18 +173,24 @@ def collect(
         )
         for g, useful in enumerate(informative.tolist()):
             rows_g = slice(g * n, (g + 1) * n)
-            group = (prompts[g], completions[rows_g], scores[rows_g], verified[rows_g], refs[g])
+            group = _Group(
+                prompts[g], completions[rows_g], scores[rows_g], verified[rows_g], correct[rows_g], refs[g],
+                masks[rows_g] if masks is not None else None,
+            )  # fmt: skip
             (kept if useful else spare).append(group)
         generated += len(prompts)
     groups = (kept + spare)[: cfg.prompts_per_step]
     return Scored(
-        prompts=[p for p, cs, *_ in groups for _ in cs],
-        completions=[c for _, cs, *_ in groups for c in cs],
-        ids=[(ref.epoch, ref.index, c.sample_index) for _, cs, _, _, ref in groups for c in cs],
-        scores=torch.cat([s for _, _, s, _, _ in groups]),
-        verified=torch.cat([v for _, _, _, v, _ in groups]),
+        prompts=[g.prompt for g in groups for _ in g.completions],
+        completions=[c for g in groups for c in g.completions],
+        ids=[(g.ref.epoch, g.ref.index, c.sample_index) for g in groups for c in g.completions],
+        scores=torch.cat([g.scores for g in groups]),
+        verified=torch.cat([g.verified for g in groups]),
+        correct=torch.cat([g.correct for g in groups]),
         rounds=rounds,
         informative_fraction=len(kept) / generated,
+        model_masks=[m for g in groups for m in g.model_masks] if env.multi_turn else None,  # type: ignore[union-attr]
+        episode_metrics=rollout_metrics(trajs_seen, env.returns) if trajs_seen else {},
     )
 
 
@@ -166,6 +226,14 @@ def reward_function(ctx: RunContext) -> RewardFn:
         return verifier_weight * verified + cfg.model_coef * learned
 
     return reward
+
+
+def model_mask(masks: list[list[int]], response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, C) the response mask with each row's multi-turn mask laid over its first columns (0 on observations)."""
+    out = torch.zeros_like(response_mask)
+    for row, mask in enumerate(masks):
+        out[row, : len(mask)] = torch.tensor(mask, dtype=response_mask.dtype)
+    return out * response_mask
 
 
 def _kl_controller(cfg: GRPOConfig) -> FixedKLController | AdaptiveKLController:
@@ -324,7 +392,9 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
         # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
         with timer("experience"):
             tokens = collate(scored.prompts, [c.token_ids for c in completions], pad_id)
-            lengths = tokens.response_mask.sum(dim=1)  # (B,)
+            if scored.model_masks is not None:  # multi-turn: observations are not trained
+                tokens = replace(tokens, response_mask=model_mask(scored.model_masks, tokens.response_mask))
+            lengths = tokens.response_mask.sum(dim=1)  # (B,) trained tokens
             truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
             rewards = scored.scores  # (B,)
             if cfg.overlong_buffer:
@@ -379,7 +449,7 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             "step": state.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float(is_correct(ctx.cfg.env, scored.verified).float().mean()),
+            "accuracy": float(scored.correct.float().mean()),
             "loss": stats.loss,
             **stats.extra,
             "grad_norm": stats.grad_norm,
@@ -395,6 +465,7 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             **ctx.scorer.take_stats(),  # ray: chunks scored again, env workers replaced, env workers now
         }
         row.update(scaled)
+        row.update({f"episode_{k}": v for k, v in scored.episode_metrics.items()})
         if cfg.kl_coef > 0:
             row.update(kl_coef=kl_coef, measured_kl=measured_kl)
         if cfg.dynamic_sampling:

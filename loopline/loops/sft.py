@@ -1,17 +1,21 @@
-"""Supervised warm start: prompt-masked next-token loss on (prompt, completion) pairs."""
+"""Supervised warm start: prompt-masked next-token loss on (prompt, completion) pairs, or for a multi-turn env on
+demonstration episodes run through the env (its observations are real, and masked as in RL)."""
 
 from __future__ import annotations
 
+import random
 import time
 
 from tqdm import tqdm
 
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.state import CheckpointParts, RunState
-from loopline.data.batches import collate
+from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
-from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine
+from loopline.envs.multiturn import WorkerEnvs, demonstrations, to_batch
+from loopline.envs.tasks import demonstration
+from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine, turn_format
 
 
 def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
@@ -29,6 +33,30 @@ def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
     return encode_prompt(tok, row, ctx.cfg.model.use_chat_template), target
 
 
+def demonstration_actions(ctx: RunContext, row: PromptRow, rng: random.Random) -> list[str]:
+    """A multi-turn env's demonstration of `row`, as action texts: for the calculator, the tool call then the answer
+    (or, for env.calculator.direct_fraction of rows, the answer alone); for other envs, the row's target as the
+    one action."""
+    env = ctx.cfg.env
+    if env.name == "calculator":
+        return demonstration(row, use_tool=rng.random() >= env.calculator.direct_fraction)
+    if row.messages and row.messages[-1]["role"] == "assistant":
+        return [row.messages[-1]["content"]]
+    return [row.completion or row.answer]
+
+
+def sft_batch(ctx: RunContext, rows: list[PromptRow], step: int) -> TokenBatch:
+    """The batch of one SFT step: (prompt, target + EOS) pairs, or demonstration episodes stepped on the env workers
+    (multi-turn envs: 1 on the model's tokens, 0 on the env's observations)."""
+    if not ctx.cfg.env.multi_turn:
+        pairs = [sft_pair(ctx, row) for row in rows]
+        return collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
+    rng = random.Random(f"demonstrations-{ctx.cfg.seed}-{step}")  # a resumed run draws the same
+    actions = [demonstration_actions(ctx, row, rng) for row in rows]
+    trajs = demonstrations(WorkerEnvs(ctx.scorer), rows, actions, turn_format(ctx), ctx.tokenizer)
+    return to_batch(trajs, ctx.tokenizer.pad_token_id)[0]
+
+
 def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None = None) -> RunState:
     """Run SFT from `state` to cfg.sft.steps; returns the final state (phase 'sft'). resume: the parts of the
     checkpoint `state` was read from."""
@@ -42,8 +70,7 @@ def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None =
         t0 = time.perf_counter()
         refs = sampler.next_batch(cfg.batch_size)
         rows = [ctx.train_rows[ref.index] for ref in refs]
-        pairs = [sft_pair(ctx, row) for row in rows]
-        batch = collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
+        batch = sft_batch(ctx, rows, state.step + 1)
         with ctx.watchdog.stage("train"):
             stats = ctx.actor.sft_step(batch, cfg.micro_batch_size)
         state.step += 1

@@ -1,7 +1,7 @@
 """The roles a loop drives, as interfaces only (no implementations here).
 
 Each role has one worker class (a rank: runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
-reference.ReferenceWorker; the scorer's env workers run envs.single_turn) and one driver over the role's
+reference.ReferenceWorker; the scorer's env workers run envs.episodes) and one driver over the role's
 WorkerGroup (runtime.actor.ActorRole, ...), the same code on either backend: locally the group is one rank in
 this process, on Ray one actor per rank. runtime.roles.build_roles starts them; the loops see these protocols.
 """
@@ -20,6 +20,7 @@ from loopline.config import CriticConfig, DPOConfig, OptimConfig, RewardModelCon
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.data.rows import PromptRow
+from loopline.envs.base import StepResult
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
 from loopline.training.policy import DPOStepStats, PolicyStepStats, SFTStepStats
@@ -136,10 +137,15 @@ class Rollout(Protocol):
 
 
 class Scorer(Protocol):
-    """The env (`env.name`): one reward per completion, each scored against the prompt row it answers."""
+    """The env (`env.name`): one reward per completion, each scored against the prompt row it answers, or the
+    steps of multi-turn episodes."""
 
     def score(self, texts: list[str], rows: list[PromptRow]) -> torch.Tensor:
         """(B,) rewards, in the order of `texts`."""
+        ...
+
+    def step(self, rows: list[PromptRow], actions: list[list[str]]) -> list[StepResult]:
+        """Multi-turn: each episode (its row and every action so far) stepped to its last action, in order."""
         ...
 
     def resize(self, workers: int) -> None:

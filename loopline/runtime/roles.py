@@ -1,7 +1,7 @@
 """Start the roles of one run on cfg.runtime.backend: the one place that reads it.
 
 Every role is one worker class (runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
-reference.ReferenceWorker; the scorer's env workers run envs.single_turn) under one driver (ActorRole,
+reference.ReferenceWorker; the scorer's env workers run envs.episodes) under one driver (ActorRole,
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
 - local: each group is one rank in this process (WorkerGroup's local backend), given the driver's objects: the
   actor trains `model` in place, the engine holds its own copy of the weights and samples from this process's

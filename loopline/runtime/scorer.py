@@ -1,6 +1,7 @@
-"""The scorer role: the env (`env.name`) scores every completion, on the env workers, never in the controller.
+"""The scorer role: the env (`env.name`) scores every completion and steps every multi-turn episode, on the env
+workers, never in the controller.
 
-Its work is one function, `envs.single_turn.score_chunk` (it imports neither torch nor transformers, so an env
+Its work is one function, `envs.episodes.run_task` (it imports neither torch nor transformers, so an env
 worker starts in about a second). `ScorerRole` runs it on an elastic pool of env workers (envs.pool.WorkerPool):
 processes on the local backend, Ray actors in the env pool's bundles on ray. A worker that dies or hangs is
 replaced and its chunk retried on another (bounded), and `resize` changes the workers, also mid-step.
@@ -16,8 +17,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from loopline.data.rows import PromptRow
+from loopline.envs.base import StepResult
 from loopline.envs.config import EnvConfig
-from loopline.envs.single_turn import Chunk, EnvError, score_chunk
+from loopline.envs.episodes import Chunk, EnvError, Histories, run_task
 from loopline.runtime.workers import WorkerError
 
 if TYPE_CHECKING:
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
 
 class ScoringError(WorkerError):
     """Completions left without a score: their chunk's every try died or timed out (an env that raised or
-    misbehaved is an envs.single_turn.EnvError instead: the user's to fix, named in one line)."""
+    misbehaved is an envs.episodes.EnvError instead: the user's to fix, named in one line)."""
 
     def __init__(self, detail: str) -> None:
         RuntimeError.__init__(self, f"role 'env' score(): {detail}")
@@ -50,11 +52,11 @@ class ScorerRole:
         workers: int = 1,
         task_timeout_s: float = 60.0,
         max_attempts: int = 3,
-        fn: Callable[[Chunk], list[float]] | None = None,
+        fn: Callable[[Any], list[Any]] | None = None,
         chunks_per_worker: int = 1,
     ) -> None:
-        """env: the env section (envs.config.EnvConfig) or an env's name; fn: scores one (texts, rows) chunk instead
-        (picklable).
+        """env: the env section (envs.config.EnvConfig) or an env's name; fn: runs each task instead (picklable; a
+        score task is a (texts, rows) chunk, a step task an envs.episodes.Histories).
 
         chunks_per_worker: 1 by default, as measured (512 completions, 2 workers, local Ray): one chunk per
         worker 2.5 ms, 4 per worker 9 ms, one task per completion 830 ms. A task costs a ~2 ms round trip
@@ -67,7 +69,7 @@ class ScorerRole:
         self.chunks_per_worker = chunks_per_worker
         self._retries = 0  # chunks scored again since take_stats()
         self._lost = 0  # pool.workers_lost at the last take_stats()
-        fn = fn or functools.partial(score_chunk, env)
+        fn = fn or functools.partial(run_task, env)
         limits = {"num_workers": workers, "task_timeout_s": task_timeout_s, "max_attempts": max_attempts}
         if pool is None:
             self.pool: WorkerPool = WorkerPool(fn, EnvPoolConfig(backend="local", **limits))
@@ -78,14 +80,23 @@ class ScorerRole:
         self.pool = WorkerPool(fn, EnvPoolConfig(backend="ray", **limits), bundles)
 
     def score(self, texts: list[str], rows: list[PromptRow]) -> torch.Tensor:
+        """(B,) the reward of each single-turn completion, in order."""
         if len(texts) != len(rows):
             raise ValueError(f"score(): {len(texts)} texts but {len(rows)} rows")
         if not texts:
             return torch.zeros(0)
-        size = max(1, math.ceil(len(texts) / (self.pool.num_workers * self.chunks_per_worker)))
-        chunks: dict[Hashable, Any] = {
-            i: (texts[i : i + size], rows[i : i + size]) for i in range(0, len(texts), size)
-        }
+        return torch.tensor(self._run(len(texts), lambda i, j: (texts[i:j], rows[i:j])))  # (B,)
+
+    def step(self, rows: list[PromptRow], actions: list[list[str]]) -> list[StepResult]:
+        """Each multi-turn episode replayed to its last action (envs.episodes.step_chunk); the results, in order."""
+        if len(actions) != len(rows):
+            raise ValueError(f"step(): {len(actions)} histories but {len(rows)} rows")
+        return self._run(len(rows), lambda i, j: Histories(rows[i:j], actions[i:j])) if rows else []
+
+    def _run(self, n: int, chunk: Callable[[int, int], Chunk | Histories]) -> list[Any]:
+        """n items as chunks of the pool's tasks; the results in order, or the first chunk's failure raised."""
+        size = max(1, math.ceil(n / (self.pool.num_workers * self.chunks_per_worker)))
+        chunks: dict[Hashable, Any] = {i: chunk(i, min(i + size, n)) for i in range(0, n, size)}
         # one outcome per chunk (keyed by its offset), whatever happened to the workers
         outcomes = cast("dict[int, Any]", self.pool.map(chunks))
         self._retries += sum(o.attempts - 1 for o in outcomes.values())
@@ -93,11 +104,11 @@ class ScorerRole:
         if failed:
             more = f" (and {len(failed) - 1} more chunks)" if len(failed) > 1 else ""
             first = outcomes[failed[0]]
-            last = min(failed[0] + size, len(texts)) - 1
+            last = min(failed[0] + size, n) - 1
             if first.worker:  # a worker ran the chunk and the env raised or misbehaved: the env's to fix
                 raise EnvError(f"completions {failed[0]}..{last}{more} got no score: {first.error}")
             raise ScoringError(f"completions {failed[0]}..{last}{more} got no score: {first.error}")
-        return torch.tensor([s for i in sorted(outcomes) for s in outcomes[i].value])  # (B,)
+        return [value for i in sorted(outcomes) for value in outcomes[i].value]
 
     def resize(self, workers: int) -> None:
         """Keep `workers` env workers: new ones join the running step; removed busy ones finish their chunk."""

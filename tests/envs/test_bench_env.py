@@ -6,7 +6,7 @@ import pytest
 
 from loopline.bench.env import batch, main
 from loopline.envs.config import EnvConfig
-from loopline.envs.single_turn import score_chunk
+from loopline.envs.episodes import score_chunk
 
 
 def test_the_batch_has_a_quarter_of_its_completions_wrong() -> None:

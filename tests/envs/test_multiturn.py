@@ -19,9 +19,9 @@ from loopline.envs.multiturn import (
     ChatFormat,
     MultiTurnConfig,
     PlainFormat,
+    demonstrations,
     rollout_metrics,
     run_rollout,
-    scripted,
     to_batch,
 )
 from loopline.envs.tools import Toolbox, ToolEnv, calculator
@@ -226,10 +226,12 @@ def test_chat_format_needs_a_template(tokenizer):
 def test_scripted_trajectory_masks_tool_results(tokenizer):
     env = ToolEnv(Toolbox([calculator]), lambda text, answer: float(answer in text))
     call = '<tool_call>{"name":"calculator","arguments":{"expression":"6*7"}}</tool_call>'
-    traj = asyncio.run(
-        scripted(
-            env, PromptRow(0, "6*7?", "42"), [call, "<answer>42</answer>"], PlainFormat(tokenizer), tokenizer
-        )
+    (traj,) = demonstrations(
+        [env],
+        [PromptRow(0, "6*7?", "42")],
+        [[call, "<answer>42</answer>"]],
+        PlainFormat(tokenizer),
+        tokenizer,
     )
     runs = _segments(traj)
     assert [tokenizer.decode(ids) for _, ids in runs] == [

@@ -25,8 +25,8 @@ import ray.cloudpickle
 
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
+from loopline.envs.episodes import score_chunk
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
-from loopline.envs.single_turn import score_chunk
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
 from loopline.runtime.scorer import ScorerRole, ScoringError
 

@@ -10,7 +10,7 @@ import pytest
 
 from loopline.config import ConfigError, load_config
 from loopline.data.rows import PromptRow
-from loopline.envs.single_turn import EnvError, env_factory, score_chunk
+from loopline.envs.episodes import EnvError, env_factory, score_chunk
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
 ROWS = [PromptRow(0, "01+02=", "003"), PromptRow(1, "2+2=", "4"), PromptRow(2, "1/2=", "\\frac{1}{2}")]
@@ -91,7 +91,6 @@ def test_a_user_env_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     ("name", "error"),
     [
         ("adition", "unknown env 'adition': use one of addition, exact_match, math"),
-        ("calculator", "env 'calculator' is not in the RL loop yet.*`loopline agent`"),
         ("python:pkg.mod", "unknown env"),  # no factory
     ],
 )

@@ -1,0 +1,199 @@
+"""The env workers' task in the RL loop: episodes of the configured env (`env.name`), one per completion.
+
+Two kinds of task, both run here (on an env worker) and both a pure function of what they are sent:
+- score: a chunk of single-turn completions with their prompt rows; each gets a fresh env from the env's factory,
+  `reset(row)`, `step(completion)`, and its reward.
+- step: a chunk of multi-turn episodes as (row, every action so far); each is replayed on a fresh env (reset, then
+  every action) and the last StepResult comes back: the next observation, reward and done. The driver
+  (envs.multiturn) sends each episode again every turn with one more action. Replaying makes a step a pure
+  function of its history, so any worker can take it and a lost worker's chunk is simply sent again; the price is
+  that an env's steps must depend only on the row and the actions (not on time or chance), and that an episode of
+  T turns steps its env T(T+1)/2 times (microseconds for a tool like the calculator).
+A chunk's episodes run concurrently (one event loop), so an env that waits on a tool or a sandbox does not hold
+the others. Imports neither torch nor transformers: a worker starts in about a second.
+
+An env that raises, returns a reward that is not a finite number, ends a single-turn episode late or a multi-turn
+one early fails the chunk with an EnvError naming the env and the prompt; the pool reports it (runtime.scorer) and
+the step fails loudly. A worker that dies or hangs is the pool's to replace, and the chunk is retried elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from loopline.data.rows import PromptRow
+from loopline.data.tasks import exact_match
+from loopline.envs.base import Env, StepResult, VerifierEnv
+from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
+from loopline.envs.math_equal import math_reward
+from loopline.errors import UserError
+
+EnvFactory = Callable[[], Env]
+Chunk = tuple[list[str], list[PromptRow]]  # completion texts and the row each answers
+
+
+@dataclass(frozen=True)
+class Histories:
+    """A step task: multi-turn episodes as their rows and the actions taken so far (none: just reset)."""
+
+    rows: list[PromptRow]
+    actions: list[list[str]]
+
+
+class EnvError(UserError):
+    """An env could not be made, or misbehaved on an episode; the message names the env (and the prompt)."""
+
+
+def _builtin(env: EnvConfig) -> EnvFactory:
+    if env.name == "code":
+        from loopline.envs.code import CodeEnv
+
+        return functools.partial(CodeEnv, env.sandbox, tally=env.code_reward == "fraction")
+    if env.name == "calculator":
+        from loopline.envs.tasks import make_env
+
+        return functools.partial(make_env, None, env.calculator.call_bonus)
+    verify = math_reward if env.name == "math" else exact_match  # addition and exact_match: the first line
+    return functools.partial(VerifierEnv, verify)
+
+
+def _load_module(spec: str, name: str):  # -> types.ModuleType
+    """A dotted module name, or a path to a .py file (imported once per process under a name of its own)."""
+    if not spec.endswith(".py"):
+        return importlib.import_module(spec)
+    path = Path(spec).resolve()
+    key = f"loopline_user_env_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+    if key in sys.modules:
+        return sys.modules[key]
+    if not path.is_file():
+        raise EnvError(f"env.name={name}: no file {path}")
+    module_spec = importlib.util.spec_from_file_location(key, path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[key] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
+
+
+def env_factory(env: EnvConfig | str) -> EnvFactory:
+    """The factory of `env` (the env section, or just its name): a built-in, or python:MODULE:FACTORY imported
+    here. Made once per process and config."""
+    env = EnvConfig(name=env) if isinstance(env, str) else env
+    return _factory(env.model_dump_json())
+
+
+@functools.cache
+def _factory(env_json: str) -> EnvFactory:
+    env = EnvConfig.model_validate_json(env_json)
+    name = env.name
+    if name in BUILTIN_ENVS:
+        return _builtin(env)
+    match = USER_ENV.match(name)
+    if match is None:
+        raise EnvError(f"unknown env {name!r}")
+    try:
+        module = _load_module(match["module"], name)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"env.name={name}: cannot import {match['module']}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, match["factory"], None)
+    if not callable(factory):
+        raise EnvError(f"env.name={name}: {match['module']} has no callable {match['factory']!r}")
+    return factory
+
+
+def _prompt(row: PromptRow) -> str:
+    text = row.prompt or (row.messages[-1]["content"] if row.messages else "")
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+async def _call(method, *args):  # noqa: ANN001, ANN202 - an env's reset or step, async or plain
+    result = method(*args)
+    return await result if inspect.isawaitable(result) else result  # plain methods are accepted too
+
+
+def _checked(where: str, result: object) -> StepResult:
+    if not isinstance(result, StepResult):
+        raise EnvError(f"{where}: step() returned {type(result).__name__}, not envs.base.StepResult")
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+        raise EnvError(f"{where}: reward {reward!r} is not a finite number")
+    return result
+
+
+async def replay(name: str, factory: EnvFactory, row: PromptRow, actions: list[str]) -> StepResult:
+    """One episode on a fresh env: reset on `row`, then every action; the last step's result (for no action,
+    the first observation, not done)."""
+    where = f"env '{name}' on prompt {row.index} ({_prompt(row)})"
+    try:
+        env = factory()
+        observation = await _call(env.reset, row)
+    except Exception as e:
+        raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
+    result = StepResult(str(observation), 0.0, False)
+    for turn, action in enumerate(actions, 1):
+        if result.done:
+            raise EnvError(
+                f"{where}: the episode ended at turn {turn - 1}, but its history has {len(actions)}"
+            )
+        try:
+            result = _checked(where, await _call(env.step, action))
+        except EnvError:
+            raise
+        except Exception as e:
+            raise EnvError(f"{where} raised {type(e).__name__} at turn {turn}: {e}") from e
+    return result
+
+
+async def _episode(name: str, factory: EnvFactory, text: str, row: PromptRow) -> float:
+    result = await replay(name, factory, row, [text])
+    if not result.done:
+        where = f"env '{name}' on prompt {row.index} ({_prompt(row)})"
+        raise EnvError(
+            f"{where}: the episode did not end after one response (a multi-turn env needs env.max_turns > 1)"
+        )
+    return float(result.reward)
+
+
+async def _episodes(env: EnvConfig, texts: list[str], rows: list[PromptRow]) -> list[float]:
+    factory = env_factory(env)
+    return list(
+        await asyncio.gather(*(_episode(env.name, factory, t, r) for t, r in zip(texts, rows, strict=True)))
+    )
+
+
+def score_chunk(env: EnvConfig | str, chunk: Chunk) -> list[float]:
+    """A score task: the reward of each completion of `chunk` under `env` (its section, or a name), in order."""
+    texts, rows = chunk
+    return asyncio.run(_episodes(EnvConfig(name=env) if isinstance(env, str) else env, texts, rows))
+
+
+async def _steps(env: EnvConfig, chunk: Histories) -> list[StepResult]:
+    factory = env_factory(env)
+    replays = (replay(env.name, factory, r, a) for r, a in zip(chunk.rows, chunk.actions, strict=True))
+    return list(await asyncio.gather(*replays))
+
+
+def step_chunk(env: EnvConfig | str, chunk: Histories) -> list[StepResult]:
+    """A step task: each episode of `chunk` replayed to its last action; their last results, in order."""
+    return asyncio.run(_steps(EnvConfig(name=env) if isinstance(env, str) else env, chunk))
+
+
+def run_task(env: EnvConfig | str, task: Chunk | Histories) -> list[float] | list[StepResult]:
+    """An env worker's task, either kind: a Histories is stepped, a (texts, rows) chunk scored."""
+    return step_chunk(env, task) if isinstance(task, Histories) else score_chunk(env, task)
