@@ -107,12 +107,16 @@ def _iter_raw(path: Path, cfg: DataConfig, need_answer: bool) -> Iterator[tuple[
 
 
 def _extra(raw: dict[str, Any], fields: tuple[str, ...], where: str, has: str) -> tuple[tuple[str, str], ...]:
-    """The row's `fields` that the env reads, as strings (numbers converted); each must be there."""
+    """The row's `fields` that the env reads, as strings (numbers converted, a list of strings as JSON text); each
+    must be there."""
     extra = []
     for name in fields:
         value = raw.get(name)
+        if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+            extra.append((name, json.dumps(value)))
+            continue
         if isinstance(value, bool) or not isinstance(value, str | int | float) or str(value) == "":
-            what = "missing" if value is None else "not a non-empty string"
+            what = "missing" if value is None else "not a non-empty string (or list of strings)"
             raise _BadRow(f"{where}: field '{name}' is {what}; the env reads it {has}")
         extra.append((name, str(value)))
     return tuple(extra)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import builtins
 import functools
 import gzip
 import importlib.util
@@ -238,12 +239,15 @@ class CodeEnv:
     in this process's sandbox (in a thread: the episodes of a chunk run side by side). The reward is 1 for a pass,
     or the fraction of tests passed with `tally`."""
 
-    def __init__(self, sandbox: SandboxConfig, tally: bool = False) -> None:
-        self.sandbox, self.tally = sandbox, tally
+    def __init__(self, sandbox: SandboxConfig, tally: bool = False, mbpp: bool = False) -> None:
+        self.sandbox, self.tally, self.mbpp = sandbox, tally, mbpp
         self.problem: CodeProblem | None = None
 
     async def reset(self, sample: PromptRow) -> str:
         """Take the row's problem; the observation is its prompt."""
+        if self.mbpp:
+            self.problem = mbpp_problem(str(sample.index), sample.get("test_list"))
+            return sample.prompt
         self.problem = CodeProblem(
             task_id=str(sample.index), prompt=sample.prompt, entry_point=sample.get("entry_point"),
             test=sample.get("test"),
@@ -272,3 +276,31 @@ def _check_test(test: str) -> None:
         raise ValueError(f"the row's test is not valid Python (line {e.lineno}: {e.msg})") from None
     if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body):
         raise ValueError("the row's test defines no check(candidate)")
+
+
+def mbpp_problem(task_id: str, test_list: str) -> CodeProblem:
+    """An MBPP-form row as a problem the judge runs: its asserts (test_list, JSON text) become the body of
+    check(candidate), one test each; they call the function by name, which the judge binds to the candidate. The
+    entry point is the first function they call that is not a builtin; the program is the completion alone."""
+    try:
+        asserts = json.loads(test_list)
+    except ValueError:
+        asserts = None
+    if (
+        not isinstance(asserts, list)
+        or not asserts
+        or not all(isinstance(a, str) and a.strip() for a in asserts)
+    ):
+        raise ValueError("the row's test_list is not a list of assert lines (MBPP form)")
+    test = "def check(candidate):\n" + "".join(f"    {line.strip()}\n" for line in asserts)
+    _check_test(test)
+    called = [
+        node.func.id
+        for node in ast.walk(ast.parse(test))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and not hasattr(builtins, node.func.id)
+    ]
+    if not called:
+        raise ValueError("the row's test_list calls no function of the solution (MBPP form)")
+    return CodeProblem(task_id=task_id, prompt="", entry_point=called[0], test=test)

@@ -26,7 +26,7 @@ BUILTIN_ENVS = {
 # What a multi-turn built-in needs unless the config says otherwise: its turns and the strings that end a turn.
 MULTI_TURN_DEFAULTS: dict[str, dict] = {"calculator": {"max_turns": 3, "stop": ["</tool_call>", "</answer>"]}}
 # The fields of a file's rows an env reads besides the prompt (and whether it reads the answer).
-ROW_FIELDS = {"code": ("entry_point", "test")}
+ROW_FIELDS = {"code": ("entry_point", "test"), "code:mbpp": ("test_list",)}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -87,6 +87,13 @@ class EnvConfig(Section):
         description="env.name=code: 1 when every test passes (all), or the fraction passed, where each top-level "
         "statement of check() that holds an assert is one test (fraction). Accuracy counts full passes either way.",
     )
+    code_format: Literal["humaneval", "mbpp"] = Field(
+        "humaneval",
+        description="env.name=code: the rows' form. humaneval: prompt (the function's start), entry_point, test "
+        "(defines check(candidate)); the program is prompt + completion. mbpp: the prompt is the task in words "
+        "(e.g. data.prompt_field=text, data.completion_field=code), test_list a list of assert lines that call the "
+        "function by name (each one test); the program is the completion alone.",
+    )
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig,
         description="env.name=code: the sandbox the tests run in (isolation, limits), as `loopline sandbox check`.",
@@ -141,7 +148,12 @@ class EnvConfig(Section):
     @property
     def row_fields(self) -> tuple[str, ...]:
         """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
-        return tuple(dict.fromkeys([*ROW_FIELDS.get(self.name, ()), *self.fields]))
+        key = (
+            f"code:{self.code_format}"
+            if self.name == "code" and self.code_format != "humaneval"
+            else self.name
+        )
+        return tuple(dict.fromkeys([*ROW_FIELDS.get(key, ()), *self.fields]))
 
     @property
     def reads_answer(self) -> bool:

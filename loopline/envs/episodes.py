@@ -58,7 +58,9 @@ def _builtin(env: EnvConfig) -> EnvFactory:
     if env.name == "code":
         from loopline.envs.code import CodeEnv
 
-        return functools.partial(CodeEnv, env.sandbox, tally=env.code_reward == "fraction")
+        return functools.partial(
+            CodeEnv, env.sandbox, tally=env.code_reward == "fraction", mbpp=env.code_format == "mbpp"
+        )
     if env.name == "calculator":
         from loopline.envs.tasks import make_env
 

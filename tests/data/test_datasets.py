@@ -135,8 +135,16 @@ def test_env_fields_are_kept_and_required_where_rows_are_scored(tmp_path):
     assert len(load_splits(sft_cfg, seed=0, need_answer=False, fields=fields, answered=False)[0]) == 2
     with pytest.raises(DataError, match=r"row 2: field 'test' is missing"):
         load_splits(sft_cfg, seed=0, fields=fields, answered=False)
-    with pytest.raises(DataError, match=r"field 'test' is not a non-empty string"):
-        load_rows(_write_jsonl(tmp_path / "bad.jsonl", [{**good, "test": ["x"]}]), cfg, False, fields=fields)
+    for bad in ([1], [], ["x", ""], {"a": "b"}):
+        with pytest.raises(DataError, match=r"field 'test' is not a non-empty string \(or list of strings\)"):
+            load_rows(
+                _write_jsonl(tmp_path / "bad.jsonl", [{**good, "test": bad}]), cfg, False, fields=fields
+            )
+    # a list of strings (MBPP's test_list) is kept as JSON text
+    listed = load_rows(
+        _write_jsonl(tmp_path / "list.jsonl", [{**good, "test": ["a", "b"]}]), cfg, False, fields=fields
+    )
+    assert json.loads(listed[0][0].get("test")) == ["a", "b"]
     rows, skipped = load_rows(held_out, cfg.model_copy(update={"skip_bad_rows": True}), False, fields=fields)
     assert len(rows) == 1 and skipped == {"fields": 1}
 

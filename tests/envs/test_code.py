@@ -162,6 +162,51 @@ def test_tally_counts_each_test(sandbox: Sandbox, completion: str, tests: tuple[
     assert plain.reward == float(tests[0] == tests[1]) and plain.tests == (0, 0)
 
 
+# An MBPP-form row: the task in words, asserts that call the function by name, the program the completion alone.
+MBPP_TESTS = [
+    "assert similar_elements((3, 4, 5, 6),(5, 7, 4, 10)) == (4, 5)",
+    "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == {3, 4}",
+    "assert similar_elements((11, 12, 14, 13),(17, 15, 14, 13)) == (13, 14)",
+]
+
+
+@pytest.mark.parametrize(
+    ("completion", "tests"),
+    [
+        ("def similar_elements(a, b):\n    return tuple(sorted(set(a) & set(b)))\n", (3, 3)),
+        ("def similar_elements(a, b):\n    return tuple(set(a) & set(b))\n", None),  # order is the set's
+        ("def similar_elements(a, b):\n    return ()\n", (0, 3)),
+        ("def other(a, b):\n    return ()\n", (0, 0)),  # no such function: the solution does not load
+    ],
+    ids=["right", "unordered", "wrong", "misnamed"],
+)
+def test_mbpp_rows_run_their_asserts_as_tests(
+    sandbox: Sandbox, completion: str, tests: tuple[int, int] | None
+) -> None:
+    problem = code.mbpp_problem("mbpp/2", json.dumps(MBPP_TESTS))
+    assert problem.entry_point == "similar_elements" and problem.prompt == ""  # set() is a builtin, skipped
+    result = score(problem, completion, sandbox, tally=True)
+    if tests is None:  # a set's order is CPython's: the tally is whatever it gives, the second test passes
+        assert result.tests[1] == 3 and result.tests[0] >= 1
+    else:
+        assert result.tests == tests, (result.detail, result.result.stderr[-2000:])
+        assert result.reward == (tests[0] / tests[1] if tests[1] else 0.0)
+
+
+@pytest.mark.parametrize(
+    ("test_list", "message"),
+    [
+        ("[]", "not a list of assert lines"),
+        ('"assert f(1) == 1"', "not a list of assert lines"),
+        ('["assert f(1) ==="]', "not valid Python"),
+        ('["assert len([1]) == 1"]', "calls no function"),
+    ],
+)
+def test_bad_mbpp_rows_are_refused(test_list: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        code.mbpp_problem("mbpp/x", test_list)
+
+
 @pytest.mark.parametrize(
     "completion", ["    return a +\n", "    while True:\n        pass\n", "    import os\n    os._exit(0)\n"]
 )

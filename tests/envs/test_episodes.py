@@ -3,6 +3,7 @@ misbehave (each error names the env and the prompt)."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 
 from loopline.config import ConfigError, load_config
 from loopline.data.rows import PromptRow
+from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import EnvError, env_factory, score_chunk
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
@@ -125,3 +127,17 @@ def test_a_code_row_whose_test_cannot_check_anything_is_named(test: str, error: 
         EnvError, match=rf"env 'code' on prompt 3 .* raised ValueError: the row's test .*{error}"
     ):
         score_chunk("code", (["    return 1\n"], [row]))
+
+
+def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
+    env = EnvConfig(name="code", code_format="mbpp", code_reward="fraction")
+    assert env.row_fields == ("test_list",) and not env.reads_answer
+    asserts = ["assert double(2) == 4", "assert double(0) == 0", "assert double(-1) == -2"]
+    row = PromptRow(
+        index=0, prompt="Write a function double(x).", extra=(("test_list", json.dumps(asserts)),)
+    )
+    texts = ["def double(x):\n    return 2 * x\n", "def double(x):\n    return x + 2 if x > 0 else x\n"]
+    assert score_chunk(env, (texts, [row, row])) == [1.0, pytest.approx(2 / 3)]  # wrong on -1 only
+    bad = PromptRow(index=3, prompt="p", extra=(("test_list", json.dumps(["assert True"])),))
+    with pytest.raises(EnvError, match=r"env 'code' on prompt 3 .*calls no function"):
+        score_chunk(env, (["x = 1\n"], [bad]))
