@@ -130,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("counts", nargs="+", help="engines=N and/or env_workers=M (applied between two steps)")
 
     p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
-    p.add_argument("name", help="benchmark name (sandbox, sync, restart)")
+    p.add_argument("name", help="benchmark name (sandbox, sync, restart, env, endpoint)")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 

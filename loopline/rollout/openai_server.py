@@ -1,4 +1,4 @@
-"""An OpenAI-compatible chat-completions endpoint in front of an engine, recording what it serves.
+"""An OpenAI-compatible endpoint in front of an engine, recording what it serves.
 
 An agent program written against the OpenAI API (any client with a `base_url`) can be trained:
 point it at `server.base_url`, tag its requests with a trajectory id (`X-Trajectory-Id` header or
@@ -8,30 +8,41 @@ trajectory's calls into training sequences, joining a call to the previous one w
 continues it token for token (else it starts a new sequence: nothing is ever re-tokenized).
 
 Endpoints: `POST /v1/chat/completions` (messages, temperature, top_p, max_tokens, n, stop, seed,
-logprobs, tools, user) and `GET /v1/models`. The prompt is the tokenizer's chat template when it has
-one, else a built-in role format (`builtin_chat_format`). With `tools` in the request, tool calls in
-the text (rollout.tool_calls tags) come back as `message.tool_calls`.
+logprobs, tools, user, stream, stream_options), `POST /v1/completions` (prompt as a string or as
+token ids; the same sampling fields, logprobs as a count, stream) and `GET /v1/models`. The chat
+prompt is the tokenizer's chat template when it has one, else a built-in role format
+(`builtin_chat_format`). With `tools` in the request, tool calls in the text (rollout.tool_calls
+tags) come back as `message.tool_calls`. Any `model` name is accepted (agent programs hard-code
+theirs); responses name `cfg.model_name`.
 
-Concurrent requests are batched: one thread owns the engine and generates, in one call, every
-pending request that samples with the same settings (waiting `batch_wait_s` for more to arrive).
-Standard library only (http.server); binds 127.0.0.1 and a free port by default.
+Streaming (`stream: true`) answers Server-Sent Events in OpenAI's chunk format, ending with
+`data: [DONE]`. Simplified: the engine's `generate` returns whole completions, so a turn is
+generated first and then sent as chunks cut at token boundaries (a character split over tokens is
+never cut); the recorded tokens and log-probs are the same as without streaming.
+
+The server is aiohttp on its own thread and event loop. Engine calls never run on the loop: one
+engine thread owns the engine and generates, in one call, every pending request that samples with
+the same settings (waiting `batch_wait_s` for more to arrive); handlers await its answer. Binds
+127.0.0.1 and a free port by default.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import torch
+from aiohttp import web
 from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
@@ -47,18 +58,22 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class ServerConfig(Section):
-    """The chat-completions server."""
+    """The OpenAI-compatible server."""
 
     host: str = Field("127.0.0.1", description="Address to bind (loopback by default).")
     port: int = Field(0, ge=0, le=65535, description="Port; 0 = a free one (read server.port).")
     model_name: str = Field("loopline", description="Model id reported by /v1/models and in responses.")
-    default_max_tokens: int = Field(256, gt=0, description="max_tokens when a request gives none.")
+    default_max_tokens: int = Field(
+        256, gt=0, description="max_tokens when a request gives none (cut to the room left in the context)."
+    )
     max_tokens_limit: int = Field(2048, gt=0, description="Largest max_tokens accepted.")
     max_n: int = Field(16, gt=0, description="Largest n (completions per request) accepted.")
     batch_wait_s: float = Field(0.01, ge=0, description="How long a batch waits for more requests to join.")
     max_batch: int = Field(64, gt=0, description="Most sequences generated in one engine call.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request waiting longer is answered 503.")
     trajectory_header: str = Field("X-Trajectory-Id", description="Header naming the request's trajectory.")
+    max_body_bytes: int = Field(64 << 20, gt=0, description="Largest request body accepted (413 above).")
+    backlog: int = Field(1024, gt=0, description="Connections the socket queues before accepting them.")
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,10 @@ class ServedCompletion:
 
 class RequestError(ValueError):
     """A request the server refuses; the message goes back to the client with status 400."""
+
+
+class _Closed(RuntimeError):
+    """The server is shutting down: the request is answered 503."""
 
 
 def builtin_chat_format(messages: Sequence[Mapping[str, Any]], eos: str) -> str:
@@ -113,6 +132,50 @@ def _text(message: Mapping[str, Any]) -> str:
     return text
 
 
+def text_deltas(
+    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], content: str
+) -> list[tuple[str, int]]:
+    """`content` cut at token boundaries for streaming: (piece, tokens consumed so far) per piece.
+
+    The pieces join to `content` exactly. A piece is cut once the tokens since the last cut decode
+    to whole characters (a byte-level tokenizer splits a character over tokens; decoding with the
+    previous piece's tokens as context keeps word-piece spacing right). Text that does not continue
+    `content` (a stop string removed from it) ends the cutting: the rest goes out as one last piece.
+    """
+    out: list[tuple[str, int]] = []
+    emitted, prefix, read = 0, 0, 0  # characters sent; token window [prefix, read) is the context
+    before = ""
+    for k in range(1, len(token_ids) + 1):
+        now = _decode(tokenizer, token_ids[prefix:k])
+        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
+            continue
+        piece = now[len(before) :]
+        if not content.startswith(piece, emitted):
+            break
+        out.append((piece, k))
+        emitted += len(piece)
+        prefix, read = read, k
+        before = _decode(tokenizer, token_ids[prefix:read])
+    if emitted < len(content):
+        out.append((content[emitted:], len(token_ids)))
+    return out
+
+
+def text_offsets(tokenizer: PreTrainedTokenizerBase, c: Completion) -> list[int]:
+    """Where each token of `c` starts in its text (a token inside a character split over several tokens
+    gets that character's start), in one pass."""
+    offsets: list[int] = []
+    at = 0
+    for piece, upto in text_deltas(tokenizer, c.token_ids, c.text):
+        offsets += [at] * (upto - len(offsets))
+        at += len(piece)
+    return offsets + [at] * (len(c.token_ids) - len(offsets))
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special: bool = True) -> str:
+    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special))
+
+
 @dataclass
 class _Pending:
     """A request waiting for the engine."""
@@ -123,8 +186,19 @@ class _Pending:
     future: Future[list[Completion]]
 
 
+@dataclass
+class _Choice:
+    """One completion as answered: what the client sees of it."""
+
+    completion: Completion
+    content: str  # the text (stop string removed), tool calls included
+    shown: str | None  # message content: the text before the first tool call when there are calls
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str
+
+
 class OpenAIServer:
-    """Serves chat completions from `engine` on a background thread; use as a context manager."""
+    """Serves the OpenAI API from `engine` on a background thread; use as a context manager."""
 
     def __init__(
         self, engine: TorchEngine, tokenizer: PreTrainedTokenizerBase, cfg: ServerConfig | None = None
@@ -136,10 +210,17 @@ class OpenAIServer:
         self._engine_lock = threading.Lock()  # generate and update_weights never overlap
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._stop = threading.Event()
-        self._httpd = ThreadingHTTPServer((self.cfg.host, self.cfg.port), _handler_for(self))
-        self._httpd.daemon_threads = True
+        model_cfg = getattr(getattr(engine, "model", None), "config", None)
+        self._context: int | None = getattr(model_cfg, "max_position_embeddings", None)
+        # bound now, so that the port is known before start (as with port 0 it is chosen here)
+        family = socket.AF_INET6 if ":" in self.cfg.host else socket.AF_INET
+        self._sock = socket.create_server((self.cfg.host, self.cfg.port), family=family)
+        self._port = int(self._sock.getsockname()[1])
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._startup_error: BaseException | None = None
         self._threads = [
-            threading.Thread(target=self._httpd.serve_forever, name="openai-http", daemon=True),
+            threading.Thread(target=self._serve, name="openai-http", daemon=True),
             threading.Thread(target=self._generate_loop, name="openai-engine", daemon=True),
         ]
         self.batch_sizes: list[int] = []  # sequences per engine call, for metrics and tests
@@ -147,18 +228,25 @@ class OpenAIServer:
     # -- lifetime ---------------------------------------------------------------------------
 
     def start(self) -> OpenAIServer:
-        """Start serving; returns self."""
+        """Start serving; returns self once the server accepts requests."""
         for t in self._threads:
             t.start()
+        if not self._ready.wait(60) or self._startup_error is not None:
+            self.close()
+            raise RuntimeError(f"the server did not start: {self._startup_error!r}")
         return self
 
     def close(self) -> None:
-        """Stop serving and the engine thread."""
+        """Stop the engine thread (queued requests are answered 503), then the HTTP server."""
         self._stop.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        for t in self._threads:
-            t.join(timeout=10)
+        http, engine = self._threads
+        if engine.is_alive():
+            engine.join(timeout=60)
+        self._fail_queued()
+        if self._loop is not None and http.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            http.join(timeout=30)
+        self._sock.close()
 
     def __enter__(self) -> OpenAIServer:
         return self.start()
@@ -168,12 +256,13 @@ class OpenAIServer:
 
     @property
     def port(self) -> int:
-        return self._httpd.server_address[1]
+        return self._port
 
     @property
     def base_url(self) -> str:
         """What an OpenAI client takes as base_url."""
-        return f"http://{self.cfg.host}:{self.port}/v1"
+        host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
+        return f"http://{host}:{self.port}/v1"
 
     # -- what was served --------------------------------------------------------------------
 
@@ -193,35 +282,168 @@ class OpenAIServer:
         with self._engine_lock:
             self.engine.update_weights(state_dict, version)
 
-    # -- requests ---------------------------------------------------------------------------
-
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
         """The chat template's rendering of the messages (with a generation prompt), else the built-in one."""
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            from jinja2 import TemplateError  # what transformers renders templates with
+
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            except TemplateError as e:  # e.g. a template that wants roles to alternate
+                raise RequestError(f"the chat template refused the messages: {e}") from None
             return list(ids)
         text = builtin_chat_format(messages, self.tokenizer.eos_token or "")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def complete(self, body: dict[str, Any], trajectory_id: str) -> dict[str, Any]:
-        """Answer one chat-completions request body (raises RequestError when it is invalid)."""
+    # ======================================================================================
+    # The endpoints (on the event loop)
+    # ======================================================================================
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
         messages = _messages(body.get("messages"))
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RequestError("'tools' must be a list")
+        logprobs = _bool(body, "logprobs")
+        stream, include_usage = _stream(body)
+        requested = _int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
+        requested = _int(body, "max_completion_tokens", requested, 1, self.cfg.max_tokens_limit)
+        prompt = self.prompt_ids(messages, tools)
+        params, n = self._sampling(body, self._max_tokens(prompt, requested))
+        request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+        trajectory_id = self._trajectory_id(request, body, request_id)
+        completions = await self._generate(prompt, params, n)
+
+        choices = [self._choice(c, params.stop, bool(tools)) for c in completions]
+        self._record(trajectory_id, request_id, prompt, choices)
+        head = {"id": request_id, "created": int(time.time()), "model": self.cfg.model_name}
+        head["system_fingerprint"] = f"policy-v{completions[0].policy_version}"
+        usage = _usage(prompt, completions)
+        if stream:
+            events = self._chat_chunks(head, choices, logprobs)
+            if include_usage:
+                events = _then(
+                    events, {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
+                )
+            return await _sse(request, events)
+        answer = [
+            {
+                "index": i,
+                "message": _message(ch),
+                "finish_reason": ch.finish_reason,
+                "logprobs": {"content": self._logprobs(ch.completion.token_ids, ch.completion.logprobs)}
+                if logprobs
+                else None,
+            }
+            for i, ch in enumerate(choices)
+        ]
+        return web.json_response({**head, "object": "chat.completion", "choices": answer, "usage": usage})
+
+    def _chat_chunks(
+        self, head: dict[str, Any], choices: list[_Choice], logprobs: bool
+    ) -> Iterator[dict[str, Any]]:
+        """Per choice: the role, the text in pieces, the tool calls, then the finish reason."""
+
+        def chunk(i: int, delta: dict[str, Any], ids: range, finish: str | None = None) -> dict[str, Any]:
+            c = choices[i].completion
+            lp = None
+            if logprobs:
+                lp = {"content": self._logprobs([c.token_ids[j] for j in ids], [c.logprobs[j] for j in ids])}
+            event = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {**head, "object": "chat.completion.chunk", "choices": [event]}
+
+        for i, ch in enumerate(choices):
+            yield chunk(i, {"role": "assistant", "content": ""}, range(0))
+            sent = 0  # tokens covered by the chunks so far
+            for piece, upto in text_deltas(self.tokenizer, ch.completion.token_ids, ch.shown or ""):
+                yield chunk(i, {"content": piece}, range(sent, upto))
+                sent = upto
+            if ch.tool_calls:
+                calls = [{"index": j, **call} for j, call in enumerate(ch.tool_calls)]
+                yield chunk(i, {"tool_calls": calls}, range(0))
+            yield chunk(i, {}, range(sent, len(ch.completion.token_ids)), ch.finish_reason)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        prompt = self._prompt(body.get("prompt"))
+        count = _int(body, "logprobs", -1, 0, 5)  # the legacy API's count of alternatives (none are sent)
+        stream, include_usage = _stream(body)
+        if _bool(body, "echo"):
+            raise RequestError("'echo' is not supported")
+        if body.get("suffix") is not None:
+            raise RequestError("'suffix' is not supported")
+        requested = _int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
+        params, n = self._sampling(body, self._max_tokens(prompt, requested))
+        request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
+        trajectory_id = self._trajectory_id(request, body, request_id)
+        completions = await self._generate(prompt, params, n)
+
+        choices = [self._choice(c, params.stop, False) for c in completions]
+        self._record(trajectory_id, request_id, prompt, choices)
+        head = {"id": request_id, "object": "text_completion", "created": int(time.time())}
+        head["model"] = self.cfg.model_name
+        head["system_fingerprint"] = f"policy-v{completions[0].policy_version}"
+        usage = _usage(prompt, completions)
+        if stream:
+            events = self._completion_chunks(head, choices, count >= 0)
+            if include_usage:
+                events = _then(events, {**head, "choices": [], "usage": usage})
+            return await _sse(request, events)
+        answer = [
+            {
+                "index": i,
+                "text": ch.content,
+                "finish_reason": ch.finish_reason,
+                "logprobs": self._legacy_logprobs(
+                    ch.completion,
+                    range(len(ch.completion.token_ids)),
+                    text_offsets(self.tokenizer, ch.completion),
+                )
+                if count >= 0
+                else None,
+            }
+            for i, ch in enumerate(choices)
+        ]
+        return web.json_response({**head, "choices": answer, "usage": usage})
+
+    def _completion_chunks(
+        self, head: dict[str, Any], choices: list[_Choice], logprobs: bool
+    ) -> Iterator[dict[str, Any]]:
+        """Per choice: the text in pieces, then the finish reason."""
+
+        def chunk(i: int, text: str, ids: range, finish: str | None = None) -> dict[str, Any]:
+            lp = self._legacy_logprobs(choices[i].completion, ids, offsets) if logprobs else None
+            return {**head, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}]}
+
+        for i, ch in enumerate(choices):
+            offsets = text_offsets(self.tokenizer, ch.completion) if logprobs else []
+            sent = 0
+            for piece, upto in text_deltas(self.tokenizer, ch.completion.token_ids, ch.content):
+                yield chunk(i, piece, range(sent, upto))
+                sent = upto
+            yield chunk(i, "", range(sent, len(ch.completion.token_ids)), ch.finish_reason)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "loopline"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    # -- shared by the endpoints -----------------------------------------------------------
+
+    def _sampling(self, body: dict[str, Any], max_tokens: int) -> tuple[SamplingParams, int]:
+        """The sampling fields both endpoints take, checked; and n."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError("'model' must be a string")
         n = _int(body, "n", 1, 1, self.cfg.max_n)
-        max_tokens = _int(
-            body, "max_completion_tokens", _int(body, "max_tokens", self.cfg.default_max_tokens, 1, self.cfg.max_tokens_limit),
-            1, self.cfg.max_tokens_limit,
-        )  # fmt: skip
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
             raise RequestError("'stop' must be a string or a list of at most 4 non-empty strings")
         seed = body.get("seed")
-        if seed is not None and not isinstance(seed, int):
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise RequestError("'seed' must be an integer")
         params = SamplingParams(
             max_new_tokens=max_tokens,
@@ -230,65 +452,85 @@ class OpenAIServer:
             stop=tuple(stop),
             seed=seed,
         )
-        prompt = self.prompt_ids(messages, tools)
+        return params, n
+
+    def _prompt(self, raw: Any) -> list[int]:
+        """The completions endpoint's prompt: a string (tokenized as the tokenizer does by default,
+        special tokens included) or token ids; a list holding one of those is taken as that one."""
+        if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], str | list):
+            raw = raw[0]
+        if isinstance(raw, str):
+            ids = list(self.tokenizer(raw)["input_ids"])
+        elif (
+            isinstance(raw, list) and raw and all(isinstance(t, int) and not isinstance(t, bool) for t in raw)
+        ):
+            ids = raw
+            if not all(0 <= t < len(self.tokenizer) for t in ids):
+                raise RequestError(f"'prompt' token ids must be in [0, {len(self.tokenizer)})")
+        else:
+            raise RequestError(
+                "'prompt' must be a string or a non-empty list of token ids (one prompt per request)"
+            )
+        if not ids:
+            raise RequestError("'prompt' is empty once tokenized")
+        return ids
+
+    def _max_tokens(self, prompt: list[int], requested: int) -> int:
+        """`requested` (0: not given, then the default, cut to what the model's context leaves)."""
+        if self._context is None:
+            return requested or self.cfg.default_max_tokens
+        room = self._context - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) leaves no room in the model's context ({self._context} tokens)"
+            )
+        if requested > room:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({requested}) is longer than the "
+                f"model's context ({self._context} tokens)"
+            )
+        return requested or min(self.cfg.default_max_tokens, room)
+
+    async def _generate(self, prompt: list[int], params: SamplingParams, n: int) -> list[Completion]:
+        """The engine thread's completions of `prompt`; the event loop stays free while it works."""
+        if self._stop.is_set():
+            raise _Closed("the server is shutting down")
         pending = _Pending(prompt, params, n, Future())
         self._queue.put(pending)
-        try:
-            completions = pending.future.result(timeout=self.cfg.request_timeout_s)
-        except TimeoutError:
-            pending.future.cancel()
-            raise
-        request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        trajectory_id = trajectory_id or str(body.get("user") or "") or request_id
-        choices, records = [], []
-        for i, c in enumerate(completions):
-            content = _strip_stop(c.text, stop) if c.finish_reason == "stop" else c.text
-            message: dict[str, Any] = {"role": "assistant", "content": content}
-            finish = c.finish_reason
-            if tools:
-                calls = self._tool_calls(content)
-                if calls:
-                    message["content"] = content[: content.find(self.tools_cfg.call_open)] or None
-                    message["tool_calls"] = calls
-                    finish = "tool_calls"
-            choice: dict[str, Any] = {
-                "index": i,
-                "message": message,
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-            if body.get("logprobs"):
-                choice["logprobs"] = {"content": self._token_logprobs(c)}
-            choices.append(choice)
-            records.append(
-                ServedCompletion(
-                    trajectory_id,
-                    request_id,
-                    i,
-                    prompt,
-                    list(c.token_ids),
-                    list(c.logprobs),
-                    content,
-                    c.finish_reason,
-                    c.policy_version,
-                )  # fmt: skip
-            )
+        # a timeout cancels the wrapped future, which cancels the pending one if it is not yet generating
+        return await asyncio.wait_for(asyncio.wrap_future(pending.future), self.cfg.request_timeout_s)
+
+    def _trajectory_id(self, request: web.Request, body: dict[str, Any], request_id: str) -> str:
+        user = body.get("user")
+        if user is not None and not isinstance(user, str):
+            raise RequestError("'user' must be a string")
+        return request.headers.get(self.cfg.trajectory_header) or user or request_id
+
+    def _choice(self, c: Completion, stop: Sequence[str], tools: bool) -> _Choice:
+        content = _strip_stop(c.text, stop) if c.finish_reason == "stop" else c.text
+        calls = self._tool_calls(content) if tools else []
+        if calls:
+            shown = content[: content.find(self.tools_cfg.call_open)] or None
+            return _Choice(c, content, shown, calls, "tool_calls")
+        return _Choice(c, content, content, [], c.finish_reason)
+
+    def _record(self, trajectory_id: str, request_id: str, prompt: list[int], choices: list[_Choice]) -> None:
+        records = [
+            ServedCompletion(
+                trajectory_id,
+                request_id,
+                i,
+                prompt,
+                list(ch.completion.token_ids),
+                list(ch.completion.logprobs),
+                ch.content,
+                ch.completion.finish_reason,
+                ch.completion.policy_version,
+            )  # fmt: skip
+            for i, ch in enumerate(choices)
+        ]
         with self._records_lock:
             self._records.setdefault(trajectory_id, []).extend(records)
-        completion_tokens = sum(len(c.token_ids) for c in completions)
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.cfg.model_name,
-            "choices": choices,
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt) + completion_tokens,
-            },
-            "system_fingerprint": f"policy-v{completions[0].policy_version}",
-        }
 
     def _tool_calls(self, content: str) -> list[dict[str, Any]]:
         calls = []
@@ -304,14 +546,84 @@ class OpenAIServer:
             )
         return calls
 
-    def _token_logprobs(self, c: Completion) -> list[dict[str, Any]]:
+    def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
         out = []
-        for tok, lp in zip(c.token_ids, c.logprobs):
-            text = self.tokenizer.decode([tok])
+        for tok, lp in zip(token_ids, logprobs):
+            text = _decode(self.tokenizer, [tok], skip_special=False)
             out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
         return out
 
-    # -- the engine thread ------------------------------------------------------------------
+    def _legacy_logprobs(self, c: Completion, ids: range, offsets: list[int]) -> dict[str, Any]:
+        """The completions API's logprobs object for tokens `ids` of `c` (no alternatives: top_logprobs None);
+        `offsets`: `text_offsets` of all of c's tokens."""
+        return {
+            "tokens": [_decode(self.tokenizer, [c.token_ids[j]], skip_special=False) for j in ids],
+            "token_logprobs": [c.logprobs[j] for j in ids],
+            "top_logprobs": None,
+            "text_offset": [offsets[j] for j in ids],
+        }
+
+    # ======================================================================================
+    # Plumbing: the HTTP thread and the engine thread
+    # ======================================================================================
+
+    def _app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=self.cfg.max_body_bytes)
+        for path in ("/v1/chat/completions", "/chat/completions"):
+            app.router.add_post(path, self._chat)
+            app.router.add_post(path + "/", self._chat)
+        for path in ("/v1/completions", "/completions"):
+            app.router.add_post(path, self._completions)
+            app.router.add_post(path + "/", self._completions)
+        for path in ("/v1/models", "/models"):
+            app.router.add_get(path, self._models)
+            app.router.add_get(path + "/", self._models)
+        return app
+
+    @web.middleware
+    async def _errors(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Every failure as an OpenAI error object with a status: the client is told, the server keeps serving."""
+        try:
+            return await handler(request)
+        except RequestError as e:
+            return _error(400, str(e), "invalid_request_error")
+        except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
+            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            what = f"no route {request.method} {request.path}" if e.status == 404 else e.reason
+            if e.status == 405:
+                what = f"{request.method} is not allowed on {request.path}"
+            return _error(e.status, what, kind)
+        except TimeoutError:
+            return _error(503, "the engine did not answer in time", "server_error")
+        except _Closed as e:
+            return _error(503, str(e), "server_error")
+        except Exception as e:  # noqa: BLE001 - a failed generate fails its request, not the server
+            logger.exception("request %s %s failed", request.method, request.path)
+            return _error(500, f"{type(e).__name__}: {e}", "server_error")
+
+    def _serve(self) -> None:
+        """The HTTP thread: the aiohttp app on this thread's own event loop, until close() stops it."""
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(self._app(), access_log=None, shutdown_timeout=5.0)
+        try:
+            loop.run_until_complete(runner.setup())
+            site = web.SockSite(runner, self._sock, backlog=self.cfg.backlog)
+            loop.run_until_complete(site.start())
+        except BaseException as e:  # noqa: BLE001 - reported by start()
+            self._startup_error = e
+            self._ready.set()
+            loop.close()
+            return
+        self._loop = loop
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
 
     def _generate_loop(self) -> None:
         held: list[_Pending] = []  # requests that did not fit the last batch
@@ -334,6 +646,17 @@ class OpenAIServer:
                     break
             batch, held = self._take_batch(held)
             self._run(batch)
+        for p in held:
+            self._queue.put(p)  # answered by _fail_queued
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                p = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if p.future.set_running_or_notify_cancel():
+                p.future.set_exception(_Closed("the server is shutting down"))
 
     def _take_batch(self, held: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
         """The oldest request and every later one with the same sampling settings, up to max_batch."""
@@ -341,14 +664,17 @@ class OpenAIServer:
         if not live:
             return [], []
         key = live[0].params
-        batch, rest, size = [], [], 0
+        batch: list[_Pending] = []
+        rest: list[_Pending] = []
+        size = 0
         for p in live:
             if p.params == key and (not batch or size + p.n <= self.cfg.max_batch):
                 batch.append(p)
                 size += p.n
             else:
                 rest.append(p)
-        return batch, rest
+        # claimed: from here a timed-out request can no longer cancel its future (False: it just did)
+        return [p for p in batch if p.future.set_running_or_notify_cancel()], rest
 
     def _run(self, batch: list[_Pending]) -> None:
         if not batch:
@@ -367,6 +693,62 @@ class OpenAIServer:
         for p in batch:
             p.future.set_result(completions[start : start + p.n])
             start += p.n
+
+
+# ------------------------------------------------------------------------------------------
+# Request fields and response pieces
+# ------------------------------------------------------------------------------------------
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise RequestError("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+async def _sse(request: web.Request, events: Iterator[dict[str, Any]]) -> web.StreamResponse:
+    """`events` as Server-Sent Events (`data: {json}` each), then `data: [DONE]`."""
+    response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
+    response.content_type = "text/event-stream"
+    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    try:
+        await response.prepare(request)
+        await response.write(data)  # the turn is already generated: one write carries every chunk
+        await response.write_eof()
+    except ConnectionResetError:
+        logger.debug("client left during a stream")
+    return response
+
+
+def _then(events: Iterator[dict[str, Any]], last: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield from events
+    yield last
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    payload = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return web.json_response(payload, status=status)
+
+
+def _message(ch: _Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": ch.shown}
+    if ch.tool_calls:
+        message["tool_calls"] = ch.tool_calls
+    return message
+
+
+def _usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
+    completion_tokens = sum(len(c.token_ids) for c in completions)
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": completion_tokens,
+        "total_tokens": len(prompt) + completion_tokens,
+    }
 
 
 def _strip_stop(text: str, stop: Sequence[str]) -> str:
@@ -391,6 +773,24 @@ def _messages(raw: Any) -> list[dict[str, Any]]:
     return raw
 
 
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, include_usage) from `stream` and `stream_options`."""
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or not stream:
+        raise RequestError("'stream_options' must be an object, and only given with stream=true")
+    return stream, _bool(options, "include_usage")
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"'{key}' must be a boolean, got {value!r}")
+    return bool(value)
+
+
 def _int(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
     value = body.get(key)
     if value is None:
@@ -407,59 +807,6 @@ def _float(body: dict[str, Any], key: str, default: float, low: float, high: flo
     if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
         raise RequestError(f"'{key}' must be a number in [{low}, {high}], got {value!r}")
     return float(value)
-
-
-def _handler_for(server: OpenAIServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: clients reuse the connection
-
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
-            logger.debug("%s " + format, self.address_string(), *args)
-
-        def _send(self, status: int, payload: dict[str, Any]) -> None:
-            data = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str, kind: str) -> None:
-            self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": None}})
-
-        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-            if self.path.rstrip("/") in ("/v1/models", "/models"):
-                model = {"id": server.cfg.model_name, "object": "model", "created": 0, "owned_by": "loopline"}
-                self._send(200, {"object": "list", "data": [model]})
-            else:
-                self._error(404, f"no route GET {self.path}", "not_found_error")
-
-        def do_POST(self) -> None:  # noqa: N802
-            length = int(self.headers.get("Content-Length") or 0)
-            raw = self.rfile.read(length)
-            if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-                self._error(404, f"no route POST {self.path}", "not_found_error")
-                return
-            try:
-                body = json.loads(raw)
-                if not isinstance(body, dict):
-                    raise RequestError("the request body must be a JSON object")
-                if body.get("stream"):
-                    raise RequestError("stream=true is not supported")
-                answer = server.complete(body, self.headers.get(server.cfg.trajectory_header) or "")
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                self._error(400, "the request body is not valid JSON", "invalid_request_error")
-            except RequestError as e:
-                self._error(400, str(e), "invalid_request_error")
-            except TimeoutError:
-                self._error(503, "the engine did not answer in time", "server_error")
-            except Exception as e:  # noqa: BLE001 - the client gets an answer, the server keeps serving
-                logger.exception("chat completion failed")
-                self._error(500, f"{type(e).__name__}: {e}", "server_error")
-            else:
-                self._send(200, answer)
-
-    return Handler
 
 
 def to_trajectories(calls: Sequence[ServedCompletion]) -> list[Trajectory]:

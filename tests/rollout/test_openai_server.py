@@ -1,9 +1,12 @@
 """The OpenAI-compatible server over real HTTP on 127.0.0.1: the response format, what it records
 (prompt ids, completion ids, log-probs equal to the trainer's), stop strings, n, batching of
-concurrent requests, errors, chat templates, and an agent program's tool loop through it."""
+concurrent requests, errors, chat templates, and an agent program's tool loop through it; with the
+real `openai` client: streamed chat (tool calls too) and completions recording what the plain answer
+records, and 40 concurrent clients whose trajectories stay apart; shutdown with requests queued."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import threading
@@ -18,8 +21,15 @@ from loopline.config import OptimConfig
 from loopline.data.batches import collate
 from loopline.envs.tools import Toolbox, calculator
 from loopline.models.load import build_tiny_model
-from loopline.rollout.engine import TorchEngine
-from loopline.rollout.openai_server import OpenAIServer, ServerConfig, builtin_chat_format, to_trajectories
+from loopline.rollout.engine import Completion, TorchEngine
+from loopline.rollout.openai_server import (
+    OpenAIServer,
+    ServerConfig,
+    builtin_chat_format,
+    text_deltas,
+    text_offsets,
+    to_trajectories,
+)
 from loopline.training.policy import PolicyTrainer, response_logprobs
 from tests.conftest import need_module
 
@@ -171,7 +181,11 @@ def test_concurrent_requests_are_batched_and_recorded_apart(tokenizer, small_mod
             "'temperature' must be",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "'stop' must be"),
-        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+            400,
+            "'stream' must be a boolean",
+        ),
         ({"messages": [{"role": "assistant", "tool_calls": [1]}]}, 400, "a tool call must be"),
     ],
 )
@@ -190,6 +204,17 @@ def test_the_chat_template_is_used_when_there_is_one(tokenizer, small_model):
         chat(server, [{"role": "user", "content": "hello"}], traj="c", max_tokens=3)
         (record,) = server.trajectories()["c"]
     assert tok.decode(record.prompt_ids) == "[user]hello[assistant]"
+
+    # a template that refuses the messages: the client is told why
+    tok.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with OpenAIServer(TorchEngine(small_model, tok), tok) as server:
+        status, answer = post(
+            server.base_url + "/chat/completions", {"messages": [{"role": "user", "content": "x"}]}
+        )
+    assert (
+        status == 400
+        and "chat template refused the messages: roles must alternate" in answer["error"]["message"]
+    )
 
 
 # ------------------------------------------------------------------------------------ an agent through it
@@ -287,3 +312,285 @@ def test_the_openai_client_talks_to_the_server(server):
         extra_headers={"X-Trajectory-Id": "oa"},
     )
     assert reply.choices[0].message.role == "assistant" and "oa" in server.trajectories()
+
+
+# ------------------------------------------------------------------------------- the openai client: streaming
+
+
+def openai_client(server: OpenAIServer):
+    openai = need_module("openai", "the openai client is not installed (pip install loopline[dev])")
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+
+def test_a_streamed_chat_is_the_plain_answer_in_pieces_and_records_the_same_tokens(server, tokenizer):
+    client = openai_client(server)
+    messages = [{"role": "user", "content": "tell me"}]
+    plain = client.chat.completions.create(
+        model="loopline", messages=messages, temperature=0, max_tokens=24, logprobs=True, user="plain"
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="loopline",
+            messages=messages,
+            temperature=0,
+            max_tokens=24,
+            logprobs=True,
+            user="streamed",
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *events, usage_chunk = chunks
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert events[0].choices[0].delta.role == "assistant"
+    assert len(events) > 3  # role, several pieces of text, the finish
+    text = "".join(c.choices[0].delta.content or "" for c in events)
+    assert text == plain.choices[0].message.content and text
+    assert [c.choices[0].finish_reason for c in events] == [None] * (len(events) - 1) + ["length"]
+    assert usage_chunk.choices == [] and usage_chunk.usage.model_dump() == plain.usage.model_dump()
+
+    (plain_record,) = server.trajectories()["plain"]
+    (streamed_record,) = server.trajectories()["streamed"]
+    assert streamed_record.prompt_ids == plain_record.prompt_ids
+    assert streamed_record.completion_ids == plain_record.completion_ids
+    assert streamed_record.logprobs == plain_record.logprobs
+    assert tokenizer.decode(streamed_record.completion_ids, skip_special_tokens=True) == text
+    # the pieces' log-probs, joined, are the recorded ones: every token is sent once
+    streamed_logprobs = [t.logprob for c in events for t in (c.choices[0].logprobs.content or [])]
+    assert streamed_logprobs == pytest.approx(streamed_record.logprobs)
+
+    # a stop string: cut from the streamed text as from the plain one, kept in the record
+    stop = text[3]
+    streamed = client.chat.completions.create(
+        model="loopline", messages=messages, temperature=0, max_tokens=24, stop=[stop], user="s", stream=True
+    )
+    pieces = [(c.choices[0].delta.content or "", c.choices[0].finish_reason) for c in streamed]
+    assert "".join(p for p, _ in pieces) == text[: text.index(stop)] and pieces[-1][1] == "stop"
+    (record,) = server.trajectories()["s"]
+    assert tokenizer.decode(record.completion_ids, skip_special_tokens=True) == text[: text.index(stop) + 1]
+
+
+def test_the_stream_is_server_sent_events_ending_with_done(server):
+    request = urllib.request.Request(
+        server.base_url + "/chat/completions",
+        data=json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = r.read().decode().split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"][0]["delta"] == {}
+
+
+def test_text_deltas_never_split_a_character_and_join_to_the_content(tokenizer):
+    ids = tokenizer("héllo €5", add_special_tokens=False)["input_ids"]  # é and € are 2 and 3 byte tokens
+    deltas = text_deltas(tokenizer, ids, "héllo €5")
+    assert [p for p, _ in deltas] == ["h", "é", "l", "l", "o", " ", "€", "5"]
+    assert [k for _, k in deltas] == [1, 3, 4, 5, 6, 7, 10, 11]
+    # a stop string cut from the content: the pieces stop where the content does
+    assert "".join(p for p, _ in text_deltas(tokenizer, ids, "héllo")) == "héllo"
+    # the legacy completions API's text_offset: where each token starts (é's two tokens both at 1)
+    completion = Completion(0, 0, ids, [0.0] * len(ids), "héllo €5", "length")
+    assert text_offsets(tokenizer, completion) == [0, 1, 1, 2, 3, 4, 5, 6, 6, 6, 7]
+
+
+def test_a_streamed_tool_call_arrives_as_tool_call_deltas(tokenizer, agent_model):
+    toolbox = Toolbox([calculator])
+    with OpenAIServer(TorchEngine(agent_model, tokenizer), tokenizer) as server:
+        client = openai_client(server)
+        ask = {
+            "model": "x",
+            "messages": [{"role": "user", "content": QUESTION}],
+            "temperature": 0,
+            "max_tokens": 80,
+            "tools": toolbox.schemas(),
+        }
+        plain = client.chat.completions.create(**ask, user="plain")
+        chunks = list(client.chat.completions.create(**ask, user="streamed", stream=True))
+        records = server.trajectories()
+    calls = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+    assert [(t.index, t.type, t.function.name) for t in calls] == [(0, "function", "calculator")]
+    assert json.loads(calls[0].function.arguments) == {"expression": "2+3"}
+    assert json.loads(calls[0].function.arguments) == json.loads(
+        plain.choices[0].message.tool_calls[0].function.arguments
+    )
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+        plain.choices[0].message.content or ""
+    )
+    assert records["streamed"][0].completion_ids == records["plain"][0].completion_ids
+
+
+# ------------------------------------------------------------------------------------ the completions endpoint
+
+
+def test_completions_plain_streamed_and_from_token_ids(server, tokenizer):
+    client = openai_client(server)
+    prompt = "Once upon a time"
+    plain = client.completions.create(
+        model="loopline", prompt=prompt, max_tokens=12, temperature=0, logprobs=0, user="p"
+    )
+    (choice,) = plain.choices
+    assert (
+        plain.object == "text_completion"
+        and plain.id.startswith("cmpl-")
+        and choice.finish_reason == "length"
+    )
+    (record,) = server.trajectories()["p"]
+    assert record.prompt_ids == tokenizer(prompt)["input_ids"]  # the tokenizer's own encoding (with <bos>)
+    assert tokenizer.decode(record.completion_ids, skip_special_tokens=True) == choice.text
+    assert choice.logprobs.token_logprobs == pytest.approx(record.logprobs)
+    offsets = choice.logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(choice.text)
+    assert plain.usage.completion_tokens == len(record.completion_ids) == 12
+
+    chunks = list(
+        client.completions.create(
+            model="loopline", prompt=prompt, max_tokens=12, temperature=0, logprobs=0, user="s", stream=True
+        )
+    )
+    assert len(chunks) > 2 and "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
+    assert [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs] == pytest.approx(
+        record.logprobs
+    )
+    (streamed,) = server.trajectories()["s"]
+    assert streamed.completion_ids == record.completion_ids and streamed.logprobs == record.logprobs
+
+    ids = client.completions.create(
+        model="loopline", prompt=record.prompt_ids, max_tokens=12, temperature=0, user="i"
+    )
+    assert (
+        ids.choices[0].text == choice.text and server.trajectories()["i"][0].prompt_ids == record.prompt_ids
+    )
+
+
+def test_without_max_tokens_a_long_prompt_gets_what_the_context_leaves(server):
+    status, answer = post(server.base_url + "/completions", {"prompt": "x" * 500, "temperature": 0})
+    assert status == 200 and answer["usage"]["prompt_tokens"] == 501
+    assert answer["usage"]["completion_tokens"] <= 11 and len(server.trajectories()) == 1
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({}, "'prompt' must be a string or a non-empty list of token ids"),
+        ({"prompt": ["a", "b"]}, "'prompt' must be"),
+        ({"prompt": [1, 10**6]}, "'prompt' token ids must be in [0, "),
+        ({"prompt": "x", "echo": True}, "'echo' is not supported"),
+        ({"prompt": "x", "logprobs": 9}, "'logprobs' must be an integer in [0, 5]"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "only given with stream=true"),
+        ({"prompt": "x" * 600, "max_tokens": 4}, "(601 tokens) leaves no room in the model's context (512"),
+        (
+            {"prompt": "x" * 500, "max_tokens": 20},
+            "plus max_tokens (20) is longer than the model's context (512",
+        ),
+        ({"prompt": "x", "model": 3}, "'model' must be a string"),
+    ],
+)
+def test_bad_completions_requests_are_refused_by_name(server, body, message):
+    status, answer = post(server.base_url + "/completions", body)
+    assert status == 400 and message in answer["error"]["message"], answer
+
+
+def test_wrong_method_too_large_and_timed_out_requests_get_json_errors(tokenizer, small_model):
+    engine = HeldEngine(small_model, tokenizer)
+    cfg = ServerConfig(max_body_bytes=1000, request_timeout_s=0.5)
+    with OpenAIServer(engine, tokenizer, cfg) as server:
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(server.base_url + "/completions", timeout=10)
+        assert e.value.code == 405 and "GET is not allowed" in json.loads(e.value.read())["error"]["message"]
+        status, answer = post(server.base_url + "/completions", {"prompt": "x" * 2000})
+        assert status == 413 and answer["error"]["type"] == "invalid_request_error"
+        # the engine is held: the request times out with 503, and the server serves again once it is free
+        status, answer = post(server.base_url + "/completions", {"prompt": "x", "max_tokens": 2})
+        assert status == 503 and "did not answer in time" in answer["error"]["message"]
+        engine.release.set()
+        assert post(server.base_url + "/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+
+
+# ----------------------------------------------------------------------------------- many concurrent clients
+
+
+def test_concurrent_clients_each_get_their_own_trajectory(server, tokenizer, small_model):
+    openai = need_module("openai", "the openai client is not installed (pip install loopline[dev])")
+    clients = 40
+
+    async def one(i: int) -> str:
+        # a client of its own per agent (its own connections); chat and completions, streamed and not
+        async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+            ask = {
+                "model": "m",
+                "max_tokens": 6,
+                "temperature": 1.0,
+                "extra_headers": {"X-Trajectory-Id": f"a{i}"},
+            }
+            if i % 2 == 0:
+                messages = [{"role": "user", "content": f"agent {i}"}]
+                if i % 4 == 0:
+                    reply = await client.chat.completions.create(messages=messages, **ask)
+                    return reply.choices[0].message.content
+                stream = await client.chat.completions.create(messages=messages, stream=True, **ask)
+                return "".join([c.choices[0].delta.content or "" async for c in stream])
+            if i % 4 == 1:
+                reply = await client.completions.create(prompt=f"agent {i}", **ask)
+                return reply.choices[0].text
+            stream = await client.completions.create(prompt=f"agent {i}", stream=True, **ask)
+            return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them() -> list[str]:
+        return await asyncio.gather(*(one(i) for i in range(clients)))
+
+    texts = asyncio.run(all_of_them())
+    recorded = server.trajectories()
+    assert sorted(recorded) == sorted(f"a{i}" for i in range(clients))
+    for i, text in enumerate(texts):
+        (record,) = recorded[f"a{i}"]
+        assert f"agent {i}" in tokenizer.decode(record.prompt_ids)
+        assert tokenizer.decode(record.completion_ids, skip_special_tokens=True) == text
+    assert sum(server.batch_sizes) == clients  # every sequence generated once
+    assert len(set(texts)) > clients // 2  # sampled apart (not one answer copied to all)
+    # the recorded log-probs are the model's for the recorded prompt: no completion was handed to another
+    # request (the text check alone would not see that, as the record is made from what was handed over)
+    records = [recorded[f"a{i}"][0] for i in range(clients)]
+    batch = collate(
+        [r.prompt_ids for r in records], [r.completion_ids for r in records], tokenizer.pad_token_id
+    )
+    with torch.no_grad():
+        trainer_logprobs = response_logprobs(small_model, batch)[0]
+    for i, r in enumerate(records):
+        got = trainer_logprobs[i, : len(r.logprobs)]
+        torch.testing.assert_close(got, torch.tensor(r.logprobs), atol=1e-4, rtol=0)
+
+
+def test_closing_answers_the_queued_requests_instead_of_leaving_them_hanging(tokenizer, small_model):
+    engine = HeldEngine(small_model, tokenizer)
+    server = OpenAIServer(engine, tokenizer).start()
+    answers: dict[str, tuple[int, dict]] = {}
+
+    def ask(name: str) -> None:
+        answers[name] = post(server.base_url + "/completions", {"prompt": name, "max_tokens": 2})
+
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    _until(engine.entered.is_set, "the first request in the engine")
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    _until(lambda: server._queue.qsize() == 1, "the second request to queue")
+    closing = threading.Thread(target=server.close)
+    closing.start()
+    _until(server._stop.is_set, "close to begin")
+    engine.release.set()  # the batch in the engine finishes; what is queued behind it is told the server closed
+    for t in (first, second, closing):
+        t.join(timeout=60)
+        assert not t.is_alive()
+    assert answers["first"][0] == 200
+    assert answers["second"][0] == 503 and "shutting down" in answers["second"][1]["error"]["message"]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(server.base_url + "/models", timeout=5)
