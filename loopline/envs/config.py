@@ -22,6 +22,9 @@ BUILTIN_ENVS = {
     "workers (env.code_reward: all, or the fraction of check()'s asserts passed)",
     "calculator": "the agentic task (multi-turn): the model calls the calculator tool, reads its result and writes "
     "<answer>...</answer>; reward 1 when the answer equals the row's (data.source=builtin: env.calculator's problems)",
+    "openai_agent": "your agent program (env.command), written against the OpenAI API and unaware of loopline: "
+    "each episode runs it on an env worker against loopline's OpenAI-compatible endpoint; every call it makes is "
+    "recorded (tokens, log-probs) and trained on; reward 1 when the last line it prints equals the row's answer",
 }
 # What a multi-turn built-in needs unless the config says otherwise: its turns and the strings that end a turn.
 MULTI_TURN_DEFAULTS: dict[str, dict] = {"calculator": {"max_turns": 3, "stop": ["</tool_call>", "</answer>"]}}
@@ -125,6 +128,16 @@ class EnvConfig(Section):
         description="Multi-turn: strings that end a model turn (kept in it), besides the sampling's stop "
         "(calculator: </tool_call> and </answer>).",
     )
+    command: str = Field(
+        "",
+        description="env.name=openai_agent: the shell command of one episode. It gets OPENAI_BASE_URL and "
+        "OPENAI_API_KEY (the episode's id: the openai client sends it, so the endpoint knows the episode) in its "
+        "environment and the row as JSON ({index, prompt, answer}) on stdin, and prints its answer as the last "
+        "line of stdout.",
+    )
+    agent_timeout_s: float = Field(
+        120.0, gt=0, description="env.name=openai_agent: an episode running longer is killed (an error)."
+    )
     calculator: CalculatorConfig = Field(
         default_factory=CalculatorConfig,
         description="env.name=calculator with data.source=builtin: the generated problems (and SFT's demonstrations).",
@@ -136,9 +149,15 @@ class EnvConfig(Section):
         return self.max_turns or MULTI_TURN_DEFAULTS.get(self.name, {}).get("max_turns", 1)
 
     @property
+    def agent_program(self) -> bool:
+        """Whether episodes are runs of the user's agent program (env.name=openai_agent), which calls the model."""
+        return self.name == "openai_agent"
+
+    @property
     def multi_turn(self) -> bool:
-        """Whether episodes run through the multi-turn driver (more than one turn)."""
-        return self.turns > 1
+        """Whether an episode is a sequence of model turns and env observations: more than one turn through the
+        multi-turn driver, or an agent program's calls."""
+        return self.turns > 1 or self.agent_program
 
     @property
     def turn_stop(self) -> tuple[str, ...]:
@@ -159,6 +178,14 @@ class EnvConfig(Section):
     def reads_answer(self) -> bool:
         """Whether the env scores against the row's answer (the code env runs the row's tests instead)."""
         return self.name != "code"
+
+    @model_validator(mode="after")
+    def _agent_has_a_command(self) -> EnvConfig:
+        if self.agent_program and not self.command.strip():
+            raise ValueError(
+                "env.name=openai_agent runs your agent program: set env.command (e.g. 'python agent.py')"
+            )
+        return self
 
     @field_validator("name")
     @classmethod

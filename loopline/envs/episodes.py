@@ -25,7 +25,10 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import math
+import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +43,16 @@ from loopline.errors import UserError
 
 EnvFactory = Callable[[], Env]
 Chunk = tuple[list[str], list[PromptRow]]  # completion texts and the row each answers
+
+
+@dataclass(frozen=True)
+class AgentRuns:
+    """An agent task (env.name=openai_agent): one run of the agent program per row, against the endpoint at
+    base_url, each authenticating with its episode's id."""
+
+    rows: list[PromptRow]
+    episode_ids: list[str]
+    base_url: str
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,46 @@ def step_chunk(env: EnvConfig | str, chunk: Histories) -> list[StepResult]:
     return asyncio.run(_steps(EnvConfig(name=env) if isinstance(env, str) else env, chunk))
 
 
-def run_task(env: EnvConfig | str, task: Chunk | Histories) -> list[float] | list[StepResult]:
-    """An env worker's task, either kind: a Histories is stepped, a (texts, rows) chunk scored."""
+async def _agent(env: EnvConfig, row: PromptRow, episode: str, base_url: str) -> float:
+    where = f"env '{env.name}' (command {env.command!r}) on prompt {row.index} ({_prompt(row)})"
+    process = await asyncio.create_subprocess_shell(
+        env.command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": episode},
+        start_new_session=True,  # its whole process group is killed on a timeout
+    )
+    task = json.dumps({"index": row.index, "prompt": row.prompt, "answer": row.answer})
+    try:
+        out, err = await asyncio.wait_for(process.communicate(task.encode()), env.agent_timeout_s)
+    except TimeoutError:
+        os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+        raise EnvError(
+            f"{where}: ran past env.agent_timeout_s ({env.agent_timeout_s:g}s) and was killed"
+        ) from None
+    if process.returncode != 0:
+        tail = err.decode(errors="replace").strip()[-500:]
+        raise EnvError(f"{where}: exited with status {process.returncode}: {tail}")
+    lines = out.decode(errors="replace").strip().splitlines()
+    return exact_match(lines[-1] if lines else "", row.answer)
+
+
+async def _agents(env: EnvConfig, chunk: AgentRuns) -> list[float]:
+    runs = (_agent(env, r, e, chunk.base_url) for r, e in zip(chunk.rows, chunk.episode_ids, strict=True))
+    return list(await asyncio.gather(*runs))
+
+
+def run_agents(env: EnvConfig, chunk: AgentRuns) -> list[float]:
+    """An agent task: run the agent program once per row of `chunk`, side by side; the reward of each run (its
+    last printed line against the row's answer). A run that fails, or outlives env.agent_timeout_s, fails the
+    chunk with an EnvError naming the prompt (and the end of its stderr)."""
+    return asyncio.run(_agents(env, chunk))
+
+
+def run_task(env: EnvConfig | str, task: Chunk | Histories | AgentRuns) -> list[float] | list[StepResult]:
+    """An env worker's task, of any kind: a Histories is stepped, an AgentRuns run, a (texts, rows) chunk scored."""
+    if isinstance(task, AgentRuns):
+        return run_agents(EnvConfig(name=env) if isinstance(env, str) else env, task)
     return step_chunk(env, task) if isinstance(task, Histories) else score_chunk(env, task)

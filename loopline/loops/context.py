@@ -6,6 +6,7 @@ import json
 import os
 import random
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from loopline.metrics.logger import MetricsLogger
 from loopline.models.load import load_policy
 from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
+from loopline.rollout.openai_server import OpenAIServer, ServerConfig, to_trajectories
 from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.roles import build_roles
@@ -198,8 +200,11 @@ def episodes(
     ctx: RunContext, rows: list[PromptRow], sampling: SamplingConfig, seed: int | None = None
 ) -> list[Trajectory]:
     """Multi-turn episodes (env.max_turns > 1), one per row: the engines write the model turns, the env workers
-    step the env between them (envs.multiturn, WorkerEnvs); each turn samples as `sampling` says."""
+    step the env between them (envs.multiturn, WorkerEnvs); each turn samples as `sampling` says. For
+    env.name=openai_agent, runs of the user's agent program (agent_episodes)."""
     env = ctx.cfg.env
+    if env.agent_program:
+        return agent_episodes(ctx, rows)
     limits = MultiTurnConfig(
         max_turns=env.turns,
         max_turn_tokens=sampling.max_new_tokens,
@@ -211,6 +216,38 @@ def episodes(
         stop=list(dict.fromkeys([*sampling.stop, *env.turn_stop])),
     )
     return run_rollout(ctx.rollout, WorkerEnvs(ctx.scorer), rows, turn_format(ctx), limits, seed)
+
+
+def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
+    """env.name=openai_agent: the agent program once per row, on the env workers, against an OpenAI-compatible
+    endpoint on the engines (rollout.openai_server, in this process for the step); every call it makes is recorded
+    with its tokens and log-probs. An episode is one sequence: its calls joined where each prompt continues the last
+    (to_trajectories); an agent that rewrote its history leaves several, and the last is trained
+    (info 'sequences' counts them). The agent sets its own sampling (temperature, max_tokens)."""
+    ids = [f"episode-{uuid.uuid4().hex}" for _ in rows]
+    server_cfg = ServerConfig(trajectory_from_api_key=True, request_timeout_s=ctx.cfg.env.agent_timeout_s)
+    with OpenAIServer(ctx.rollout, ctx.tokenizer, server_cfg) as server:  # type: ignore[arg-type]
+        rewards = ctx.scorer.run_agents(rows, ids, server.base_url)
+        served = server.pop_trajectories()
+    out = []
+    for row, episode, reward in zip(rows, ids, rewards, strict=True):
+        sequences = to_trajectories(served.get(episode, []))
+        if not sequences:
+            raise UserError(
+                f"env 'openai_agent' (command {ctx.cfg.env.command!r}) on prompt {row.index}: the agent made no "
+                "call to the model (it must use OPENAI_BASE_URL and OPENAI_API_KEY from its environment)"
+            )
+        traj = sequences[-1]
+        traj.sample = row
+        traj.rewards = [reward]
+        traj.info = {
+            "correct": float(reward > 0),
+            "model_calls": len(served[episode]),
+            "sequences": len(sequences),
+        }
+        traj.finish = "done"
+        out.append(traj)
+    return out
 
 
 def episodes_correct(trajs: list[Trajectory], returns: str = "sum") -> torch.Tensor:

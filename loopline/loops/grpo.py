@@ -95,7 +95,7 @@ class Scored:
 class _Group:
     """One prompt's group_size completions, scored."""
 
-    prompt: list[int]
+    prompts: list[list[int]]  # of each completion (an agent program may prompt each of its runs its own way)
     completions: list[Completion]
     scores: torch.Tensor
     verified: torch.Tensor
@@ -151,12 +151,13 @@ def collect(
             if env.multi_turn:  # the env workers step the episodes between the engines' turns
                 trajs = episodes(ctx, [row for row in rows for _ in range(n)], cfg.sampling)
                 trajs_seen += trajs
-                prompts = [trajs[g * n].prompt_ids for g in range(len(rows))]
+                prompts = [t.prompt_ids for t in trajs]  # (B)
                 completions = _episodes_as_completions(trajs, n)
                 masks = [t.mask for t in trajs]
             else:
-                prompts = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
-                completions = ctx.rollout.generate(prompts, params, n=n)
+                encoded = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
+                completions = ctx.rollout.generate(encoded, params, n=n)
+                prompts = [encoded[c.prompt_index] for c in completions]  # (B)
         with timer("score"):
             if env.multi_turn:  # scored as they ran
                 verified = torch.tensor([t.total_return(env.returns) for t in trajs])  # (B,)
@@ -165,23 +166,21 @@ def collect(
                 answered = [rows[c.prompt_index] for c in completions]
                 verified = ctx.scorer.score([c.text for c in completions], answered)  # (B,) the env's rewards
                 correct = is_correct(env, verified)  # (B,)
-            scores = reward(verified, [prompts[c.prompt_index] for c in completions], completions)  # (B,)
+            scores = reward(verified, prompts, completions)  # (B,)
         informative = (
-            informative_groups(scores, n)
-            if cfg.dynamic_sampling
-            else torch.ones(len(prompts), dtype=torch.bool)
+            informative_groups(scores, n) if cfg.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
         )
         for g, useful in enumerate(informative.tolist()):
             rows_g = slice(g * n, (g + 1) * n)
             group = _Group(
-                prompts[g], completions[rows_g], scores[rows_g], verified[rows_g], correct[rows_g], refs[g],
+                prompts[rows_g], completions[rows_g], scores[rows_g], verified[rows_g], correct[rows_g], refs[g],
                 masks[rows_g] if masks is not None else None,
             )  # fmt: skip
             (kept if useful else spare).append(group)
-        generated += len(prompts)
+        generated += len(rows)
     groups = (kept + spare)[: cfg.prompts_per_step]
     return Scored(
-        prompts=[g.prompt for g in groups for _ in g.completions],
+        prompts=[p for g in groups for p in g.prompts],
         completions=[c for g in groups for c in g.completions],
         ids=[(g.ref.epoch, g.ref.index, c.sample_index) for g in groups for c in g.completions],
         scores=torch.cat([g.scores for g in groups]),

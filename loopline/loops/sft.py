@@ -48,7 +48,9 @@ def demonstration_actions(ctx: RunContext, row: PromptRow, rng: random.Random) -
 def sft_batch(ctx: RunContext, rows: list[PromptRow], step: int) -> TokenBatch:
     """The batch of one SFT step: (prompt, target + EOS) pairs, or demonstration episodes stepped on the env workers
     (multi-turn envs: 1 on the model's tokens, 0 on the env's observations)."""
-    if not ctx.cfg.env.multi_turn:
+    if (
+        not ctx.cfg.env.multi_turn or ctx.cfg.env.agent_program
+    ):  # an agent program learns from the rows' pairs
         pairs = [sft_pair(ctx, row) for row in rows]
         return collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
     rng = random.Random(f"demonstrations-{ctx.cfg.seed}-{step}")  # a resumed run draws the same

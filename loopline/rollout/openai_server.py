@@ -72,6 +72,11 @@ class ServerConfig(Section):
     max_batch: int = Field(64, gt=0, description="Most sequences generated in one engine call.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request waiting longer is answered 503.")
     trajectory_header: str = Field("X-Trajectory-Id", description="Header naming the request's trajectory.")
+    trajectory_from_api_key: bool = Field(
+        False,
+        description="Without the header or `user`, the request's API key (Authorization: Bearer ...) names its "
+        "trajectory: an unmodified agent given OPENAI_API_KEY=<episode id> tags every call it makes.",
+    )
     max_body_bytes: int = Field(64 << 20, gt=0, description="Largest request body accepted (413 above).")
     backlog: int = Field(1024, gt=0, description="Connections the socket queues before accepting them.")
 
@@ -504,7 +509,11 @@ class OpenAIServer:
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             raise RequestError("'user' must be a string")
-        return request.headers.get(self.cfg.trajectory_header) or user or request_id
+        named = request.headers.get(self.cfg.trajectory_header) or user
+        if not named and self.cfg.trajectory_from_api_key:
+            scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+            named = key.strip() if scheme.lower() == "bearer" else ""
+        return named or request_id
 
     def _choice(self, c: Completion, stop: Sequence[str], tools: bool) -> _Choice:
         content = _strip_stop(c.text, stop) if c.finish_reason == "stop" else c.text

@@ -148,6 +148,10 @@ class Scorer(Protocol):
         """Multi-turn: each episode (its row and every action so far) stepped to its last action, in order."""
         ...
 
+    def run_agents(self, rows: list[PromptRow], episode_ids: list[str], base_url: str) -> list[float]:
+        """env.name=openai_agent: the agent program once per row against the endpoint; each run's reward."""
+        ...
+
     def resize(self, workers: int) -> None:
         """Run `workers` env workers from now on; takes effect within the step that is running (ValueError
         below 1)."""

@@ -19,7 +19,7 @@ import torch
 from loopline.data.rows import PromptRow
 from loopline.envs.base import StepResult
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import Chunk, EnvError, Histories, run_task
+from loopline.envs.episodes import AgentRuns, Chunk, EnvError, Histories, run_task
 from loopline.runtime.workers import WorkerError
 
 if TYPE_CHECKING:
@@ -93,7 +93,18 @@ class ScorerRole:
             raise ValueError(f"step(): {len(actions)} histories but {len(rows)} rows")
         return self._run(len(rows), lambda i, j: Histories(rows[i:j], actions[i:j])) if rows else []
 
-    def _run(self, n: int, chunk: Callable[[int, int], Chunk | Histories]) -> list[Any]:
+    def run_agents(self, rows: list[PromptRow], episode_ids: list[str], base_url: str) -> list[float]:
+        """env.name=openai_agent: the agent program run once per row against the endpoint at base_url
+        (envs.episodes.run_agents); the reward of each run, in order."""
+        if len(episode_ids) != len(rows):
+            raise ValueError(f"run_agents(): {len(episode_ids)} episode ids but {len(rows)} rows")
+        return (
+            self._run(len(rows), lambda i, j: AgentRuns(rows[i:j], episode_ids[i:j], base_url))
+            if rows
+            else []
+        )
+
+    def _run(self, n: int, chunk: Callable[[int, int], Chunk | Histories | AgentRuns]) -> list[Any]:
         """n items as chunks of the pool's tasks; the results in order, or the first chunk's failure raised."""
         size = max(1, math.ceil(n / (self.pool.num_workers * self.chunks_per_worker)))
         chunks: dict[Hashable, Any] = {i: chunk(i, min(i + size, n)) for i in range(0, n, size)}
