@@ -10,6 +10,7 @@ are demonstrations run through the real env, the tool results masked.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -24,7 +25,7 @@ from loopline.cli import main
 from loopline.config import load_config
 from loopline.loops.context import build_context, sync_engine
 from loopline.loops.grpo import model_mask, train_grpo
-from loopline.loops.sft import sft_batch
+from loopline.loops.sft import sft_batch, train_sft
 from loopline.metrics.logger import read_metrics
 
 # A user's multi-turn env: every action is answered 'ok', three turns, reward 1 on the last turn when it holds
@@ -80,22 +81,21 @@ def three_turns(tmp_path: Path) -> tuple[str, Path]:
     return f"env.name=python:{tmp_path / 'three_turns.py'}:make", steps
 
 
+def _assert_each_step_trained_once(run: Path, steps: int, size: int) -> list[dict]:
+    rows = [r for r in read_metrics(run) if r["phase"] == "grpo" and "reward_mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    ledger = [r for r in read_ledger(run) if r["phase"] == "grpo"]
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1)) and not repeats(ledger)
+    assert all(len(r["samples"]) == size for r in ledger)
+    return rows
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "backend",
-    [
-        ["runtime.backend=local", "runtime.env_workers=2"],
-        ["runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2"],
-    ],
-    ids=["local", "ray"],
-)
 def test_episodes_step_on_env_workers_and_a_killed_worker_costs_a_retry(
-    request: pytest.FixtureRequest, backend: list[str], three_turns: tuple[str, Path], tmp_path: Path
+    three_turns: tuple[str, Path], tmp_path: Path
 ) -> None:
-    if "runtime.backend=ray" in backend:
-        request.getfixturevalue("ray_cluster")
     env, steps = three_turns
-    cfg = load_config(overrides=[*SMALL, *backend, env, f"out_dir={tmp_path / 'run'}"])
+    cfg = load_config(overrides=[*SMALL, "runtime.env_workers=2", env, f"out_dir={tmp_path / 'run'}"])
     ctx = build_context(cfg)
     try:
         ctx.logger.clear()
@@ -105,20 +105,69 @@ def test_episodes_step_on_env_workers_and_a_killed_worker_costs_a_retry(
     finally:
         ctx.close()
     assert state.step == 2
-    rows = [r for r in read_metrics(ctx.run_dir) if r["phase"] == "grpo" and "reward_mean" in r]
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = _assert_each_step_trained_once(ctx.run_dir, steps=2, size=8)
     # the killed worker's chunk ran again on another (or its replacement): a retry, not a lost step
     assert rows[0]["score_retries"] >= 1 and rows[0]["env_workers_replaced"] == 1
     assert all(r["env_workers"] == 2 for r in rows)
-    # every episode ran its three turns (the env ends it), and each step's every sample trained once
+    # every episode ran its three turns (the env ends it)
     assert all(r["episode_turns_mean"] == 3 and r["episode_finish_done"] == 1 for r in rows)
-    ledger = read_ledger(ctx.run_dir)
-    assert [r["step"] for r in ledger] == [1, 2] and not repeats(ledger)
-    assert all(len(r["samples"]) == 8 for r in ledger)
     # the env stepped in worker processes only: the killed one, the live ones, never this one
     killed = int((steps / "killed").read_text())
     ran = {int(p.name) for p in steps.iterdir() if p.name != "killed"}
     assert os.getpid() not in ran and killed in ran and ran - {killed} <= workers
+
+
+class KillBeforeCall:
+    """The scorer, with an env worker SIGKILLed from outside just before its n-th `step` call (mid-rollout)."""
+
+    def __init__(self, scorer, n: int) -> None:
+        self._scorer, self._n, self._calls = scorer, n, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._scorer, name)
+
+    def step(self, rows, actions):
+        self._calls += 1
+        if self._calls == self._n:
+            os.kill(next(w.pid for w in self._scorer.pool.workers() if w.pid is not None), signal.SIGKILL)
+        return self._scorer.step(rows, actions)
+
+
+@pytest.mark.slow
+def test_the_calculator_on_ray_sft_on_tool_traces_then_grpo_through_a_killed_env_worker(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """env.name=calculator on 2 FSDP2 trainer ranks, 1 engine and 2 env worker actors: SFT's demonstrations and
+    GRPO's episodes step on the actors; one is SIGKILLed between the turns of step 1's rollout, and the run goes
+    on with a replacement (the chunk it would have taken is sent to another)."""
+    cfg = load_config(
+        overrides=[
+            "env.name=calculator", "env.calculator.num_train=64", "env.calculator.num_eval=4",
+            "env.calculator.num_val=4", "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=4",
+            "sft.stop_at_accuracy=null", "eval.num_prompts=4", "eval.sampling.max_new_tokens=8",
+            "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=4",
+            "grpo.eval_every=0", "grpo.sampling.max_new_tokens=8", "grpo.sampling.stop=[]",
+            "checkpoint_every=0", "progress=false", "tensorboard=false", "threads=1",
+            "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
+            "runtime.call_timeout_s=180", f"out_dir={tmp_path / 'run'}",
+        ]
+    )  # fmt: skip
+    ctx = build_context(cfg)
+    try:
+        ctx.logger.clear()
+        sft = train_sft(ctx, RunState(phase="sft", step=0))
+        assert sft.step == 2
+        ctx.scorer = KillBeforeCall(ctx.scorer, n=2)  # step 1: reset, then the kill before turn 1's step
+        sync_engine(ctx, version=0)
+        state = train_grpo(ctx, RunState(phase="grpo", step=0), None)
+        workers_now = ctx.scorer.pool.num_workers
+    finally:
+        ctx.close()
+    assert state.step == 2 and workers_now == 2
+    rows = _assert_each_step_trained_once(ctx.run_dir, steps=2, size=8)
+    assert sum(r["env_workers_replaced"] for r in rows) == 1
+    assert all(r["episode_finish_env_error"] == 0 for r in rows)
+    assert [r["step"] for r in read_metrics(ctx.run_dir) if r["phase"] == "sft" and "loss" in r] == [1, 2]
 
 
 def test_model_mask_trains_the_model_turns_only() -> None:
