@@ -38,7 +38,6 @@ from loopline.metrics.logger import MetricsLogger
 from loopline.models.load import load_policy
 from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
-from loopline.rollout.openai_server import OpenAIServer, ServerConfig, to_trajectories
 from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.roles import build_roles
@@ -224,6 +223,12 @@ def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
     with its tokens and log-probs. An episode is one sequence: its calls joined where each prompt continues the last
     (to_trajectories); an agent that rewrote its history leaves several, and the last is trained
     (info 'sequences' counts them). The agent sets its own sampling (temperature, max_tokens)."""
+    from loopline.rollout.openai_server import (  # aiohttp: only here
+        OpenAIServer,
+        ServerConfig,
+        to_trajectories,
+    )
+
     ids = [f"episode-{uuid.uuid4().hex}" for _ in rows]
     server_cfg = ServerConfig(trajectory_from_api_key=True, request_timeout_s=ctx.cfg.env.agent_timeout_s)
     with OpenAIServer(ctx.rollout, ctx.tokenizer, server_cfg) as server:  # type: ignore[arg-type]
