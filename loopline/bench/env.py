@@ -12,8 +12,8 @@ Each in two ways:
   each N of `--workers`.
 Prints `name: value` lines (per second, and the results agree), ending with the headline: code checks, the most
 workers over in-process. On 2 cores, in-process threads already keep both cores busy with sandboxes; the workers'
-gain is the controller they leave free and, on Ray, the nodes they add. A tool call takes microseconds, so on
-workers it costs what the round trip does: the tool-call lines show that overhead, not a gain.
+gain is the controller they leave free and, on Ray, the nodes they add. A tool call takes microseconds: a round is
+one task per worker, so its round trip is paid once per worker, and the workers step their shares in parallel.
 """
 
 from __future__ import annotations
