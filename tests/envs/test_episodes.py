@@ -12,7 +12,7 @@ import pytest
 from loopline.config import ConfigError, load_config
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import EnvError, env_factory, score_chunk
+from loopline.envs.episodes import EnvError, Histories, env_factory, score_chunk, step_chunk
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
 ROWS = [PromptRow(0, "01+02=", "003"), PromptRow(1, "2+2=", "4"), PromptRow(2, "1/2=", "\\frac{1}{2}")]
@@ -141,3 +141,17 @@ def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
     bad = PromptRow(index=3, prompt="p", extra=(("test_list", json.dumps(["assert True"])),))
     with pytest.raises(EnvError, match=r"env 'code' on prompt 3 .*calls no function"):
         score_chunk(env, (["x = 1\n"], [bad]))
+
+
+def test_the_tool_example_env_runs_its_tool_between_turns() -> None:
+    """examples/my_tool_env.py, as the RL loop's env workers step it: each turn's history replayed on a fresh env."""
+    env = EnvConfig(name=f"python:{EXAMPLE.with_name('my_tool_env.py')}:make_env", max_turns=3)
+    row = PromptRow(index=0, prompt="What is the digit sum of 98765?\n", answer="35")
+    call = '<tool_call>{"name": "digit_sum", "arguments": {"n": 98765}}</tool_call>'
+    reset, called, answered, wrong = step_chunk(
+        env, Histories([row] * 4, [[], [call], [call, "<answer>35</answer>"], [call, "<answer>36</answer>"]])
+    )
+    assert reset.observation == row.prompt and not reset.done
+    assert called.observation == "<tool_result>35</tool_result>" and not called.done and called.reward == 0
+    assert called.info["tool_calls_ok"] == 1
+    assert (answered.done, answered.reward, wrong.done, wrong.reward) == (True, 1.0, True, 0.0)
