@@ -294,7 +294,8 @@ AGENT = [
 
 def agent_argv(words: list[str]) -> list[str]:
     """`loopline agent [k=v ...] [--options]` as the `loopline train` command line it stands for (AGENT first, so
-    the words given win); with --print-config, the `loopline config` line that shows the resolved config."""
+    the words given win); with --print-config, the `loopline config` line that shows the resolved config; with
+    --resume, the run in out_dir (runs/agent by default) as its config was saved."""
     if words and not words[0].startswith("-") and "=" not in words[0]:
         raise UserError(
             f"loopline agent takes key=value overrides, not a config file ({words[0]}): for a file, run "
@@ -302,6 +303,8 @@ def agent_argv(words: list[str]) -> list[str]:
         )
     if "--print-config" in words:
         return ["config", *AGENT, *(w for w in words if w != "--print-config")]
+    if "--resume" in words:  # the run's saved config holds the example's settings (and any the run was given)
+        return ["train", "out_dir=runs/agent", *words]
     return ["train", *AGENT, *words]
 
 

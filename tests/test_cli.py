@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from loopline.cli import main
+from loopline.cli import agent_argv, main
 
 
 def test_config_prints_every_field(capsys):
@@ -90,6 +90,9 @@ def test_agent_is_train_with_the_calculator_settings(capsys):
     out = capsys.readouterr().out
     assert "grpo.steps = 3" in out and "sft.steps = 7" in out and "env.name = 'calculator'" in out
     assert "sft.optim.lr = 0.001" in out and "grpo.sampling.temperature = 0.7" in out
+    # --resume takes the run as it was saved: the example's settings are not laid over it again
+    assert agent_argv(["--resume"]) == ["train", "out_dir=runs/agent", "--resume"]
+    assert agent_argv(["--resume", "out_dir=x"])[-1] == "out_dir=x"
     assert main(["agent", "--print-config", "grpo.stepz=1"]) == 2
     assert "unknown config key 'grpo.stepz'" in capsys.readouterr().err
 
