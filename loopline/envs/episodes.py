@@ -78,7 +78,9 @@ def _builtin(env: EnvConfig) -> EnvFactory:
         from loopline.envs.tasks import make_env
 
         return functools.partial(make_env, None, env.calculator.call_bonus)
-    verify = math_reward if env.name == "math" else exact_match  # addition and exact_match: the first line
+    # addition and exact_match: the first line; openai_agent's episodes are runs of env.command (run_agents), so its
+    # factory is never stepped
+    verify = math_reward if env.name == "math" else exact_match
     return functools.partial(VerifierEnv, verify)
 
 

@@ -231,7 +231,7 @@ def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
 
     ids = [f"episode-{uuid.uuid4().hex}" for _ in rows]
     server_cfg = ServerConfig(trajectory_from_api_key=True, request_timeout_s=ctx.cfg.env.agent_timeout_s)
-    with OpenAIServer(ctx.rollout, ctx.tokenizer, server_cfg) as server:  # type: ignore[arg-type]
+    with OpenAIServer(ctx.rollout, ctx.tokenizer, server_cfg) as server:
         rewards = ctx.scorer.run_agents(rows, ids, server.base_url)
         served = server.pop_trajectories()
     out = []
@@ -258,7 +258,7 @@ def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
 def episodes_correct(trajs: list[Trajectory], returns: str = "sum") -> torch.Tensor:
     """(B,) which episodes count as correct: the env's info 'correct' where it says, else a positive return."""
     return torch.tensor(
-        [float(t.info["correct"]) > 0 if "correct" in t.info else t.total_return(returns) > 0 for t in trajs]  # type: ignore[arg-type]
+        [float(t.info["correct"]) > 0 if "correct" in t.info else t.total_return(returns) > 0 for t in trajs]
     )
 
 

@@ -188,7 +188,7 @@ def collect(
         correct=torch.cat([g.correct for g in groups]),
         rounds=rounds,
         informative_fraction=len(kept) / generated,
-        model_masks=[m for g in groups for m in g.model_masks] if env.multi_turn else None,  # type: ignore[union-attr]
+        model_masks=[m for g in groups for m in g.model_masks] if env.multi_turn else None,
         episode_metrics=rollout_metrics(trajs_seen, env.returns) if trajs_seen else {},
     )
 
