@@ -62,7 +62,8 @@ def test_an_openai_client_agent_drives_grpo_and_its_calls_are_trained(tmp_path: 
     for r in rows:
         # every episode made its two calls, recorded and joined into the sequence that was trained
         assert r["episode_model_calls"] == 2 and 1 <= r["episode_sequences"] <= 2
-        assert r["response_len_mean"] >= 1  # the last call's tokens (up to 3, fewer if it sampled EOS) were trained
+        # the last call's tokens (up to 3, fewer if it sampled EOS) were trained
+        assert r["response_len_mean"] >= 1
     ledger = read_ledger(run)
     assert [r["step"] for r in ledger] == [1] and not repeats(ledger)
     assert all(len(r["samples"]) == 4 for r in ledger)
