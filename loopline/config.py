@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
-from loopline.envs.config import EnvConfig
+from loopline.envs.config import ROW_FIELDS, EnvConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from loopline.rollout.config import EvalConfig, SamplingConfig
 from loopline.runtime.cluster import ClusterConfig
@@ -132,11 +132,14 @@ class RunConfig(Section):
                 f"grpo.prompts_per_step * grpo.group_size ({rollout}) must split into grpo.minibatches "
                 f"({self.grpo.minibatches}) of a multiple of runtime.trainer_ranks ({n}) rows each"
             )
-        if self.env.row_fields and self.data.source == "builtin":
-            # the built-in task's rows are 'a+b=' prompts with answers: nothing for such an env to read
+        # the built-in rows: 'a+b=' prompts with answers, or the code task's (entry_point, test)
+        builtin_fields = ROW_FIELDS["code"] if self.env.name == "code" else ()
+        unread = [f for f in self.env.row_fields if f not in builtin_fields]
+        if unread and self.data.source == "builtin":
             raise ValueError(
-                f"env.name={self.env.name} reads the fields {', '.join(self.env.row_fields)} of each row: "
-                "give it a file dataset that has them (data.source=jsonl data.train_path=... data.eval_path=...)"
+                f"env.name={self.env.name} reads the fields {', '.join(unread)} of each row, which the built-in "
+                "task's rows lack: give it a file dataset that has them (data.source=jsonl data.train_path=... "
+                "data.eval_path=...)"
             )
         if self.model.lora.r and self.runtime.backend != "local":
             raise ValueError("model.lora (r > 0) runs on runtime.backend 'local' only for now")

@@ -48,3 +48,24 @@ def steady(rows: list[dict]) -> list[dict]:
         {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
         for r in rows
     ]
+
+
+class KillBeforeCall:
+    """The scorer, with an env worker SIGKILLed from outside just before its n-th call of `method` (`score` for a
+    single-turn env, `step` for a multi-turn one): mid-rollout, while the step is in flight."""
+
+    def __init__(self, scorer, n: int, method: str = "step") -> None:
+        self._scorer, self._n, self._method, self._calls = scorer, n, method, 0
+
+    def __getattr__(self, name: str):
+        call = getattr(self._scorer, name)
+        if name != self._method:
+            return call
+
+        def counted(*args, **kwargs):
+            self._calls += 1
+            if self._calls == self._n:
+                os.kill(next(w.pid for w in self._scorer.pool.workers() if w.pid is not None), signal.SIGKILL)
+            return call(*args, **kwargs)
+
+        return counted

@@ -35,7 +35,9 @@ class DataConfig(Section):
     """Where prompts come from and how rows map to fields."""
 
     source: Literal["builtin", "jsonl", "parquet", "hf_disk"] = Field(
-        "builtin", description="builtin arithmetic task, or a file/dataset on disk."
+        "builtin",
+        description="builtin: generated problems (the addition task; env.name=calculator or code: their own), or a "
+        "file/dataset on disk.",
     )
     train_path: str = Field("", description="Training prompts (file or saved HF dataset directory).")
     eval_path: str = Field("", description="Held-out prompts; empty = no held-out set for file sources.")

@@ -19,7 +19,8 @@ BUILTIN_ENVS = {
     "math": "the response's final answer (\\boxed{...}, 'answer is ...' or its last number) is mathematically "
     "equal to the row's answer (sympy)",
     "code": "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
-    "workers (env.code_reward: all, or the fraction of check()'s asserts passed)",
+    "workers (env.code_reward: all, or the fraction of check()'s asserts passed); data.source=builtin: "
+    "env.code_task's one-line functions",
     "calculator": "the agentic task (multi-turn): the model calls the calculator tool, reads its result and writes "
     "<answer>...</answer>; reward 1 when the answer equals the row's (data.source=builtin: env.calculator's problems)",
     "openai_agent": "your agent program (env.command), written against the OpenAI API and unaware of loopline: "
@@ -68,6 +69,41 @@ class CalculatorConfig(Section):
             raise ValueError(
                 f"num_train + num_eval + num_val ({wanted}) must be at most half of the "
                 f"{space} distinct problems; widen the operand ranges"
+            )
+        return self
+
+
+class CodeTaskConfig(Section):
+    """The built-in code task: complete `def f(x):` from a docstring that says, in words, which steps turn x into
+    the result (e.g. "Start with x, add 4, multiply by 3, then subtract 2.") and shows one example call. The
+    solution is one line (`return (x + 4) * 3 - 2`): translate each step, and put parentheses where Python's
+    precedence would otherwise reorder them. Each problem's check() asserts the result on `num_tests` inputs."""
+
+    min_steps: int = Field(2, ge=1, description="Fewest steps in a problem.")
+    max_steps: int = Field(3, ge=1, description="Most steps in a problem.")
+    max_constant: int = Field(
+        9, ge=2, description="Largest constant of a step (constants are 2..max_constant)."
+    )
+    num_tests: int = Field(5, ge=1, description="Inputs each problem's check() asserts.")
+    num_train: int = Field(4000, gt=0, description="Training problems generated.")
+    num_eval: int = Field(
+        128, gt=0, description="Held-out problems, disjoint from training (128: a 1-problem change is 0.8%)."
+    )
+    num_val: int = Field(
+        128, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
+    )
+
+    @model_validator(mode="after")
+    def _enough_problems(self) -> CodeTaskConfig:
+        if self.min_steps > self.max_steps:
+            raise ValueError(f"min_steps ({self.min_steps}) must be <= max_steps ({self.max_steps})")
+        kinds = 5 * (self.max_constant - 1)  # operations x constants per step
+        space = sum(kinds**n for n in range(self.min_steps, self.max_steps + 1))
+        wanted = self.num_train + self.num_eval + self.num_val
+        if wanted > space // 2:
+            raise ValueError(
+                f"num_train + num_eval + num_val ({wanted}) must be at most half of the {space} distinct "
+                "problems; raise max_steps or max_constant"
             )
         return self
 
@@ -141,6 +177,10 @@ class EnvConfig(Section):
     calculator: CalculatorConfig = Field(
         default_factory=CalculatorConfig,
         description="env.name=calculator with data.source=builtin: the generated problems (and SFT's demonstrations).",
+    )
+    code_task: CodeTaskConfig = Field(
+        default_factory=CodeTaskConfig,
+        description="env.name=code with data.source=builtin: the generated problems (one-line functions).",
     )
 
     @property

@@ -1,4 +1,7 @@
-"""The agentic example task: arithmetic too long to do in one's head, solved with the calculator tool.
+"""The env section's built-in tasks (data.source=builtin): the calculator (the agentic example) and one-line
+functions (env.name=code, below).
+
+The calculator: arithmetic too long to do in one's head, solved with the calculator tool.
 
     prompt:   What is 87*64+5?
     model:    <tool_call>{"name":"calculator","arguments":{"expression":"87*64+5"}}</tool_call>
@@ -27,7 +30,7 @@ import random
 import re
 
 from loopline.data.datasets import PromptRow
-from loopline.envs.config import MULTI_TURN_DEFAULTS, CalculatorConfig
+from loopline.envs.config import MULTI_TURN_DEFAULTS, CalculatorConfig, CodeTaskConfig
 from loopline.envs.tools import Toolbox, ToolEnv, ToolsConfig, calculator
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -51,7 +54,7 @@ def _calculator_problems(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
 
 
 def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
-    return [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows)]
+    return [PromptRow(i, r.prompt, r.answer, r.completion, extra=r.extra) for i, r in enumerate(rows)]
 
 
 def calculator_splits(cfg: CalculatorConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
@@ -89,3 +92,82 @@ def demonstration(row: PromptRow, use_tool: bool, tools: ToolsConfig | None = No
     if not use_tool:
         return [answer]
     return [tool_call_text("calculator", {"expression": row.completion}, tools), answer]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The code task (env.name=code, data.source=builtin): one-line functions from steps in words
+#
+#     def f(x):
+#         """Start with x, add 4, multiply by 3, then subtract 2.
+#         >>> f(5)
+#         25
+#         """
+#     ----- the completion, run against check(f) in the sandbox:
+#         return (x + 4) * 3 - 2
+# ---------------------------------------------------------------------------------------------------------
+
+# step -> (its words, its operator); the constant follows the words
+STEPS = {
+    "add": ("add", "+"),
+    "sub": ("subtract", "-"),
+    "mul": ("multiply by", "*"),
+    "div": ("floor-divide by", "//"),
+    "mod": ("take mod", "%"),
+}
+
+
+def function_source(steps: list[tuple[str, int]]) -> str:
+    """The expression of x the steps describe, in order, with the parentheses Python's precedence needs: a sum
+    or difference is wrapped before a *, // or % applies to it (left to right, nothing else needs them)."""
+    expression, additive = "x", False
+    for kind, constant in steps:
+        symbol = STEPS[kind][1]
+        if symbol not in "+-" and additive:
+            expression, additive = f"({expression})", False
+        expression = f"{expression} {symbol} {constant}"
+        additive = additive or symbol in "+-"
+    return expression
+
+
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def _describe(steps: list[tuple[str, int]]) -> str:
+    words = [f"{STEPS[kind][0]} {NUMBERS[constant]}" for kind, constant in steps]
+    if len(words) > 1:
+        words[-1] = "then " + words[-1]
+    return "Start with x, " + ", ".join(words) + "."
+
+
+def _code_problems(cfg: CodeTaskConfig, seed: int) -> list[PromptRow]:
+    """Train, held-out and validation problems in one stream of distinct step lists, in that order."""
+    rng = random.Random(f"code-{seed}")
+    seen: set[str] = set()
+    rows: list[PromptRow] = []
+    while len(rows) < cfg.num_train + cfg.num_eval + cfg.num_val:
+        count = rng.randint(cfg.min_steps, cfg.max_steps)
+        steps = [(rng.choice(list(STEPS)), rng.randint(2, cfg.max_constant)) for _ in range(count)]
+        expression = function_source(steps)
+        if expression in seen:
+            continue
+        seen.add(expression)
+        f = eval(f"lambda x: {expression}")  # our own arithmetic on x, never model output
+        example = rng.randint(0, 9)
+        prompt = f'def f(x):\n    """{_describe(steps)}\n    >>> f({example})\n    {f(example)}\n    """\n'
+        inputs = rng.sample(range(-20, 41), cfg.num_tests)
+        test = "def check(candidate):\n" + "".join(f"    assert candidate({v}) == {f(v)}\n" for v in inputs)
+        extra = (("entry_point", "f"), ("test", test))
+        rows.append(PromptRow(len(rows), prompt, completion=f"    return {expression}\n", extra=extra))
+    return rows
+
+
+def code_splits(cfg: CodeTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    """Disjoint train and held-out problems (HumanEval form: the prompt, entry_point f, test; completion the
+    one-line body)."""
+    rows = _code_problems(cfg, seed)
+    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+
+
+def code_validation(cfg: CodeTaskConfig, seed: int) -> list[PromptRow]:
+    """num_val problems disjoint from both splits, for SFT's stopping rule (the held-out split stays unread)."""
+    return _renumbered(_code_problems(cfg, seed)[cfg.num_train + cfg.num_eval :])

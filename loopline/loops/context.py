@@ -31,7 +31,7 @@ from loopline.envs.multiturn import (
     rollout_metrics,
     run_rollout,
 )
-from loopline.envs.tasks import calculator_splits, calculator_validation
+from loopline.envs.tasks import calculator_splits, calculator_validation, code_splits, code_validation
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
@@ -96,6 +96,9 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     if cfg.env.name == "calculator" and cfg.data.source == "builtin":  # the calculator's own problems
         (train_rows, eval_rows), skipped = calculator_splits(cfg.env.calculator, cfg.seed), {}
         val_rows = calculator_validation(cfg.env.calculator, cfg.seed)
+    elif cfg.env.name == "code" and cfg.data.source == "builtin":  # the code task's one-line functions
+        (train_rows, eval_rows), skipped = code_splits(cfg.env.code_task, cfg.seed), {}
+        val_rows = code_validation(cfg.env.code_task, cfg.seed)
     else:
         train_rows, eval_rows, skipped = load_splits(
             cfg.data, cfg.seed, need_answer, limits, fields=cfg.env.row_fields, answered=cfg.env.reads_answer

@@ -13,10 +13,19 @@ import json
 import os
 from pathlib import Path
 
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
+
 import pytest
 
+from loopline.checkpoint.ledger import read_ledger, repeats
+from loopline.checkpoint.state import RunState
 from loopline.cli import main
+from loopline.config import load_config
+from loopline.loops.context import build_context, sync_engine
+from loopline.loops.grpo import train_grpo
+from loopline.loops.sft import train_sft
 from loopline.metrics.logger import read_metrics
+from tests.runs import KillBeforeCall
 
 pytestmark = pytest.mark.slow
 
@@ -159,3 +168,43 @@ def test_the_code_env_scores_by_running_each_rows_tests_in_the_sandbox(tmp_path:
     halves = b[1]["reward_mean"] * 2 * 16  # 16 completions, each 0 or 0.5
     assert 0 < b[1]["reward_mean"] <= 0.5 and halves == pytest.approx(round(halves))
     assert 0 < a[0]["eval_accuracy"] == b[0]["eval_accuracy"]
+
+
+def test_the_code_task_on_ray_runs_the_tests_on_env_worker_actors_through_a_killed_one(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """env.name=code with the built-in task on 2 FSDP2 trainer ranks, 1 engine and 2 env worker actors: SFT, then
+    GRPO whose rewards are the completions' tests run in the sandbox on the actors. One actor is SIGKILLed as step
+    1's completions go out to be scored; its chunk is scored again on another, and the step trains once."""
+    cfg = load_config(
+        overrides=[
+            "env.name=code", "env.code_task.num_train=64", "env.code_task.num_eval=4", "env.code_task.num_val=4",
+            "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.stop_at_accuracy=null",
+            "eval.num_prompts=4", "eval.sampling.max_new_tokens=24",
+            "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=4",
+            "grpo.eval_every=0", "grpo.sampling.max_new_tokens=24",
+            "checkpoint_every=0", "progress=false", "tensorboard=false", "threads=1",
+            "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
+            "runtime.call_timeout_s=180", f"out_dir={tmp_path / 'run'}",
+        ]
+    )  # fmt: skip
+    ctx = build_context(cfg)
+    try:
+        ctx.logger.clear()
+        assert train_sft(ctx, RunState(phase="sft", step=0)).step == 2
+        ctx.scorer = KillBeforeCall(ctx.scorer, n=1, method="score")
+        sync_engine(ctx, version=0)
+        state = train_grpo(ctx, RunState(phase="grpo", step=0), None)
+        workers_now = ctx.scorer.pool.num_workers
+        # the actors run each row's own tests: its reference body passes, the body of another row fails
+        rows = ctx.eval_rows[:2]
+        rewards = ctx.scorer.score([rows[0].completion, rows[0].completion], rows).tolist()
+    finally:
+        ctx.close()
+    assert state.step == 2 and workers_now == 2 and rewards == [1.0, 0.0]
+    grpo = [r for r in read_metrics(ctx.run_dir) if r["phase"] == "grpo" and "reward_mean" in r]
+    assert [r["step"] for r in grpo] == [1, 2]
+    assert grpo[0]["score_retries"] >= 1 and sum(r["env_workers_replaced"] for r in grpo) == 1
+    ledger = [r for r in read_ledger(ctx.run_dir) if r["phase"] == "grpo"]
+    assert [r["step"] for r in ledger] == [1, 2] and not repeats(ledger)
+    assert all(len(r["samples"]) == 8 for r in ledger)

@@ -10,7 +10,6 @@ are demonstrations run through the real env, the tool results masked.
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -27,6 +26,7 @@ from loopline.loops.context import build_context, sync_engine
 from loopline.loops.grpo import model_mask, train_grpo
 from loopline.loops.sft import sft_batch, train_sft
 from loopline.metrics.logger import read_metrics
+from tests.runs import KillBeforeCall
 
 # A user's multi-turn env: every action is answered 'ok', three turns, reward 1 on the last turn when it holds
 # the answer. Each step touches a file named by the process it ran in; the first time any episode reaches its
@@ -115,22 +115,6 @@ def test_episodes_step_on_env_workers_and_a_killed_worker_costs_a_retry(
     killed = int((steps / "killed").read_text())
     ran = {int(p.name) for p in steps.iterdir() if p.name != "killed"}
     assert os.getpid() not in ran and killed in ran and ran - {killed} <= workers
-
-
-class KillBeforeCall:
-    """The scorer, with an env worker SIGKILLed from outside just before its n-th `step` call (mid-rollout)."""
-
-    def __init__(self, scorer, n: int) -> None:
-        self._scorer, self._n, self._calls = scorer, n, 0
-
-    def __getattr__(self, name: str):
-        return getattr(self._scorer, name)
-
-    def step(self, rows, actions):
-        self._calls += 1
-        if self._calls == self._n:
-            os.kill(next(w.pid for w in self._scorer.pool.workers() if w.pid is not None), signal.SIGKILL)
-        return self._scorer.step(rows, actions)
 
 
 @pytest.mark.slow
