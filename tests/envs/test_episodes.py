@@ -101,13 +101,18 @@ def test_config_names_a_bad_env(name: str, error: str) -> None:
         load_config(overrides=[f"env.name={name}"])
 
 
-def test_an_env_that_reads_row_fields_needs_a_file_dataset(tmp_path: Path) -> None:
-    """The built-in task's rows have no tests: env.name=code (or a user env naming env.fields) on them is refused
-    when the config loads, naming the fields, not at the first score after SFT."""
-    with pytest.raises(ConfigError, match=r"env.name=code reads the fields entry_point, test of each row"):
-        load_config(overrides=["env.name=code"])
+def test_an_env_that_reads_row_fields_the_builtin_rows_lack_needs_a_file_dataset(tmp_path: Path) -> None:
+    """The built-in rows have only what their task writes (the code task: entry_point and test): an env that reads
+    more (MBPP's test_list, a user env's env.fields) is refused when the config loads, naming the fields, not at
+    the first score after SFT. The example config of the built-in code task loads."""
+    with pytest.raises(ConfigError, match=r"env.name=code reads the fields test_list of each row"):
+        load_config(overrides=["env.name=code", "env.code_format=mbpp"])
+    with pytest.raises(ConfigError, match=r"env.name=code reads the fields meta of each row"):
+        load_config(overrides=["env.name=code", "env.fields=[meta]"])
     with pytest.raises(ConfigError, match=r"reads the fields meta of each row"):
         load_config(overrides=["env.name=math", "env.fields=[meta]"])
+    example = load_config(Path(__file__).parents[2] / "examples" / "code_task.yaml")
+    assert (example.env.name, example.data.source, example.env.row_fields) == ("code", "builtin", ("entry_point", "test"))
     rows = tmp_path / "rows.jsonl"
     rows.write_text("")
     cfg = load_config(overrides=["env.name=code", "data.source=jsonl", f"data.train_path={rows}"])
