@@ -80,7 +80,9 @@ class CodeTaskConfig(Section):
     precedence would otherwise reorder them. Each problem's check() asserts the result on `num_tests` inputs."""
 
     min_steps: int = Field(2, ge=1, description="Fewest steps in a problem.")
-    max_steps: int = Field(3, ge=1, description="Most steps in a problem.")
+    max_steps: int = Field(
+        3, ge=1, le=8, description="Most steps in a problem (8 keeps a problem under 300 characters)."
+    )
     max_constant: int = Field(
         9, ge=2, description="Largest constant of a step (constants are 2..max_constant)."
     )

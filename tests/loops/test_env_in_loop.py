@@ -170,12 +170,17 @@ def test_the_code_env_scores_by_running_each_rows_tests_in_the_sandbox(tmp_path:
     assert 0 < a[0]["eval_accuracy"] == b[0]["eval_accuracy"]
 
 
-def test_the_code_task_on_ray_runs_the_tests_on_env_worker_actors_through_a_killed_one(
-    ray_cluster, tmp_path: Path
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_the_code_task_runs_its_tests_on_the_env_workers_through_a_killed_one(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    """env.name=code with the built-in task on 2 FSDP2 trainer ranks, 1 engine and 2 env worker actors: SFT, then
-    GRPO whose rewards are the completions' tests run in the sandbox on the actors. One actor is SIGKILLed as step
-    1's completions go out to be scored; its chunk is scored again on another, and the step trains once."""
+    """env.name=code with the built-in task, on the local backend and on Ray (2 FSDP2 trainer ranks, 1 engine, 2
+    env worker actors): SFT, then GRPO whose rewards are the completions' tests run in the sandbox on the env
+    workers. One worker is SIGKILLed as step 1's completions go out to be scored; its chunk is scored again on
+    another, and the step trains once."""
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    ranks = 2 if backend == "ray" else 1
     cfg = load_config(
         overrides=[
             "env.name=code", "env.code_task.num_train=64", "env.code_task.num_eval=4", "env.code_task.num_val=4",
@@ -184,7 +189,8 @@ def test_the_code_task_on_ray_runs_the_tests_on_env_worker_actors_through_a_kill
             "grpo.steps=2", "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.micro_batch_size=4",
             "grpo.eval_every=0", "grpo.sampling.max_new_tokens=24",
             "checkpoint_every=0", "progress=false", "tensorboard=false", "threads=1",
-            "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=2",
+            f"runtime.backend={backend}", f"runtime.trainer_ranks={ranks}", "runtime.engines=1",
+            "runtime.env_workers=2",
             "runtime.call_timeout_s=180", f"out_dir={tmp_path / 'run'}",
         ]
     )  # fmt: skip
