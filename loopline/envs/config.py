@@ -75,7 +75,7 @@ class CalculatorConfig(Section):
 
 class CodeTaskConfig(Section):
     """The built-in code task: complete `def f(x):` from a docstring that says, in words, which steps turn x into
-    the result (e.g. "Start with x, add 4, multiply by 3, then subtract 2.") and shows one example call. The
+    the result (e.g. "Start with x, add four, multiply by three, then subtract two.") and one example call. The
     solution is one line (`return (x + 4) * 3 - 2`): translate each step, and put parentheses where Python's
     precedence would otherwise reorder them. Each problem's check() asserts the result on `num_tests` inputs."""
 
@@ -84,7 +84,10 @@ class CodeTaskConfig(Section):
         3, ge=1, le=8, description="Most steps in a problem (8 keeps a problem under 300 characters)."
     )
     max_constant: int = Field(
-        9, ge=2, description="Largest constant of a step (constants are 2..max_constant)."
+        9,
+        ge=2,
+        le=9,
+        description="Largest constant of a step (constants are 2..max_constant, written as words).",
     )
     num_tests: int = Field(5, ge=1, description="Inputs each problem's check() asserts.")
     num_train: int = Field(4000, gt=0, description="Training problems generated.")

@@ -26,6 +26,7 @@ whose tool calls all ran: with it, RL raises tool use even while answers are sti
 from __future__ import annotations
 
 import json
+import operator
 import random
 import re
 
@@ -98,7 +99,7 @@ def demonstration(row: PromptRow, use_tool: bool, tools: ToolsConfig | None = No
 # The code task (env.name=code, data.source=builtin): one-line functions from steps in words
 #
 #     def f(x):
-#         """Start with x, add 4, multiply by 3, then subtract 2.
+#         """Start with x, add four, multiply by three, then subtract two.
 #         >>> f(5)
 #         25
 #         """
@@ -106,14 +107,16 @@ def demonstration(row: PromptRow, use_tool: bool, tools: ToolsConfig | None = No
 #         return (x + 4) * 3 - 2
 # ---------------------------------------------------------------------------------------------------------
 
-# step -> (its words, its operator); the constant follows the words
+# step -> (its words, its operator, what it does); the constant follows the words, spelled out: written as
+# digits, the tiny model learned every operator and parenthesis but not the constants in 600 SFT steps
 STEPS = {
-    "add": ("add", "+"),
-    "sub": ("subtract", "-"),
-    "mul": ("multiply by", "*"),
-    "div": ("floor-divide by", "//"),
-    "mod": ("take mod", "%"),
+    "add": ("add", "+", operator.add),
+    "sub": ("subtract", "-", operator.sub),
+    "mul": ("multiply by", "*", operator.mul),
+    "div": ("floor-divide by", "//", operator.floordiv),
+    "mod": ("take mod", "%", operator.mod),
 }
+NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 
 
 def function_source(steps: list[tuple[str, int]]) -> str:
@@ -129,7 +132,10 @@ def function_source(steps: list[tuple[str, int]]) -> str:
     return expression
 
 
-NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+def _apply(steps: list[tuple[str, int]], x: int) -> int:
+    for kind, constant in steps:
+        x = STEPS[kind][2](x, constant)
+    return x
 
 
 def _describe(steps: list[tuple[str, int]]) -> str:
@@ -151,11 +157,12 @@ def _code_problems(cfg: CodeTaskConfig, seed: int) -> list[PromptRow]:
         if expression in seen:
             continue
         seen.add(expression)
-        f = eval(f"lambda x: {expression}")  # our own arithmetic on x, never model output
         example = rng.randint(0, 9)
-        prompt = f'def f(x):\n    """{_describe(steps)}\n    >>> f({example})\n    {f(example)}\n    """\n'
+        prompt = f'def f(x):\n    """{_describe(steps)}\n    >>> f({example})\n    {_apply(steps, example)}\n    """\n'
         inputs = rng.sample(range(-20, 41), cfg.num_tests)
-        test = "def check(candidate):\n" + "".join(f"    assert candidate({v}) == {f(v)}\n" for v in inputs)
+        test = "def check(candidate):\n" + "".join(
+            f"    assert candidate({v}) == {_apply(steps, v)}\n" for v in inputs
+        )
         extra = (("entry_point", "f"), ("test", test))
         rows.append(PromptRow(len(rows), prompt, completion=f"    return {expression}\n", extra=extra))
     return rows

@@ -122,3 +122,7 @@ def test_code_task_config_refuses_impossible_counts():
         CodeTaskConfig(min_steps=1, max_steps=1, max_constant=3, num_train=100)
     with pytest.raises(ValueError, match="min_steps"):
         CodeTaskConfig(min_steps=3, max_steps=2)
+    with pytest.raises(ValueError, match="max_constant"):  # constants are written as words, two to nine
+        CodeTaskConfig(max_constant=10)
+    with pytest.raises(ValueError, match="max_steps"):  # longer ones outgrow the tiny model
+        CodeTaskConfig(max_steps=9)
