@@ -34,6 +34,16 @@ ROW_FIELDS = {"code": ("entry_point", "test"), "code:mbpp": ("test_list",)}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
+def _enough(task: CalculatorConfig | CodeTaskConfig, space: int, hint: str) -> None:
+    """A generated task's splits must fit in half of its `space` distinct problems (drawing distinct ones from a
+    nearly exhausted space would loop for ever)."""
+    wanted = task.num_train + task.num_eval + task.num_val
+    if wanted > space // 2:
+        raise ValueError(
+            f"num_train + num_eval + num_val ({wanted}) must be at most half of the {space} distinct problems; {hint}"
+        )
+
+
 class CalculatorConfig(Section):
     """The calculator task: a*b+c with a, b drawn from [min_operand, max_operand] and c from [0, max_addend].
 
@@ -63,13 +73,11 @@ class CalculatorConfig(Section):
     def _enough_problems(self) -> CalculatorConfig:
         if self.min_operand > self.max_operand:
             raise ValueError(f"min_operand ({self.min_operand}) must be <= max_operand ({self.max_operand})")
-        space = (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1)
-        wanted = self.num_train + self.num_eval + self.num_val
-        if wanted > space // 2:
-            raise ValueError(
-                f"num_train + num_eval + num_val ({wanted}) must be at most half of the "
-                f"{space} distinct problems; widen the operand ranges"
-            )
+        _enough(
+            self,
+            (self.max_operand - self.min_operand + 1) ** 2 * (self.max_addend + 1),
+            "widen the operand ranges",
+        )
         return self
 
 
@@ -103,13 +111,11 @@ class CodeTaskConfig(Section):
         if self.min_steps > self.max_steps:
             raise ValueError(f"min_steps ({self.min_steps}) must be <= max_steps ({self.max_steps})")
         kinds = 5 * (self.max_constant - 1)  # operations x constants per step
-        space = sum(kinds**n for n in range(self.min_steps, self.max_steps + 1))
-        wanted = self.num_train + self.num_eval + self.num_val
-        if wanted > space // 2:
-            raise ValueError(
-                f"num_train + num_eval + num_val ({wanted}) must be at most half of the {space} distinct "
-                "problems; raise max_steps or max_constant"
-            )
+        _enough(
+            self,
+            sum(kinds**n for n in range(self.min_steps, self.max_steps + 1)),
+            "raise max_steps or max_constant",
+        )
         return self
 
 

@@ -58,10 +58,13 @@ def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
     return [PromptRow(i, r.prompt, r.answer, r.completion, extra=r.extra) for i, r in enumerate(rows)]
 
 
+def _split(rows: list[PromptRow], num_train: int, num_eval: int) -> tuple[list[PromptRow], list[PromptRow]]:
+    return rows[:num_train], _renumbered(rows[num_train : num_train + num_eval])
+
+
 def calculator_splits(cfg: CalculatorConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train and held-out problems 'What is a*b+c?' (answer the value, completion the expression)."""
-    rows = _calculator_problems(cfg, seed)
-    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+    return _split(_calculator_problems(cfg, seed), cfg.num_train, cfg.num_eval)
 
 
 def calculator_validation(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
@@ -171,8 +174,7 @@ def _code_problems(cfg: CodeTaskConfig, seed: int) -> list[PromptRow]:
 def code_splits(cfg: CodeTaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train and held-out problems (HumanEval form: the prompt, entry_point f, test; completion the
     one-line body)."""
-    rows = _code_problems(cfg, seed)
-    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+    return _split(_code_problems(cfg, seed), cfg.num_train, cfg.num_eval)
 
 
 def code_validation(cfg: CodeTaskConfig, seed: int) -> list[PromptRow]:
