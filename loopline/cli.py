@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, bench, scale."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale."""
 
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"and overrides given too may change only: {', '.join(RESUMABLE)}",
     )
     p.add_argument(
+        "--restart-unsaved",
+        action="store_true",
+        help="with --resume: a run stopped before its first checkpoint starts again from step 0 (its metrics "
+        "cleared) instead of failing; for job controllers that rerun the same command (loopline k8s)",
+    )
+    p.add_argument(
         "--allow-config-change",
         action="store_true",
         help="with --resume: let any other field change too (recorded in out_dir/config_history.jsonl)",
@@ -120,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "sandbox", add_help=False, help="run or check code in the sandbox (see `loopline sandbox -h`)"
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+
+    p = sub.add_parser(
+        "k8s",
+        add_help=False,
+        help="the run as a KubeRay RayJob: render, submit, status, logs, delete (see `loopline k8s -h`)",
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
 
@@ -315,6 +328,10 @@ def _run(argv: list[str]) -> int:
         from loopline.envs.cli import main as sandbox_main
 
         return sandbox_main(argv[1:])
+    if argv[:1] == ["k8s"]:
+        from loopline.k8s.cli import main as k8s_main
+
+        return k8s_main(argv[1:])
     parser = build_parser()
     # argparse fills the overrides list only up to the first option; key=value words after an option
     # (`train run.yaml --resume grpo.steps=5`) come back unrecognised and are overrides too

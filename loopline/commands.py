@@ -49,6 +49,8 @@ def _run_config(
 ) -> tuple[RunConfig, dict[str, tuple]]:
     """The run's config and, resumed, what differs from the one saved in out_dir (checkpoint.run_dir): a resume
     needs something to resume from, a new run an out_dir that holds no run (or --overwrite)."""
+    if getattr(args, "restart_unsaved", False) and not args.resume:
+        raise UserError("--restart-unsaved goes with --resume (what to do when there is nothing to resume)")
     if getattr(args, "resume", False):
         if args.overwrite:
             raise UserError("--resume continues the run in out_dir, --overwrite deletes it: give one of them")
@@ -56,10 +58,15 @@ def _run_config(
         run_dir = Path(cfg.out_dir)
         metrics = run_dir / "metrics.jsonl"
         newest, _ = newest_whole_checkpoint(run_dir)  # raises, before anything is written, if all are damaged
-        if newest is None and metrics.is_file() and metrics.stat().st_size > 0:
+        unsaved = newest is None and metrics.is_file() and metrics.stat().st_size > 0
+        if unsaved and not getattr(args, "restart_unsaved", False):
             raise UserError(
                 f"cannot resume {run_dir}: it has metrics but no checkpoint (it stopped before its first save); "
                 f"start it again with `loopline {command} --overwrite out_dir={run_dir}` (deletes it)"
+            )
+        if unsaved:
+            print(
+                f"{run_dir} stopped before its first checkpoint: --restart-unsaved starts it again from step 0"
             )
         return cfg, changes
     cfg = load_config(config, overrides)

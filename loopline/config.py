@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
 from loopline.envs.config import ROW_FIELDS, EnvConfig
+from loopline.k8s.config import K8sConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from loopline.rollout.config import EvalConfig, SamplingConfig
 from loopline.runtime.cluster import ClusterConfig
@@ -55,6 +56,7 @@ __all__ = [
     "EnvConfig",
     "EvalConfig",
     "GRPOConfig",
+    "K8sConfig",
     "LoRAConfig",
     "ModelConfig",
     "OptimConfig",
@@ -116,6 +118,9 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    k8s: K8sConfig = Field(
+        default_factory=K8sConfig, description="`loopline k8s`: the run as a KubeRay RayJob on Kubernetes."
+    )
 
     @model_validator(mode="after")
     def _batches_split_evenly(self) -> RunConfig:

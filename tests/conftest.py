@@ -2,7 +2,7 @@
 
 Strict skips: with LOOPLINE_STRICT_SKIPS=1 (scripts/test sets it, so CI and `make test` do) a test that would
 skip fails instead, naming what was missing (a dependency, a usable bubblewrap, a free Ray). Only skips whose
-reason starts with GPU_ONLY stay skips: a machine without a GPU cannot run them. Skip through `need()` /
+reason starts with GPU_ONLY or CLUSTER_ONLY stay skips: no machine here has a GPU or a Kubernetes cluster. Skip through `need()` /
 `need_module()`; a plain `pytest.skip`/`skipif`/`importorskip` is caught by the report hooks below as well.
 """
 
@@ -47,14 +47,16 @@ SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=
 # ---------------------------------------------------------------------------------------------------------
 
 STRICT_SKIPS = os.environ.get("LOOPLINE_STRICT_SKIPS", "") not in ("", "0")
-GPU_ONLY = "GPU only:"  # the one kind of skip that strict mode lets through
+GPU_ONLY = "GPU only:"  # the kinds of skip that strict mode lets through: no machine here has these
+CLUSTER_ONLY = "Cluster only:"  # a real Kubernetes cluster ($KUBECONFIG)
+ALLOWED_SKIPS = (GPU_ONLY, CLUSTER_ONLY)
 
 
 def need(ok: object, reason: str) -> None:
     """Skip the calling test unless `ok` (under LOOPLINE_STRICT_SKIPS=1: fail it, naming the reason)."""
     if ok:
         return
-    if STRICT_SKIPS and not reason.startswith(GPU_ONLY):
+    if STRICT_SKIPS and not reason.startswith(ALLOWED_SKIPS):
         pytest.fail(f"{reason} (LOOPLINE_STRICT_SKIPS=1: this test must run here)", pytrace=False)
     pytest.skip(reason)
 
@@ -82,7 +84,7 @@ def _strict_failure(report: pytest.CollectReport | pytest.TestReport) -> None:
         return
     longrepr = report.longrepr
     reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
-    if reason.removeprefix("Skipped: ").startswith(GPU_ONLY):
+    if reason.removeprefix("Skipped: ").startswith(ALLOWED_SKIPS):
         return
     report.outcome = "failed"
     report.longrepr = f"skipped under LOOPLINE_STRICT_SKIPS=1: {reason}"
@@ -210,7 +212,7 @@ def add_ray_nodes(ray_cluster: Cluster) -> Iterator[Callable[[Sequence[Mapping[s
 # Layers: one mark per test (registered in pyproject.toml), so that `pytest -m ray` etc. runs one layer alone
 # ---------------------------------------------------------------------------------------------------------
 
-LAYER_MARKS = ("unit", "gloo", "ray", "sandbox", "e2e")
+LAYER_MARKS = ("unit", "gloo", "ray", "sandbox", "e2e", "cluster")
 # A test that uses the session's Ray is `ray`; otherwise its module's layer here; otherwise `unit`.
 RAY_FIXTURES = {"ray_session", "ray_cluster", "add_ray_nodes"}
 MODULE_LAYERS = {
@@ -254,6 +256,7 @@ MODULE_LAYERS = {
             "tests/checkpoint/test_bench_restart.py",
             "tests/checkpoint/test_faults.py",
             "tests/envs/test_agent_e2e.py",
+            "tests/k8s/test_entrypoint.py",
             "tests/loops/test_dpo_rm.py",
             "tests/loops/test_grpo_variants.py",
             "tests/loops/test_resume_exact.py",

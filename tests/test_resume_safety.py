@@ -152,6 +152,22 @@ def test_resume_refuses_a_run_with_metrics_and_no_checkpoint(run, capsys):
     assert _snapshot(run) == before  # metrics.jsonl not truncated
 
 
+def test_restart_unsaved_starts_a_run_with_no_checkpoint_again(run, capsys):
+    # what a job controller's retry (loopline k8s's entrypoint) does after a pod lost before the first save
+    shutil.rmtree(run / "checkpoints")
+    assert main(["train", "--resume", "--restart-unsaved", f"out_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert "stopped before its first checkpoint: --restart-unsaved starts it again from step 0" in out
+    assert f"no checkpoint in {run}: starting fresh" in out
+    # the old rows are gone and each step is trained once
+    assert _steps(run, "sft") == _steps(run, "grpo") == [0, 1, 2, 3]
+    assert [(r["phase"], r["step"]) for r in read_ledger(run)] == [
+        (p, s) for p in ("sft", "grpo") for s in (1, 2, 3)
+    ]
+    assert main(["train", "--restart-unsaved", f"out_dir={run}"]) == 2  # only with --resume
+    assert "--restart-unsaved goes with --resume" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 3. a damaged checkpoint is named and passed over
 # ---------------------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ RESUMABLE = (
     "out_dir",  # the run directory moved (copied elsewhere, mounted at another path)
     "sft.steps", "grpo.steps",  # extend (or end) a phase; the LR schedule follows the new length
     "runtime.*",  # rescale: backend, ranks, engines, env workers, timeouts, cluster
+    "k8s.*",  # where it runs on Kubernetes (the pods' sizes, image, queue)
     "checkpoint.*", "checkpoint_every",
     "sft.eval_every", "grpo.eval_every", "eval.batch_size",  # when held-out eval runs, not what it measures
     "threads", "deterministic", "progress", "tensorboard",

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from loopline.runtime.cluster import ClusterConfig
-from loopline.runtime.placement import PlacementConfig
+from loopline.runtime.placement import PlacementConfig, PoolConfig
 from loopline.section import Section
 
 
@@ -112,3 +112,13 @@ class RuntimeConfig(Section):
 
     def _ranks(self) -> dict[str, int]:
         return {"actor": self.trainer_ranks, "rollout": self.engines, "env": self.env_workers}
+
+    def pools(self) -> PlacementConfig:
+        """The placement a ray run uses: runtime.placement, or one pool per role with a {CPU: 1} bundle per rank."""
+        if self.placement is not None:
+            return self.placement
+        sizes = self._ranks()
+        return PlacementConfig(
+            pools=[PoolConfig(name=role, bundles=n, resources={"CPU": 1.0}) for role, n in sizes.items()],
+            roles={role: role for role in sizes},
+        )

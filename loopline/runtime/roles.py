@@ -27,10 +27,9 @@ from loopline.config import RunConfig
 from loopline.rollout.engine import TorchEngine
 from loopline.runtime.actor import ActorRole, ActorWorker
 from loopline.runtime.cluster import ClusterConfig
-from loopline.runtime.config import RuntimeConfig
 from loopline.runtime.engine import EngineWorker, RolloutRole
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
-from loopline.runtime.placement import PlacementConfig, PoolConfig
+from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
@@ -89,15 +88,6 @@ def wants_reference(cfg: RunConfig) -> bool:
     return cfg.grpo.kl_coef > 0 or cfg.dpo.reference == "online"
 
 
-def default_placement(rt: RuntimeConfig) -> PlacementConfig:
-    """One pool per role, a {CPU: 1} bundle per rank: trainer_ranks, engines, env_workers."""
-    sizes = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
-    return PlacementConfig(
-        pools=[PoolConfig(name=role, bundles=n, resources={"CPU": 1.0}) for role, n in sizes.items()],
-        roles={role: role for role in sizes},
-    )
-
-
 def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> ClusterConfig:
     """A local Ray gets at least the CPUs the pools ask for: Ray's CPUs are scheduling slots, and on a
     laptop the roles share the cores (num_cpus=0 means all cores; a cluster joined by address is as it is)."""
@@ -119,7 +109,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         from loopline.training.parallel import check_tp
 
         check_tp(model, rt.trainer_tp)
-    placement = rt.placement or default_placement(rt)
+    placement = rt.pools()
     started = start_ray(_local_cluster(rt.cluster, placement))
     groups: list[WorkerGroup] = []
     pools: dict[str, Pool] = {}

@@ -1,0 +1,113 @@
+"""`loopline k8s`: render a run as Kubernetes manifests, check them, submit them, follow and delete the job."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from loopline.config import load_config
+from loopline.errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loopline k8s", description=__doc__, allow_abbrev=False)
+    sub = parser.add_subparsers(dest="action", required=True)
+    for action, what in (
+        ("render", "write the run's manifests (checked) to --out DIR, or print them"),
+        ("submit", "render, check and create the run's objects on the cluster"),
+    ):
+        p = sub.add_parser(action, help=what, allow_abbrev=False)
+        p.add_argument("config", nargs="?", default=None, help="YAML config file (optional)")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. k8s.namespace=ml")
+        if action == "render":
+            p.add_argument("--out", default=None, help="directory to write one YAML file per object into")
+    for action, what in (
+        ("status", "the job's state (queued, running, succeeded, failed)"),
+        ("logs", "the logs of the run's driver"),
+        ("delete", "delete the job and its config (the run volume only with --storage)"),
+    ):
+        p = sub.add_parser(action, help=what, allow_abbrev=False)
+        p.add_argument("name", help="the RayJob's name (k8s.name, or loopline-<last part of out_dir>)")
+        p.add_argument("-n", "--namespace", default="default", help="its namespace (k8s.namespace)")
+        if action == "logs":
+            p.add_argument("--tail", type=int, default=None, help="only the last N lines")
+        if action == "delete":
+            p.add_argument("--storage", action="store_true", help="also delete the run volume (checkpoints)")
+    for p in sub.choices.values():
+        if p.prog.split()[-1] != "render":
+            p.add_argument(
+                "--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG, ~/.kube/config)"
+            )
+            p.add_argument("--context", default=None, help="kubeconfig context (default: its current one)")
+    return parser
+
+
+def _need(module: str) -> Any:
+    """Import a module that needs the k8s extra, or say how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise UserError(
+            f"loopline k8s needs the k8s extra ({e.name} is missing): scripts/setup k8s, or "
+            "pip install 'loopline[k8s]'"
+        ) from None
+
+
+def _rendered(config: str | None, overrides: list[str]) -> list[dict[str, Any]]:
+    from loopline.k8s.render import render
+
+    check = _need("loopline.k8s.checks").check
+
+    if config is not None and "=" in config:  # `loopline k8s render k8s.queue=q`: no file
+        overrides = [config, *overrides]
+        config = None
+    objects = render(load_config(config, overrides))
+    check(objects)
+    return objects
+
+
+def _write(objects: list[dict[str, Any]], out: str | None) -> None:
+    if out is None:
+        sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False))
+        return
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--out: '{folder}' is a file, not a directory")
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, obj in enumerate(objects):
+        path = folder / f"{i:02d}-{obj['kind'].lower()}.yaml"
+        path.write_text(yaml.safe_dump(obj, sort_keys=False))
+        print(path)
+
+
+def main(argv: list[str]) -> int:
+    args, extra = _parser().parse_known_args(argv)
+    if extra:  # key=value words after an option are overrides too
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            _parser().error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    # render and check first: a config that cannot run fails before any cluster is contacted
+    objects = _rendered(args.config, args.overrides) if args.action in ("render", "submit") else []
+    if args.action == "render":
+        _write(objects, args.out)
+        return 0
+    client = _need("loopline.k8s.client")
+    with client.connect(args.kubeconfig, args.context) as cluster:
+        if args.action == "submit":
+            for line in client.submit(objects, cluster):
+                print(line)
+            job = objects[-1]["metadata"]
+            print(f"follow it with: loopline k8s status {job['name']} -n {job['namespace']}")
+        elif args.action == "status":
+            print(client.format_status(client.status(args.name, args.namespace, cluster)))
+        elif args.action == "logs":
+            sys.stdout.write(client.logs(args.name, args.namespace, tail_lines=args.tail, cluster=cluster))
+        elif args.action == "delete":
+            for line in client.delete(args.name, args.namespace, storage=args.storage, cluster=cluster):
+                print(line)
+    return 0
