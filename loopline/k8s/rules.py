@@ -23,6 +23,10 @@ Reimplemented (not translated) from:
   ``pkg/controller/jobframework/validation.go`` (ValidateJobOnCreate) and
   ``pkg/controller/jobframework/constants.go`` (MaxPodSets = 18).
 
+One rule is loopline's own, stricter than Kueue's webhook: the pod-set limit counts the submitter Job of
+K8sJobMode, which Kueue's Workload holds but the webhook does not count (such a job would pass the webhook and
+then never get a Workload).
+
 Both operators are assumed to run with their default feature gates: in KubeRay RayJobDeletionPolicy is on and
 RayClusterHistoryServer, RayClusterNetworkPolicy, RayClusterMTLS and GCSFaultToleranceEmbeddedStorage are off;
 in Kueue ElasticJobsViaWorkloadSlices, TopologyAwareScheduling and WorkloadIdentifierAnnotations are on.
@@ -697,11 +701,16 @@ def _kueue_rayjob(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> It
             f'annotation {ELASTIC_JOB_ANNOTATION}: "true" (workload slicing), else set it to false'
         )
     workers = _workers(cluster)
-    if len(workers) + 1 > MAX_KUEUE_POD_SETS:
+    # The webhook counts the head and the workers; in K8sJobMode (the default) Kueue's Workload also holds
+    # the submitter Job's pod set, and a Workload of more than MaxPodSets is refused when it is created:
+    # loopline's own stricter check, so that such a job fails here rather than waiting unadmitted.
+    submitter = int(spec.get("submissionMode") in (None, "K8sJobMode"))
+    if len(workers) + 1 + submitter > MAX_KUEUE_POD_SETS:
+        extra = " and the submitter (K8sJobMode)" if submitter else ""
         yield (
-            f"{_CLUSTER}.workerGroupSpecs: {len(workers)} worker groups make {len(workers) + 1} pod sets "
-            f"with the head; Kueue accepts at most {MAX_KUEUE_POD_SETS} "
-            f"(so {MAX_KUEUE_POD_SETS - 1} worker groups)"
+            f"{_CLUSTER}.workerGroupSpecs: {len(workers)} worker groups make {len(workers) + 1 + submitter} "
+            f"pod sets with the head{extra}; Kueue accepts at most {MAX_KUEUE_POD_SETS} "
+            f"(so {MAX_KUEUE_POD_SETS - 1 - submitter} worker groups)"
         )
     for i, group in workers:
         if group.get("groupName") == "head":

@@ -469,7 +469,8 @@ KUEUE_CASES: list[tuple[str, list[Mutation], str]] = [
     ("no shutdown after the job", [spec(shutdownAfterJobFinishes=False)], "spec.shutdownAfterJobFinishes"),
     # raycluster.ValidateCreate
     ("autoscaling without workload slicing", [autoscaling], f"{CLUSTER}.enableInTreeAutoscaling"),
-    ("18 worker groups", [groups(18)], f"{CLUSTER}.workerGroupSpecs"),
+    ("18 worker groups", [groups(18), spec(submissionMode="HTTPMode")], f"{CLUSTER}.workerGroupSpecs"),
+    ("17 worker groups and the submitter", [groups(17)], f"{CLUSTER}.workerGroupSpecs"),
     ("a worker group named head", [worker0(groupName="head")], f"{W0}.groupName"),
     # jobframework.ValidateJobOnCreate
     (
@@ -498,8 +499,10 @@ def test_kueue_rule(job: Job, mutations: list[Mutation], path: str) -> None:
 
 
 def test_kueue_accepts_its_limits(job: Job) -> None:
-    """17 worker groups, autoscaling on an elastic job, a job on an existing cluster (not Kueue's) pass."""
-    assert kueue_problems(mutated(job, groups(17))) == []
+    """16 worker groups (17 without the submitter pod of K8sJobMode), autoscaling on an elastic job, a job on an
+    existing cluster (not Kueue's) pass."""
+    assert kueue_problems(mutated(job, groups(16))) == []
+    assert kueue_problems(mutated(job, groups(17), spec(submissionMode="HTTPMode"))) == []
     assert kueue_problems(mutated(job, autoscaling, annotate(**{"kueue.x-k8s.io/elastic-job": "true"}))) == []
     assert kueue_problems(mutated(job, on_existing_cluster, no_cluster)) == []
 
