@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -59,32 +61,111 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
-@dataclass
 class _StopMatcher:
-    """Finds stop tokens and stop strings. Every stop string is looked for in the decoded tail, as
-    BPE vocabularies merge it into longer tokens (a double-newline token holds a newline)."""
+    """Stop tokens and stop strings, matched without decoding every token.
 
-    tokenizer: PreTrainedTokenizerBase
-    stop: tuple[str, ...]
-    token_ids: set[int] = field(default_factory=set)
-    strings: list[str] = field(default_factory=list)
+    A stop string can only be completed by a token whose own text holds the string's last character (the text
+    before it held no match, or generation would have stopped), so only those tokens, a table per tokenizer,
+    trigger a decode of the tail. BPE vocabularies merge a stop string into longer tokens (a double-newline token
+    holds a newline): the tail's decoded text still shows it. A last character a single token may not show on
+    its own (a space, which SentencePiece-style decoders strip from a lone token; a non-ASCII character, which
+    byte-level tokens may split) makes every token a trigger, as before.
+    """
 
-    def __post_init__(self) -> None:
-        if self.tokenizer.eos_token_id is not None:
-            self.token_ids.add(self.tokenizer.eos_token_id)
-        for s in self.stop:
-            ids = self.tokenizer.encode(s, add_special_tokens=False)
-            if len(ids) == 1:
-                self.token_ids.add(ids[0])
-            self.strings.append(s)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: tuple[str, ...], pieces: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.strings = list(stop)
+        ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        for s in stop:
+            encoded = tokenizer.encode(s, add_special_tokens=False)
+            if len(encoded) == 1:
+                ids.add(encoded[0])
+        self.token_ids = torch.tensor(sorted(ids), dtype=torch.long)
+        lasts = {s[-1] for s in stop if s}
+        self.every_token = any(c == " " or not c.isascii() for c in lasts)
+        self.triggers = torch.tensor([any(c in p for c in lasts) for p in pieces], dtype=torch.bool)
 
-    def hit(self, generated: list[int], new_token: int) -> bool:
-        if new_token in self.token_ids:
-            return True
+    def stops(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows whose new token is a stop token (eos, or a one-token stop string)."""
+        return torch.isin(tokens, self.token_ids.to(tokens.device))
+
+    def may_complete(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rows whose new token could complete a stop string: only these need `hit`."""
         if not self.strings:
-            return False
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        if self.every_token:
+            return torch.ones_like(tokens, dtype=torch.bool)
+        table = self.triggers.to(tokens.device)
+        inside = tokens < table.numel()  # ids past the tokenizer's pieces (padded embeddings): decode them
+        return torch.where(inside, table[tokens.clamp(max=table.numel() - 1)], True)
+
+    def hit(self, generated: list[int]) -> bool:
+        """Whether the decoded tail of `generated` holds a stop string."""
         tail = self.tokenizer.decode(generated[-32:])
         return any(s in tail for s in self.strings)
+
+
+class _PreallocatedLayer(DynamicLayer):
+    """A cache layer that writes new keys and values into buffers sized for the whole generation, where
+    DynamicLayer concatenates: copying the whole cache at every decode step was half of a step's time."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+        self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        new = key_states.shape[-2]
+        if self.buffers is None or self.length + new > self.buffers[0].shape[-2]:
+            self._resize(key_states, value_states, max(self.capacity, self.length + new))
+        assert self.buffers is not None
+        for buffer, states in zip(self.buffers, (key_states, value_states)):
+            buffer[:, :, self.length : self.length + new] = states
+        self.length += new
+        return self._views()
+
+    def _resize(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        fresh = tuple(t.new_empty((*t.shape[:2], capacity, t.shape[-1])) for t in (keys, values))
+        if self.buffers is not None:
+            for old, buffer in zip(self.buffers, fresh):
+                buffer[:, :, : self.length] = old[:, :, : self.length]
+        self.buffers = fresh  # type: ignore[assignment]
+        self.device, self.is_initialized = keys.device, True
+
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.buffers is not None
+        self.keys, self.values = (b[:, :, : self.length] for b in self.buffers)
+        return self.keys, self.values
+
+    def _rebuild(self, rows: torch.Tensor | None, repeats: int = 1) -> None:
+        """Keep `rows` of the batch (or repeat every row `repeats` times), copying only the filled part."""
+        if self.buffers is None:
+            return
+        picked = []
+        for b in self.buffers:
+            filled = b[:, :, : self.length]
+            filled = filled[rows] if rows is not None else filled.repeat_interleave(repeats, dim=0)
+            buffer = filled.new_empty((filled.shape[0], *b.shape[1:]))
+            buffer[:, :, : self.length] = filled
+            picked.append(buffer)
+        self.buffers = (picked[0], picked[1])
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rebuild(None, repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rebuild(indices)
+
+
+def _preallocated_cache(capacity: int) -> DynamicCache:
+    """A DynamicCache whose layers are _PreallocatedLayer(capacity), made as the model reaches each layer."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = functools.partial(_PreallocatedLayer, capacity)  # type: ignore[assignment]
+    return cache
 
 
 def _cache_of(out: object) -> object:
@@ -114,6 +195,8 @@ class TorchEngine:
         self._cache_arg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
+        self._pieces: list[str] | None = None  # each token's own text, for the stop matchers' trigger tables
+        self._stoppers: dict[tuple[str, ...], _StopMatcher] = {}
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy new weights in place (same layout as the model: the in-process transport)."""
@@ -145,9 +228,22 @@ class TorchEngine:
             )
         self.generator.manual_seed(seed)
 
+    def _stopper(self, stop: tuple[str, ...]) -> _StopMatcher:
+        """The stop matcher for `stop`, built once per engine (its trigger table reads the whole vocabulary)."""
+        if stop not in self._stoppers:
+            if self._pieces is None:
+                self._pieces = self.tokenizer.batch_decode([[t] for t in range(len(self.tokenizer))])
+            self._stoppers[stop] = _StopMatcher(self.tokenizer, stop, self._pieces)
+        return self._stoppers[stop]
+
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
-        """n completions per prompt; prompts are token ids (no padding)."""
+        """n completions per prompt; prompts are token ids (no padding).
+
+        Each prompt is prefilled once and its KV cache shared by its n samples; finished sequences leave the
+        batch (their cache rows dropped) once they are a quarter of it, so a long tail does not keep the
+        finished ones computing.
+        """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
         device = next(self.model.parameters()).device
@@ -157,28 +253,38 @@ class TorchEngine:
         if params.seed is not None:
             gen = torch.Generator(device=device).manual_seed(params.seed)
 
-        expanded = [p for p in prompts for _ in range(n)]
-        batch, width = len(expanded), max(len(p) for p in expanded)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((batch, width), dtype=torch.long)
-        for i, p in enumerate(expanded):  # left padding: every prompt ends at the same column
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-
-        stopper = _StopMatcher(self.tokenizer, tuple(params.stop))
-        generated: list[list[int]] = [[] for _ in range(batch)]
-        logprobs: list[list[float]] = [[] for _ in range(batch)]
-        finish = ["length"] * batch
-        active = torch.ones(batch, dtype=torch.bool, device=device)
-
+        cache = _preallocated_cache(width + params.max_new_tokens)
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **{self._cache_arg: cache},
         )
         cache, logits = _cache_of(out), out.logits[:, -1, :]
+        if n > 1:  # the group shares its prompt's KV: copies of the prefilled rows, not n prefills
+            cache.batch_repeat_interleave(n)
+            logits, attention = logits.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
+            positions = positions.repeat_interleave(n, 0)
+
+        batch = len(prompts) * n
+        stopper = self._stopper(tuple(params.stop))
+        tokens = torch.full((batch, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        token_logps = torch.zeros((batch, params.max_new_tokens), device=device)
+        lengths = [params.max_new_tokens] * batch
+        finish = ["length"] * batch
+        rows = torch.arange(batch, device=device)  # the original index of each row of the batch
+        live = torch.ones(batch, dtype=torch.bool, device=device)  # rows still generating
         next_pos = positions[:, -1:] + 1
-        for _ in range(params.max_new_tokens):
+        for step in range(params.max_new_tokens):
             logits = logits.float()
             if params.temperature == 0.0:
                 token = logits.argmax(dim=-1)
@@ -188,22 +294,29 @@ class TorchEngine:
                     _filter_logits(logits / params.temperature, params.top_k, params.top_p), -1
                 )
                 token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-            token = torch.where(active, token, torch.full_like(token, self.pad_id))
-            token_logp = logp.gather(1, token[:, None]).squeeze(1)
+            token = torch.where(live, token, self.pad_id)
+            tokens[rows[live], step] = token[live]
+            token_logps[rows[live], step] = logp.gather(1, token[:, None]).squeeze(1)[live]
 
-            # one host sync per step: the tokens are needed on the host for stop checks anyway
-            token_list, logp_list, active_list = token.tolist(), token_logp.tolist(), active.tolist()
-            for i in range(batch):
-                if not active_list[i]:
-                    continue
-                generated[i].append(token_list[i])
-                logprobs[i].append(logp_list[i])
-                if stopper.hit(generated[i], token_list[i]):
-                    finish[i] = "stop"
-                    active[i] = False
-            if not bool(active.any()):
+            done = stopper.stops(token) & live
+            for i in (stopper.may_complete(token) & live & ~done).nonzero().flatten().tolist():
+                done[i] = stopper.hit(tokens[rows[i], : step + 1].tolist())
+            if bool(done.any()):
+                for i in rows[done].tolist():
+                    lengths[i], finish[i] = step + 1, "stop"
+                live &= ~done
+                if not bool(live.any()):
+                    break
+                # finished rows leave the batch once they are a quarter of it: dropping them costs a copy of
+                # the cache's filled part, so one copy per few finishes rather than one per step
+                if int((~live).sum()) * 4 >= len(rows):
+                    kept = live.nonzero().flatten()
+                    cache.batch_select_indices(kept)
+                    rows, token, attention, next_pos = rows[kept], token[kept], attention[kept], next_pos[kept]
+                    live = live[kept]
+            if step + 1 == params.max_new_tokens:
                 break
-            attention = torch.cat([attention, active[:, None].long()], dim=1)
+            attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention,
@@ -215,15 +328,19 @@ class TorchEngine:
             next_pos = next_pos + 1
 
         self.model.train(was_training)
-        return [
-            Completion(
-                prompt_index=i // n,
-                sample_index=i % n,
-                token_ids=generated[i],
-                logprobs=logprobs[i],
-                text=self.tokenizer.decode(generated[i], skip_special_tokens=True),
-                finish_reason=finish[i],
-                policy_version=self.version,
+        token_lists, logp_lists = tokens.tolist(), token_logps.tolist()
+        completions = []
+        for i in range(batch):
+            ids = token_lists[i][: lengths[i]]
+            completions.append(
+                Completion(
+                    prompt_index=i // n,
+                    sample_index=i % n,
+                    token_ids=ids,
+                    logprobs=logp_lists[i][: lengths[i]],
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    finish_reason=finish[i],
+                    policy_version=self.version,
+                )
             )
-            for i in range(batch)
-        ]
+        return completions

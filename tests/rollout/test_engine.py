@@ -85,6 +85,98 @@ def test_logprobs_match_a_forward_pass(small_model, tokenizer):
         torch.testing.assert_close(torch.tensor(c.logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_shared_prefill_and_rows_leaving_keep_logprobs_exact(small_model, tokenizer):
+    # one prefill per prompt shared by its samples, and finished rows dropped from the cache: every
+    # sample's log-probs must still be those of a plain forward pass over its own prompt and tokens
+    engine = TorchEngine(small_model, tokenizer)
+    prompts = _prompts(tokenizer)
+    stop = tuple("0123456789")  # ends samples early and at different steps
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=24, seed=5, stop=stop), n=4)
+    lengths = {len(c.token_ids) for c in out}
+    assert len(lengths) > 3 and any(c.finish_reason == "stop" for c in out)  # a real spread of lengths
+    assert any(c.finish_reason == "length" for c in out)
+    for c in out:
+        ids = torch.tensor([prompts[c.prompt_index] + c.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(small_model(input_ids=ids).logits[0].float(), -1)
+        positions = torch.arange(len(c.token_ids)) + len(prompts[c.prompt_index]) - 1
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs), logp[positions, torch.tensor(c.token_ids)], atol=1e-5, rtol=0
+        )
+        if c.finish_reason == "stop":  # stops at its first digit, and only there
+            assert c.text[-1].isdigit() and not any(ch.isdigit() for ch in c.text[:-1])
+
+
+def test_prompts_are_prefilled_once_and_finished_rows_leave_the_batch(small_model, tokenizer):
+    rows_per_forward = []
+    hook = small_model.register_forward_pre_hook(
+        lambda _, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
+    try:
+        out = TorchEngine(small_model, tokenizer).generate(
+            _prompts(tokenizer), SamplingParams(max_new_tokens=16, seed=1, stop=tuple("0123456789")), n=8
+        )
+    finally:
+        hook.remove()
+    assert rows_per_forward[0][0] == len(PROMPTS_TEXT)  # the prefill: 5 prompts, not 40 rows
+    decode = [shape[0] for shape in rows_per_forward[1:]]
+    # each decode step runs the rows still generating, and the finished ones only while they are fewer than
+    # a quarter of the batch (then they leave it)
+    still = [sum(len(c.token_ids) > k for c in out) for k in range(1, len(decode) + 1)]
+    assert all(s <= d and (d - s) * 4 < d for d, s in zip(decode, still)), (decode, still)
+    assert decode == sorted(decode, reverse=True) and decode[-1] < 40
+
+
+def test_stop_strings_are_matched_as_decoding_every_token_would(small_model):
+    # the matcher decodes only after a token whose text holds a stop string's last character; on random
+    # sequences over a BPE vocabulary with merges it must stop exactly where decoding every token stops
+    from loopline.rollout.engine import _StopMatcher
+
+    tok = _bpe_with_merges()
+    pieces = tok.batch_decode([[t] for t in range(len(tok))])
+    g = torch.Generator().manual_seed(0)
+    vocab = [t for t in range(len(tok)) if t != tok.eos_token_id]
+    for stop in [("\n",), ("\n\n",), ("b\n",), ("ab", "\nc"), ("d",)]:
+        matcher = _StopMatcher(tok, stop, pieces)
+        for _ in range(60):
+            seq = [vocab[i] for i in torch.randint(len(vocab), (30,), generator=g).tolist()]
+            expected = next(
+                (k for k in range(1, 31) if any(s in tok.decode(seq[:k][-32:]) for s in stop)), None
+            )
+            got = next(
+                (
+                    k
+                    for k in range(1, 31)
+                    if bool(matcher.stops(torch.tensor(seq[k - 1 : k]))[0])
+                    or (bool(matcher.may_complete(torch.tensor(seq[k - 1 : k]))[0]) and matcher.hit(seq[:k]))
+                ),
+                None,
+            )
+            assert got == expected, (stop, seq)
+    merged = tok.convert_tokens_to_ids("ĊĊ")  # "\n\n", one token
+    newline_stop = _StopMatcher(tok, ("\n",), pieces)
+    assert bool(newline_stop.may_complete(torch.tensor([merged]))[0])
+    letters = torch.tensor(tok.encode("abcd", add_special_tokens=False))
+    assert not newline_stop.may_complete(letters).any()  # no decode for tokens that cannot end a match
+
+
+def _bpe_with_merges():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=264, special_tokens=["<pad>", "<bos>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )  # fmt: skip
+    bpe.train_from_iterator(["a\n\nb\n\nc\n\nd\n\nab\n"] * 20, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>"
+    )
+
+
 def test_n_samples_per_prompt_are_indexed(small_model, tokenizer):
     engine = TorchEngine(small_model, tokenizer)
     out = engine.generate(_prompts(tokenizer)[:3], SamplingParams(max_new_tokens=4, seed=0), n=4)

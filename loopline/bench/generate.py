@@ -1,0 +1,131 @@
+"""`loopline bench generate`: the built-in engine against Hugging Face `generate` on the same model and batch.
+
+A GRPO-shaped batch (64 prompts x 8 samples by default, prompts from the built-in task) sampled at temperature
+1 two ways: with a long tail of lengths (the digits end a sample: with the untrained model's near-uniform
+next-token distribution about 1 token in 25 is a digit, so lengths are geometric, most short, a few reaching
+--max-new) and at equal length (no stop: every sample runs to --max-new; EOS is masked in the model's head
+for both). Each engine runs the same batch
+--repeats times, alternating; tokens/s counts the tokens each returns, and microseconds per decode step
+divide the time by the forward passes the longest sample needs (the tiny model is bound by per-step
+overhead, not by memory bandwidth). Ends with the headline ratio on the long tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from loopline.config import TaskConfig, TinyModelConfig
+from loopline.data.tasks import arithmetic_splits
+from loopline.models.load import build_byte_tokenizer, build_tiny_model
+from loopline.rollout.engine import SamplingParams, TorchEngine
+
+STOP_DIGITS = tuple("0123456789")
+
+
+def _prompts(tokenizer, count: int, seed: int) -> list[list[int]]:
+    rows, _ = arithmetic_splits(TaskConfig(num_train=max(count, 2), num_eval=2, num_val=2), seed=seed)
+    return [tokenizer(r.prompt)["input_ids"] for r in rows[:count]]
+
+
+def _without_eos(model, tokenizer):
+    """The same model with a -1e4 bias on EOS in its head, so that no sample ends by chance: the lengths are
+    the benchmark's (--max-new, or the stop digits), the same for both engines, which share the model."""
+    old = model.lm_head
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    head.weight = old.weight  # the tied embedding, unchanged
+    with torch.no_grad():
+        head.bias.zero_()
+        head.bias[tokenizer.eos_token_id] = -1e4
+    model.lm_head = head
+    return model
+
+
+def _hf_generate(model, tokenizer, prompts: list[list[int]], n: int, max_new: int, stop_ids: list[int]):
+    """HF generate on the left-padded batch, n samples per prompt; the tokens each sample returns."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=max_new, num_return_sequences=n, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stop_ids,
+    )  # fmt: skip
+    lengths = []
+    for row in out[:, width:].tolist():
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop_ids), len(row))
+        lengths.append(cut)
+    return lengths
+
+
+def _timed(fn: Callable[[], list[int]]) -> tuple[float, list[int]]:
+    t0 = time.perf_counter()
+    lengths = fn()
+    return time.perf_counter() - t0, lengths
+
+
+def _compare(name: str, engine_fn, hf_fn, repeats: int) -> float:
+    """Alternate the two, print each one's tokens/s and us per decode step; the ratio of medians."""
+    results: dict[str, list[tuple[float, list[int]]]] = {"builtin": [], "hf": []}
+    for _ in range(repeats):
+        results["builtin"].append(_timed(engine_fn))
+        results["hf"].append(_timed(hf_fn))
+    rates = {}
+    for who, runs in results.items():
+        rate = statistics.median(sum(lengths) / t for t, lengths in runs)
+        step_us = statistics.median(t / max(lengths) * 1e6 for t, lengths in runs)
+        mean_len = statistics.mean(statistics.mean(lengths) for _, lengths in runs)
+        max_len = max(max(lengths) for _, lengths in runs)
+        print(f"{name}_{who}_tokens_per_s: {rate:.0f}")
+        print(f"{name}_{who}_us_per_decode_step: {step_us:.0f}")
+        print(f"{name}_{who}_mean_length: {mean_len:.1f}")
+        print(f"{name}_{who}_max_length: {max_len}")
+        rates[who] = rate
+    ratio = rates["builtin"] / rates["hf"]
+    print(f"{name}_builtin_over_hf_tokens_per_s: {ratio:.2f}")
+    return ratio
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loopline bench generate", description=__doc__)
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
+    parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
+    parser.add_argument("--max-new", type=int, default=128, help="most new tokens per sample")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    for key in ("prompts", "samples", "max_new", "repeats", "threads"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    torch.set_num_threads(args.threads)
+
+    tokenizer = build_byte_tokenizer()
+    model = _without_eos(build_tiny_model(TinyModelConfig(), tokenizer, seed=args.seed).eval(), tokenizer)
+    prompts = _prompts(tokenizer, args.prompts, args.seed)
+    stop_ids = [tokenizer.convert_tokens_to_ids(d) for d in STOP_DIGITS]
+    eos = [tokenizer.eos_token_id]  # never sampled (_without_eos); both engines stop on it
+    engine = TorchEngine(model, tokenizer, seed=args.seed)
+    torch.manual_seed(args.seed)  # HF generate samples from the global generator
+    print(f"model_parameters: {sum(p.numel() for p in model.parameters())}")
+    print(f"batch: {args.prompts} prompts x {args.samples} samples, max_new_tokens {args.max_new}")
+
+    def ours(stop: tuple[str, ...]) -> Callable[[], list[int]]:
+        params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=stop)
+        return lambda: [len(c.token_ids) for c in engine.generate(prompts, params, n=args.samples)]
+
+    def theirs(ids: list[int]) -> Callable[[], list[int]]:
+        return lambda: _hf_generate(model, tokenizer, prompts, args.samples, args.max_new, ids)
+
+    ours(STOP_DIGITS)()  # warm-up of both paths (first calls allocate)
+    theirs(stop_ids + eos)()
+    _compare("equal_length", ours(()), theirs(eos), args.repeats)
+    headline = _compare("long_tail", ours(STOP_DIGITS), theirs(stop_ids + eos), args.repeats)
+    print(f"builtin_over_hf_tokens_per_s: {headline:.2f}")
+    return 0
