@@ -312,7 +312,12 @@ class TorchEngine:
                 if int((~live).sum()) * 4 >= len(rows):
                     kept = live.nonzero().flatten()
                     cache.batch_select_indices(kept)
-                    rows, token, attention, next_pos = rows[kept], token[kept], attention[kept], next_pos[kept]
+                    rows, token, attention, next_pos = (
+                        rows[kept],
+                        token[kept],
+                        attention[kept],
+                        next_pos[kept],
+                    )
                     live = live[kept]
             if step + 1 == params.max_new_tokens:
                 break
