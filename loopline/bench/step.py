@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
 
     from transformers import Qwen2ForCausalLM
 
-    from loopline.cli import main as loopline
+    from loopline.commands import train
 
     with tempfile.TemporaryDirectory(prefix="loopline-bench-step-") as out:
         overrides = [
@@ -116,7 +116,11 @@ def main(argv: list[str]) -> int:
             io.StringIO()
         )  # the job's own report (accuracies, paths) would break the name: value lines
         with clock.installed(Qwen2ForCausalLM), step_marks(clock) as marks, redirect_stdout(job_output):
-            status = loopline(["train", *overrides])
+            # `loopline train` as the CLI runs it (a new run in a fresh directory: no resume, nothing to overwrite)
+            flags = argparse.Namespace(
+                resume=False, overwrite=False, allow_config_change=False, restart_unsaved=False
+            )
+            status = train(None, overrides, flags)
         if status:
             print(job_output.getvalue())
             return status

@@ -16,6 +16,7 @@ from loopline.section import Section
 
 # A Kubernetes quantity as the manifests here use it: a number and an optional binary or decimal suffix.
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|m|k|M|G|T|P|E)?$")
+MAX_NAME = 47  # KubeRay's limit on a RayJob's name (loopline.k8s.rules checks it on the manifest too)
 # RFC 1123 label: the names of objects, worker groups and queues.
 _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 
@@ -26,8 +27,13 @@ def _quantity(v: str) -> str:
     return v
 
 
+def is_dns_label(v: str) -> bool:
+    """An RFC 1123 label: what Kubernetes accepts as the name of most objects, and KubeRay as a group name."""
+    return len(v) <= 63 and bool(_LABEL.match(v))
+
+
 def _label(v: str) -> str:
-    if v and (len(v) > 63 or not _LABEL.match(v)):
+    if v and not is_dns_label(v):
         raise ValueError(
             f"{v!r} must be a DNS label: at most 63 lowercase letters, digits and '-', starting and ending "
             "with a letter or digit"
@@ -155,6 +161,16 @@ class K8sConfig(Section):
         description="Per placement pool (by pool name): its pods' memory, node selector, tolerations, "
         "autoscaling; pools left out get the defaults.",
     )
+
+    @field_validator("name")
+    @classmethod
+    def _short_enough(cls, v: str) -> str:
+        if len(v) > MAX_NAME:
+            raise ValueError(
+                f"{v!r} has {len(v)} characters; KubeRay takes RayJob names of at most {MAX_NAME} (it appends a "
+                "suffix to name the job's Ray cluster)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _priority_needs_queue(self) -> K8sConfig:

@@ -17,7 +17,7 @@ import yaml
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
-from loopline.k8s.config import K8sConfig, PodPlacement, WorkerGroupConfig
+from loopline.k8s.config import MAX_NAME, K8sConfig, PodPlacement, WorkerGroupConfig, is_dns_label
 from loopline.runtime.placement import PoolConfig
 
 CONFIG_MOUNT = "/etc/loopline"
@@ -33,7 +33,7 @@ def job_name(cfg: RunConfig) -> str:
         return cfg.k8s.name
     tail = PurePosixPath(cfg.out_dir).name.lower()
     tail = "".join(c if c.isalnum() else "-" for c in tail).strip("-")
-    return f"loopline-{tail}"[:40].rstrip("-") if tail else "loopline"
+    return f"loopline-{tail}"[:MAX_NAME].rstrip("-") if tail else "loopline"
 
 
 def pod_config(cfg: RunConfig, name: str) -> RunConfig:
@@ -200,7 +200,7 @@ def _check_groups(cfg: RunConfig) -> list[PoolConfig]:
         )
         raise UserError(f"k8s.groups names no placement pool: {', '.join(unknown)}; {where}")
     for i, pool in enumerate(pools):
-        if len(pool.name) > 63 or not pool.name.replace("-", "a").isalnum() or pool.name != pool.name.lower():
+        if not is_dns_label(pool.name):
             raise UserError(
                 f"runtime.placement.pools[{i}].name: {pool.name!r} becomes a KubeRay worker group name, which "
                 "must be a DNS label (lowercase letters, digits and '-')"

@@ -92,6 +92,8 @@ def test_check_lists_every_problem_of_every_object(objects):
 def test_a_long_run_name_is_refused_before_submission(capsys):
     from loopline.cli import main
 
-    assert main(["k8s", "render", EXAMPLE, f"k8s.name={'a' * 50}"]) == 2
+    assert main(["k8s", "render", EXAMPLE, f"k8s.name={'a' * 48}"]) == 2
     err = capsys.readouterr().err
-    assert "would be refused by the cluster" in err and "metadata.name" in err
+    assert "config key 'k8s.name'" in err and "at most 47" in err
+    assert main(["k8s", "render", EXAMPLE, "out_dir=runs/" + "b" * 60]) == 0  # a derived name is cut to fit
+    assert f"name: loopline-{'b' * 38}\n" in capsys.readouterr().out
