@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("counts", nargs="+", help="engines=N and/or env_workers=M (applied between two steps)")
 
     p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
-    p.add_argument("name", help="benchmark name (sandbox, sync, restart, env, endpoint)")
+    p.add_argument("name", help=f"benchmark name ({', '.join(_benchmarks())})")
     p.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 

@@ -211,7 +211,9 @@ def reward_function(ctx: RunContext) -> RewardFn:
     if cfg.source == "verifier":
         return verifier_reward
     tok = ctx.tokenizer
-    model = RewardModelScorer.load(cfg.model_path, tok.pad_token_id, tok.eos_token_id, cfg.batch_size)
+    model = RewardModelScorer.load(
+        cfg.model_path, tok.pad_token_id, tok.eos_token_id, cfg.batch_size, ctx.cfg.model.packing
+    )
     verifier_weight = 1.0 if cfg.source == "sum" else 0.0
 
     def reward(

@@ -56,3 +56,10 @@ class ModelConfig(Section):
         False, description="Wrap prompts with the tokenizer's chat template when it has one."
     )
     lora: LoRAConfig = Field(default_factory=LoRAConfig, description="LoRA adapters (r > 0 turns them on).")
+    packing: bool = Field(
+        False,
+        description="Train and score over packed sequences: every forward of the policy, reference, critic and "
+        "reward model runs on the batch's real tokens laid end to end (no padding), with the padded forward's "
+        "log-probs. Faster when response lengths vary; the first packed forward checks the model keeps "
+        "sequences apart.",
+    )

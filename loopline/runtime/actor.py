@@ -115,19 +115,23 @@ class ActorWorker:
     ) -> None:
         """New optimizer over this rank's shards (restored from the resumed checkpoint's); an RL phase's objective."""
         group = self.mesh["dp"].get_group() if self.mesh is not None else None
-        self.trainer = PolicyTrainer(self.model, optim, total_steps, group, loss, micro_batch_size)
+        self.trainer = PolicyTrainer(
+            self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing
+        )
         if resume is not None:
             load_shards(resume.dcp, self.model, self.trainer, group=self.checkpoint_group)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
-        return frozen_logprobs(self.model, to_device(batch, self.device)).cpu()
+        return frozen_logprobs(self.model, to_device(batch, self.device), self.cfg.model.packing).cpu()
 
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows' response log-probs (b, C) from one forward without gradients: at T=1 (the loss's
         behaviour policy) and at `temperature` (what the engine reports when it samples at it)."""
         with torch.no_grad():
-            trained, sampled = behaviour_logprobs(self.model, to_device(batch, self.device), temperature)
+            trained, sampled = behaviour_logprobs(
+                self.model, to_device(batch, self.device), temperature, self.cfg.model.packing
+            )
         return trained.cpu(), sampled.cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
@@ -143,7 +147,7 @@ class ActorWorker:
         """Summed response log-prob of each of this rank's rows, (b,), in eval mode without gradients."""
         self.model.eval()
         with torch.no_grad():
-            return summed_logprobs(self.model, to_device(batch, self.device)).cpu()
+            return summed_logprobs(self.model, to_device(batch, self.device), self.cfg.model.packing).cpu()
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
@@ -156,14 +160,14 @@ class ActorWorker:
         The local rank copies its own policy's body (as the weights say); sharded ranks build one from the model
         config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards)."""
         if self.mesh is None:
-            model = ScalarModel.from_policy(self.model)  # where the policy is
+            model = ScalarModel.from_policy(self.model, self.cfg.model.packing)  # where the policy is
             model.load_state_dict(weights)
             self.reward = RewardTrainer(model, cfg, total_steps)
             return
         from loopline.runtime.critic import shard_critic
 
         shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
-        model = ScalarModel.from_policy(shapes).to(self.device)
+        model = ScalarModel.from_policy(shapes, self.cfg.model.packing).to(self.device)
         model.load_state_dict(weights)
         model = shard_critic(model, self.mesh["dp"])
         self.reward = RewardTrainer(model, cfg, total_steps, group=self.mesh["dp"].get_group())

@@ -108,10 +108,10 @@ class CriticWorker:
                 "resumes from DCP shards only: resume it with runtime.backend=local"
             )
         if self.policy is not None:
-            model = ScalarModel.from_policy(self.policy)  # where the policy is
+            model = ScalarModel.from_policy(self.policy, self.cfg.model.packing)  # where the policy is
         else:
             policy, _ = load_policy(self.cfg.model, seed=self.cfg.seed)  # the shapes; the weights come next
-            model = ScalarModel.from_policy(policy).to(rank_device())
+            model = ScalarModel.from_policy(policy, self.cfg.model.packing).to(rank_device())
         model.load_state_dict(weights)
         group = None
         if self.mesh is not None:

@@ -76,7 +76,9 @@ class ReferenceWorker:
         """Response log-probs of this rank's rows under the reference (a forward on every rank)."""
         if self.model is None:
             return frozen_logprobs(None, batch)  # raises: no reference was started
-        return frozen_logprobs(self.model, to_device(batch, model_device(self.model))).cpu()
+        return frozen_logprobs(
+            self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing
+        ).cpu()
 
     def save(self, path: str, blocking: bool) -> None:
         """Write this rank's shards of the reference to `path` with DCP."""

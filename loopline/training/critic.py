@@ -22,6 +22,7 @@ from loopline.algorithms.preference import bradley_terry_loss
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import CriticConfig, RewardModelConfig
+from loopline.training.packing import pack, packed_forward
 from loopline.training.parallel import all_reduce_sum
 from loopline.training.policy import build_optimizer, optimizer_step
 
@@ -29,21 +30,23 @@ from loopline.training.policy import build_optimizer, optimizer_step
 class ScalarModel(nn.Module):
     """A transformer body and a linear head: one scalar per position, (B, L)."""
 
-    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+    def __init__(self, body: nn.Module, hidden_size: int, packed: bool = False) -> None:
+        """packed: forwards over packed sequences (model.packing)."""
         super().__init__()
         self.body = body
+        self.packed = packed
         self.head = nn.Linear(hidden_size, 1)
         # start at 0: the first values (or rewards) carry no opinion
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel) -> ScalarModel:
+    def from_policy(cls, policy: PreTrainedModel, packed: bool = False) -> ScalarModel:
         """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head.
 
         The copy trains what the policy trains: every weight, or only its LoRA adapters (model.lora)."""
         body = copy.deepcopy(policy.base_model)
-        return cls(body, policy.config.hidden_size)
+        return cls(body, policy.config.hidden_size, packed)
 
     def save(self, path: str | Path) -> None:
         """The body as a Hugging Face directory (transformers' AutoModel loads it) plus head.safetensors."""
@@ -52,18 +55,22 @@ class ScalarModel(nn.Module):
         save_file({k: v.contiguous() for k, v in self.head.state_dict().items()}, path / "head.safetensors")
 
     @classmethod
-    def load(cls, path: str | Path) -> ScalarModel:
+    def load(cls, path: str | Path, packed: bool = False) -> ScalarModel:
         """A model written by save()."""
         path = Path(path)
         if not (path / "head.safetensors").is_file():
             raise ValueError(f"'{path}' is not a saved scalar model (no head.safetensors)")
         body = AutoModel.from_pretrained(path)
-        model = cls(body, body.config.hidden_size)
+        model = cls(body, body.config.hidden_size, packed)
         model.head.load_state_dict(load_file(path / "head.safetensors"))
         return model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Scalar at every position, (B, L) float32."""
+        """Scalar at every position, (B, L) float32 (0 on padding when packed)."""
+        if self.packed:
+            packing = pack(input_ids, attention_mask)
+            hidden = packed_forward(self.body, packing).last_hidden_state  # (R, W, H)
+            return packing.unpack(self.head(hidden.float()).squeeze(-1))
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
         return self.head(hidden.last_hidden_state.float()).squeeze(-1)
@@ -260,9 +267,11 @@ class RewardModelScorer:
         self.pad_id, self.eos_id, self.batch_size = pad_id, eos_id, batch_size
 
     @classmethod
-    def load(cls, path: str | Path, pad_id: int, eos_id: int | None, batch_size: int) -> RewardModelScorer:
-        """The scalar model saved at `path` (ScalarModel.save)."""
-        return cls(ScalarModel.load(path), pad_id, eos_id, batch_size)
+    def load(
+        cls, path: str | Path, pad_id: int, eos_id: int | None, batch_size: int, packed: bool = False
+    ) -> RewardModelScorer:
+        """The scalar model saved at `path` (ScalarModel.save); packed: scores over packed sequences."""
+        return cls(ScalarModel.load(path, packed), pad_id, eos_id, batch_size)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
         """Reward of each completion, (B,). EOS is appended where missing: the model was fit on completions

@@ -22,6 +22,7 @@ from loopline.algorithms.preference import (
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import DPOConfig, GRPOConfig, OptimConfig
+from loopline.training.packing import pack, packed_forward
 from loopline.training.parallel import (
     all_reduce_sum,
     clip_grad_norm,
@@ -119,43 +120,62 @@ DPO_LOSSES: dict[str, Callable[..., PreferenceLossOutput]] = {
 }
 
 
-def sequence_logprobs(model: PreTrainedModel, batch: TokenBatch) -> torch.Tensor:
+def sequence_logprobs(model: PreTrainedModel, batch: TokenBatch, packed: bool = False) -> torch.Tensor:
     """Summed log-prob of each row's response tokens under `model`, (B,)."""
-    logp, _ = response_logprobs(model, batch)
+    logp, _ = response_logprobs(model, batch, packed=packed)
     return (logp * batch.response_mask).sum(dim=1)
 
 
 def response_logprobs(
-    model: PreTrainedModel, batch: TokenBatch, with_entropy: bool = False
+    model: PreTrainedModel, batch: TokenBatch, with_entropy: bool = False, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
-    ).logits
-    p = batch.prompt_len
-    logits = logits[:, p - 1 : -1, :].float()  # (B, C, V): position t predicts token t + 1
-    targets = batch.input_ids[:, p:]  # (B, C)
+    """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked.
+    packed: one forward over the real tokens only (model.packing); 0 on padding."""
+    logits, targets, lay_out = _response_logits(model, batch, packed)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return logp, entropy
+    entropy = lay_out(entropy_from_logits(logits)) if with_entropy else None
+    return lay_out(logp), entropy
 
 
 def behaviour_logprobs(
-    model: PreTrainedModel, batch: TokenBatch, temperature: float
+    model: PreTrainedModel, batch: TokenBatch, temperature: float, packed: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Response-token log-probs (B, C) from one forward pass: as trained (T=1, the GRPO ratio's denominator)
     and as sampled (logits / temperature, what an engine reports; T=1 when greedy)."""
-    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
-    ).logits
-    logits = logits[:, batch.prompt_len - 1 : -1, :].float()  # (B, C, V): position t predicts t + 1
-    targets = batch.input_ids[:, batch.prompt_len :].unsqueeze(-1)  # (B, C, 1)
-    trained = torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
+    logits, targets, lay_out = _response_logits(model, batch, packed)
+    targets = targets.unsqueeze(-1)
+    trained = lay_out(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1))
     if temperature in (0.0, 1.0):
         return trained, trained
-    return trained, torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets).squeeze(-1)
+    return trained, lay_out(torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets).squeeze(-1))
+
+
+def _response_logits(
+    model: PreTrainedModel, batch: TokenBatch, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """The float32 logits that predict the response tokens, those tokens, and what lays a value per token out
+    as (B, C). Padded: (B, C, V) logits, position t predicting token t + 1. Packed: (N, V) for the N real
+    response tokens only, each read at the token before it in its packed row."""
+    p = batch.prompt_len
+    targets = batch.input_ids[:, p:]  # (B, C)
+    if not packed:
+        positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
+        ).logits
+        return logits[:, p - 1 : -1, :].float(), targets, lambda values: values
+    packing = pack(batch.input_ids, batch.attention_mask)
+    logits = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, V)
+    real = batch.attention_mask[:, p:].bool()  # (B, C)
+    # a response token's predecessor is the token before it in its sequence (a prompt has at least one)
+    before = (packing.slot[:, p:][real] - 1).clamp(min=0)
+
+    def lay_out(values: torch.Tensor) -> torch.Tensor:
+        out = values.new_zeros(real.shape)
+        out[real] = values
+        return out
+
+    return logits[before].float(), targets[real], lay_out
 
 
 def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
@@ -250,10 +270,13 @@ class PolicyTrainer:
         group: dist.ProcessGroup | None = None,
         loss: PolicyLoss | None = None,
         micro_batch_size: int | None = None,
+        packed: bool = False,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
-        which policy_step applies; an SFT phase leaves them None."""
+        which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
+        (model.packing)."""
         self.model = model
+        self.packed = packed
         self.cfg = optim
         self.group = group
         self.loss = loss
@@ -280,7 +303,7 @@ class PolicyTrainer:
         totals = self._totals(batch)
         total = 0.0
         for micro in split_rows(batch, micro_batch_size):
-            logp, _ = response_logprobs(self.model, micro)
+            logp, _ = response_logprobs(self.model, micro, packed=self.packed)
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
             (loss * _share(micro, totals, "token_mean")).backward()
@@ -312,7 +335,7 @@ class PolicyTrainer:
         for micro in split_rows(batch, micro_batch_size):
             share = _share(micro, totals, loss_fn.agg)
             token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
-            logp, entropy = response_logprobs(self.model, micro, with_entropy=True)
+            logp, entropy = response_logprobs(self.model, micro, with_entropy=True, packed=self.packed)
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
@@ -343,10 +366,10 @@ class PolicyTrainer:
         _, rows = self._totals(pairs.chosen)  # pairs over every rank: each rank's share of the global mean
         for micro in pairs.micro_batches(cfg.micro_batch_size):
             share = len(micro) / rows  # every loss is a mean over pairs
-            chosen_tokens, _ = response_logprobs(self.model, micro.chosen)  # (b, C)
+            chosen_tokens, _ = response_logprobs(self.model, micro.chosen, packed=self.packed)  # (b, C)
             mask = micro.chosen.response_mask
             chosen = (chosen_tokens * mask).sum(dim=1)  # (b,)
-            rejected = sequence_logprobs(self.model, micro.rejected)  # (b,)
+            rejected = sequence_logprobs(self.model, micro.rejected, self.packed)  # (b,)
             out = dpo_loss(chosen, rejected, micro.ref_chosen, micro.ref_rejected, micro, cfg)
             # RPO: the chosen completion's NLL (per-token mean, then mean over pairs) anchors its likelihood
             nll = (-chosen / mask.sum(dim=1).clamp(min=1.0)).mean()

@@ -204,3 +204,32 @@ def test_reward_model_scores_whitened_and_clipped(tmp_path):
 def test_reward_source_model_needs_a_path():
     with pytest.raises(ConfigError, match=r"reward.*needs model_path"):
         load_config(None, ["reward.source=sum"])
+
+
+def test_model_packing_reaches_every_role_and_reports_the_padded_first_step(tmp_path, monkeypatch):
+    # policy, reference (kl_coef) and critic (gae) on packed forwards; the first step's rollout is the same
+    # (the engine samples before any update), so its statistics equal the padded run's within float noise
+    import loopline.training.critic
+    import loopline.training.policy
+    from loopline.training.packing import packed_forward
+
+    packed_models: set[str] = set()
+
+    def counting(model, packing):
+        packed_models.add(type(model).__name__)
+        return packed_forward(model, packing)
+
+    for module in (loopline.training.policy, loopline.training.critic):
+        monkeypatch.setattr(module, "packed_forward", counting)
+    extra = [
+        "grpo.advantage=gae",
+        "grpo.kl_coef=0.05",
+        "critic.micro_batch_size=4",
+        "grpo.micro_batch_size=5",
+    ]
+    _, padded = _run(tmp_path / "padded", *extra)
+    assert not packed_models
+    _, packed = _run(tmp_path / "packed", *extra, "model.packing=true")
+    assert packed_models == {"Qwen2ForCausalLM", "Qwen2Model"}  # the policy and reference; the critic's body
+    for key in ("loss", "policy_loss", "kl", "entropy", "value_loss", "value_mean", "grad_norm"):
+        assert packed[0][key] == pytest.approx(padded[0][key], abs=1e-5, rel=1e-4), key

@@ -40,6 +40,8 @@ from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1.0)
 CASES = ("token_mean", None)  # policy_step under token_mean (two steps); None = one sft_step
+# the sharded ranks' SFT step runs on packed forwards (model.packing): the same update as one padded rank
+PACKED_CASE = None
 
 
 def _model() -> torch.nn.Module:
@@ -115,7 +117,8 @@ def _rank_main(rank: int, world: int, tp: int, batch: RolloutBatch, out: str) ->
     for case in CASES:
         start = time.perf_counter()
         model = parallelize(_model(), mesh)
-        trainer = PolicyTrainer(model, OPTIM, total_steps=10, group=mesh["dp"].get_group())
+        group = mesh["dp"].get_group()
+        trainer = PolicyTrainer(model, OPTIM, total_steps=10, group=group, packed=case == PACKED_CASE)
         grads: list = []
         stats = _run(trainer, mine, case, grads)
         results[str(case)] = {"stats": stats, "grads": grads, "weights": full_model_state(model)}
