@@ -155,7 +155,10 @@ def test_the_code_env_scores_by_running_each_rows_tests_in_the_sandbox(tmp_path:
     )
     code = [
         "data.source=jsonl", f"data.train_path={train}", f"data.eval_path={held_out}",
-        "data.completion_field=canonical_solution", "env.name=code", "runtime.env_workers=2", "sft.steps=60",
+        "data.completion_field=canonical_solution", "env.name=code", "runtime.env_workers=2",
+        # SFT to "    return 7": at ARGS' lr (1e-2) 60 steps gave 0% or 100% by seed and CPU; 3e-3 for 80 gave 100% on
+        # seeds 0-2 at 1 and 2 threads on an AVX-512 EPYC
+        "sft.steps=80", "sft.optim.lr=3e-3",
         "grpo.sampling.max_new_tokens=16", "eval.sampling.max_new_tokens=16",  # "    return 7\n" and its end
     ]  # fmt: skip
     every, fraction = tmp_path / "all", tmp_path / "fraction"
