@@ -96,11 +96,16 @@ def step_marks(clock: ComputeClock) -> Iterator[list[tuple[str, int, float, floa
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="loopline bench step", description=__doc__)
-    parser.add_argument("--steps", type=int, default=6, help="GRPO steps (the first is left out: warm-up)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=7,
+        help="GRPO steps (the first, a warm-up, and the last, which evaluates, left out)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for the job, e.g. grpo.group_size=16")
     args = parser.parse_args(argv)
-    if args.steps < 2:
-        parser.error("--steps must be at least 2 (the first step is a warm-up)")
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (the first step is a warm-up, the last evaluates)")
 
     from transformers import Qwen2ForCausalLM
 
@@ -124,12 +129,15 @@ def main(argv: list[str]) -> int:
         if status:
             print(job_output.getvalue())
             return status
-        rows = [r for r in read_metrics(out) if r["phase"] == "grpo" and r["step"] > 1]
-    # a step is the time from the previous step's row to its own (the first step, a warm-up, left out)
+        rows = [r for r in read_metrics(out) if r["phase"] == "grpo" and 1 < r["step"] < args.steps]
+    # a step is the time from the previous step's row to its own; left out: the first (a warm-up) and the last
+    # (the run's final held-out eval happens before its row)
     grpo = [(step, t, c) for phase, step, t, c in marks if phase == "grpo"]
-    spans = [(t1 - t0, c1 - c0) for (_, t0, c0), (step, t1, c1) in zip(grpo, grpo[1:]) if step > 1]
+    spans = [
+        (t1 - t0, c1 - c0) for (_, t0, c0), (step, t1, c1) in zip(grpo, grpo[1:]) if 1 < step < args.steps
+    ]
     step_s = statistics.mean(w for w, _ in spans)
-    print(f"steps_measured: {len(spans)} (of {args.steps}; the first is a warm-up)")
+    print(f"steps_measured: {len(spans)} (of {args.steps}; the first is a warm-up, the last evaluates)")
     for stage in STAGES:
         seconds = statistics.mean(r.get(f"time_{stage}", 0.0) for r in rows)
         print(f"{stage}_ms: {seconds * 1e3:.1f}  ({seconds / step_s:.1%} of a step)")

@@ -12,7 +12,7 @@ from tests.conftest import SMALL
 
 def test_bench_step_splits_a_step_by_stage_and_ends_with_the_framework_share(capsys):
     small = [f"model.tiny.{k}={v}" for k, v in SMALL.model_dump().items() if k != "max_position_embeddings"]
-    args = ["--steps", "3", *small, "grpo.prompts_per_step=4", "grpo.group_size=2", "threads=1"]
+    args = ["--steps", "4", *small, "grpo.prompts_per_step=4", "grpo.group_size=2", "threads=1"]
     assert main(args) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert not any("held-out accuracy" in line for line in lines)  # the job's own report stays out
