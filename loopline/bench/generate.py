@@ -4,7 +4,9 @@ A GRPO-shaped batch (64 prompts x 8 samples by default, prompts from the built-i
 1 two ways: with a long tail of lengths (the digits end a sample: with the untrained model's near-uniform
 next-token distribution about 1 token in 25 is a digit, so lengths are geometric, most short, a few reaching
 --max-new) and at equal length (no stop: every sample runs to --max-new; EOS is masked in the model's head
-for both). Each engine runs the same batch
+for both). The long tail again with at most --max-rows sequences at once (a memory bound): the built-in engine
+batching continuously (a prompt's samples enter as finished ones free their rows) against static batches of
+--max-rows / --samples prompts one after another, its own and HF's. Each engine runs the same batch
 --repeats times, alternating; tokens/s counts the tokens each returns, and microseconds per decode step
 divide the time by the forward passes the longest sample needs (the tiny model is bound by per-step
 overhead, not by memory bandwidth). Ends with the headline ratio on the long tail.
@@ -70,23 +72,26 @@ def _timed(fn: Callable[[], list[int]]) -> tuple[float, list[int]]:
     return time.perf_counter() - t0, lengths
 
 
-def _compare(name: str, engine_fn, hf_fn, repeats: int) -> float:
-    """Alternate the two, print each one's tokens/s and us per decode step; the ratio of medians."""
-    results: dict[str, list[tuple[float, list[int]]]] = {"builtin": [], "hf": []}
+def _compare(name: str, runs: dict[str, Callable[[], list[int]]], repeats: int) -> float:
+    """Alternate the engines ("builtin" and "hf", and any others), print each one's tokens/s and us per decode
+    step; the ratio of medians builtin / hf (and builtin / each other one)."""
+    results: dict[str, list[tuple[float, list[int]]]] = {who: [] for who in runs}
     for _ in range(repeats):
-        results["builtin"].append(_timed(engine_fn))
-        results["hf"].append(_timed(hf_fn))
+        for who, fn in runs.items():
+            results[who].append(_timed(fn))
     rates = {}
-    for who, runs in results.items():
-        rate = statistics.median(sum(lengths) / t for t, lengths in runs)
-        step_us = statistics.median(t / max(lengths) * 1e6 for t, lengths in runs)
-        mean_len = statistics.mean(statistics.mean(lengths) for _, lengths in runs)
-        max_len = max(max(lengths) for _, lengths in runs)
+    for who, timed in results.items():
+        rate = statistics.median(sum(lengths) / t for t, lengths in timed)
+        step_us = statistics.median(t / max(lengths) * 1e6 for t, lengths in timed)
+        mean_len = statistics.mean(statistics.mean(lengths) for _, lengths in timed)
+        max_len = max(max(lengths) for _, lengths in timed)
         print(f"{name}_{who}_tokens_per_s: {rate:.0f}")
         print(f"{name}_{who}_us_per_decode_step: {step_us:.0f}")
         print(f"{name}_{who}_mean_length: {mean_len:.1f}")
         print(f"{name}_{who}_max_length: {max_len}")
         rates[who] = rate
+    for other in (who for who in runs if who not in ("builtin", "hf")):
+        print(f"{name}_builtin_over_{other}_tokens_per_s: {rates['builtin'] / rates[other]:.2f}")
     ratio = rates["builtin"] / rates["hf"]
     print(f"{name}_builtin_over_hf_tokens_per_s: {ratio:.2f}")
     return ratio
@@ -97,13 +102,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
     parser.add_argument("--max-new", type=int, default=128, help="most new tokens per sample")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=128,
+        help="rows computed at once in the capped case (continuous batching)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for key in ("prompts", "samples", "max_new", "repeats", "threads"):
+    for key in ("prompts", "samples", "max_new", "max_rows", "repeats", "threads"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.max_rows < args.samples:
+        parser.error("--max-rows must hold at least one prompt's --samples")
     torch.set_num_threads(args.threads)
 
     tokenizer = build_byte_tokenizer()
@@ -123,9 +136,38 @@ def main(argv: list[str]) -> int:
     def theirs(ids: list[int]) -> Callable[[], list[int]]:
         return lambda: _hf_generate(model, tokenizer, prompts, args.samples, args.max_new, ids)
 
+    # the capped case: at most --max-rows sequences at once (a memory bound). The built-in engine batches
+    # continuously; a static batcher runs groups of prompts one after another, each as long as its longest
+    capped = TorchEngine(model, tokenizer, seed=args.seed, max_rows=args.max_rows)
+    per_chunk = args.max_rows // args.samples
+
+    def continuous() -> list[int]:
+        params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=STOP_DIGITS)
+        return [len(c.token_ids) for c in capped.generate(prompts, params, n=args.samples)]
+
+    def chunked(generate_chunk: Callable[[list[list[int]]], list[int]]) -> Callable[[], list[int]]:
+        return lambda: [
+            n for i in range(0, len(prompts), per_chunk) for n in generate_chunk(prompts[i : i + per_chunk])
+        ]
+
+    def ours_chunk(chunk: list[list[int]]) -> list[int]:
+        params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=STOP_DIGITS)
+        return [len(c.token_ids) for c in engine.generate(chunk, params, n=args.samples)]
+
+    def theirs_chunk(chunk: list[list[int]]) -> list[int]:
+        return _hf_generate(model, tokenizer, chunk, args.samples, args.max_new, stop_ids + eos)
+
     ours(STOP_DIGITS)()  # warm-up of both paths (first calls allocate)
     theirs(stop_ids + eos)()
-    _compare("equal_length", ours(()), theirs(eos), args.repeats)
-    headline = _compare("long_tail", ours(STOP_DIGITS), theirs(stop_ids + eos), args.repeats)
+    _compare("equal_length", {"builtin": ours(()), "hf": theirs(eos)}, args.repeats)
+    print(f"capped: at most {args.max_rows} rows at once ({per_chunk} prompts per static batch)")
+    _compare(
+        "long_tail_capped",
+        {"builtin": continuous, "builtin_static": chunked(ours_chunk), "hf": chunked(theirs_chunk)},
+        args.repeats,
+    )
+    headline = _compare(
+        "long_tail", {"builtin": ours(STOP_DIGITS), "hf": theirs(stop_ids + eos)}, args.repeats
+    )
     print(f"builtin_over_hf_tokens_per_s: {headline:.2f}")
     return 0

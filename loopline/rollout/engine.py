@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -120,7 +120,8 @@ class _PreallocatedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         new = key_states.shape[-2]
         if self.buffers is None or self.length + new > self.buffers[0].shape[-2]:
-            self._resize(key_states, value_states, max(self.capacity, self.length + new))
+            grown = 2 * self.buffers[0].shape[-2] if self.buffers is not None else self.capacity
+            self._resize(key_states, value_states, max(grown, self.length + new))
         assert self.buffers is not None
         for buffer, states in zip(self.buffers, (key_states, value_states)):
             buffer[:, :, self.length : self.length + new] = states
@@ -140,13 +141,15 @@ class _PreallocatedLayer(DynamicLayer):
         self.keys, self.values = (b[:, :, : self.length] for b in self.buffers)
         return self.keys, self.values
 
-    def _rebuild(self, rows: torch.Tensor | None, repeats: int = 1) -> None:
-        """Keep `rows` of the batch (or repeat every row `repeats` times), copying only the filled part."""
+    def _rebuild(self, rows: torch.Tensor | None, repeats: int = 1, first: int = 0) -> None:
+        """Keep `rows` of the batch (or repeat every row `repeats` times) from column `first` on, copying only
+        the filled part."""
         if self.buffers is None:
             return
         picked = []
+        self.length -= first
         for b in self.buffers:
-            filled = b[:, :, : self.length]
+            filled = b[:, :, first : first + self.length]
             filled = filled[rows] if rows is not None else filled.repeat_interleave(repeats, dim=0)
             buffer = filled.new_empty((filled.shape[0], *b.shape[1:]))
             buffer[:, :, : self.length] = filled
@@ -159,6 +162,30 @@ class _PreallocatedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._rebuild(indices)
+
+    def select(self, rows: torch.Tensor, first: int) -> None:
+        """Keep `rows`, without the columns before `first`."""
+        self._rebuild(rows, first=first)
+
+    def stack(self, rows: torch.Tensor, first: int, other: _PreallocatedLayer, capacity: int) -> None:
+        """Keep `rows` from column `first` on, then append every row of `other` below them; the two parts'
+        filled columns right-aligned (zeros on the left of the narrower part, which the attention mask hides)."""
+        assert self.buffers is not None and other.buffers is not None
+        parts = [
+            [b[rows, :, first : self.length] for b in self.buffers],
+            [b[:, :, : other.length] for b in other.buffers],
+        ]
+        width = max(part[0].shape[-2] for part in parts)
+        stacked = []
+        for i in range(2):  # keys, values
+            top, bottom = parts[0][i], parts[1][i]
+            shape = (top.shape[0] + bottom.shape[0], top.shape[1], max(capacity, width), top.shape[-1])
+            buffer = top.new_zeros(shape)
+            buffer[: top.shape[0], :, width - top.shape[-2] : width] = top
+            buffer[top.shape[0] :, :, width - bottom.shape[-2] : width] = bottom
+            stacked.append(buffer)
+        self.buffers, self.length = (stacked[0], stacked[1]), width
+        self._views()
 
 
 def _preallocated_cache(capacity: int) -> DynamicCache:
@@ -173,6 +200,53 @@ def _cache_of(out: object) -> object:
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+@dataclass
+class _Running:
+    """The sequences an engine computes together: one row each, in the cache and in every tensor here."""
+
+    cache: DynamicCache
+    logits: torch.Tensor  # (B, V) next-token logits of each row
+    attention: torch.Tensor  # (B, W) 1 on the cache columns a row attends to
+    next_pos: torch.Tensor  # (B, 1) position of each row's next token
+    sample: torch.Tensor  # (B,) which completion each row is (prompt index * n + sample index)
+    count: torch.Tensor  # (B,) tokens generated so far
+    live: torch.Tensor  # (B,) bool, still generating
+
+    def keep(self, rows: torch.Tensor, trim: bool) -> None:
+        """Drop every row but `rows` (a copy of the cache's filled part); trim: and the columns none of them
+        attends to any more (shapes change, so a batch that started whole does not trim: it stays bitwise as
+        before)."""
+        first = self._first_column(rows) if trim else 0
+        for layer in self.cache.layers:
+            cast(_PreallocatedLayer, layer).select(rows, first)
+        for name in ("logits", "next_pos", "sample", "count", "live"):
+            setattr(self, name, getattr(self, name)[rows])
+        self.attention = self.attention[rows, first:]
+
+    def _first_column(self, rows: torch.Tensor) -> int:
+        """The first cache column any of `rows` attends to (left of it: padding, or the finished rows' past)."""
+        attention = self.attention[rows]
+        return int(attention.any(dim=0).float().argmax()) if len(rows) else attention.shape[1]
+
+    def join(self, new: _Running, capacity: int) -> None:
+        """Append `new`'s rows (a group just prefilled) to the live rows, which alone are kept; columns that no
+        kept row attends to any more are dropped, so the cache spans at most a prompt and its completion."""
+        rows = self.live.nonzero().flatten()
+        first = self._first_column(rows)
+        attention = self.attention[rows]
+        for layer, other in zip(self.cache.layers, new.cache.layers):
+            cast(_PreallocatedLayer, layer).stack(rows, first, cast(_PreallocatedLayer, other), capacity)
+        width = self.cache.layers[0].keys.shape[-2]
+        attention = attention[:, first:]
+        self.attention = torch.cat([_left_pad(attention, width), _left_pad(new.attention, width)], dim=0)
+        for name in ("logits", "next_pos", "sample", "count", "live"):
+            setattr(self, name, torch.cat([getattr(self, name)[rows], getattr(new, name)]))
+
+
+def _left_pad(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.cat([mask.new_zeros((mask.shape[0], width - mask.shape[1])), mask], dim=1)
+
+
 class TorchEngine:
     """Batched sampling with a KV cache on any HF causal LM; runs wherever the model lives.
 
@@ -181,9 +255,17 @@ class TorchEngine:
     """
 
     def __init__(
-        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int | None = None
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        seed: int | None = None,
+        max_rows: int = 0,
     ) -> None:
+        """max_rows: sequences computed at once (runtime.engine_max_rows); 0 = all of a call's at once."""
+        if max_rows < 0:
+            raise ValueError(f"max_rows must be at least 0, got {max_rows}")
         self.model = model
+        self.max_rows = max_rows
         self.tokenizer = tokenizer
         self.version = 0
         self.generator: torch.Generator | None = None
@@ -236,23 +318,10 @@ class TorchEngine:
             self._stoppers[stop] = _StopMatcher(self.tokenizer, stop, self._pieces)
         return self._stoppers[stop]
 
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
-        """n completions per prompt; prompts are token ids (no padding).
-
-        Each prompt is prefilled once and its KV cache shared by its n samples; finished sequences leave the
-        batch (their cache rows dropped) once they are a quarter of it, so a long tail does not keep the
-        finished ones computing.
-        """
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise ValueError("generate needs non-empty prompts")
+    def _prefill(self, prompts: list[list[int]], first: int, n: int, capacity: int) -> _Running:
+        """Prompts first, first + 1, ... prefilled in one forward (left-padded), each row then repeated for its n
+        samples: the group shares its prompt's KV, copies of the prefilled rows, not n prefills."""
         device = next(self.model.parameters()).device
-        was_training = self.model.training
-        self.model.eval()
-        gen = self.generator
-        if params.seed is not None:
-            gen = torch.Generator(device=device).manual_seed(params.seed)
-
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -261,7 +330,7 @@ class TorchEngine:
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = _preallocated_cache(width + params.max_new_tokens)
+        cache = _preallocated_cache(width + capacity)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention,
@@ -270,22 +339,60 @@ class TorchEngine:
             **{self._cache_arg: cache},
         )
         cache, logits = _cache_of(out), out.logits[:, -1, :]
-        if n > 1:  # the group shares its prompt's KV: copies of the prefilled rows, not n prefills
+        if n > 1:
             cache.batch_repeat_interleave(n)
             logits, attention = logits.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
             positions = positions.repeat_interleave(n, 0)
+        rows = len(prompts) * n
+        sample = torch.arange(first * n, first * n + rows, device=device)
+        return _Running(
+            cache, logits, attention, positions[:, -1:] + 1, sample,
+            count=torch.zeros(rows, dtype=torch.long, device=device),
+            live=torch.ones(rows, dtype=torch.bool, device=device),
+        )  # fmt: skip
 
-        batch = len(prompts) * n
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
+        """n completions per prompt; prompts are token ids (no padding).
+
+        Continuous batching: at most max_rows sequences compute at once (all when 0). A prompt enters with its
+        n samples when n rows are free, prefilled once; a finished sequence leaves the batch (its cache row
+        dropped) once finished rows are a quarter of it, or at once when a waiting prompt needs the rows, so a
+        long tail neither keeps finished rows computing nor holds waiting prompts back.
+        """
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs non-empty prompts")
+        total = len(prompts) * n
+        slots = self.max_rows or total
+        if slots < n:
+            raise ValueError(
+                f"engine max_rows ({slots}) is below the {n} samples of one prompt, which start together"
+            )
+        device = next(self.model.parameters()).device
+        was_training = self.model.training
+        self.model.eval()
+        gen = self.generator
+        if params.seed is not None:
+            gen = torch.Generator(device=device).manual_seed(params.seed)
         stopper = self._stopper(tuple(params.stop))
-        tokens = torch.full((batch, params.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
-        token_logps = torch.zeros((batch, params.max_new_tokens), device=device)
-        lengths = [params.max_new_tokens] * batch
-        finish = ["length"] * batch
-        rows = torch.arange(batch, device=device)  # the original index of each row of the batch
-        live = torch.ones(batch, dtype=torch.bool, device=device)  # rows still generating
-        next_pos = positions[:, -1:] + 1
-        for step in range(params.max_new_tokens):
-            logits = logits.float()
+        max_new = params.max_new_tokens
+
+        tokens = torch.full((total, max_new), self.pad_id, dtype=torch.long, device=device)
+        token_logps = torch.zeros((total, max_new), device=device)
+        lengths = [max_new] * total
+        finish = ["length"] * total
+        admitted = min(len(prompts), slots // n)  # prompts started so far, in order
+        batch = self._prefill(prompts[:admitted], 0, n, max_new)
+        while True:
+            free = slots - int(batch.live.sum())
+            # waiting prompts take the rows of finished ones, a quarter of the rows at a time (or a group, if
+            # larger): each entry costs a prefill and a copy of the cache, so one per few finishes
+            if admitted < len(prompts) and free >= max(n, slots // 4):
+                enter = min(len(prompts) - admitted, free // n)
+                new = self._prefill(prompts[admitted : admitted + enter], admitted, n, max_new)
+                batch.join(new, capacity=max_new)
+                admitted += enter
+            logits = batch.logits.float()
             if params.temperature == 0.0:
                 token = logits.argmax(dim=-1)
                 logp = torch.log_softmax(logits, dim=-1)
@@ -294,48 +401,48 @@ class TorchEngine:
                     _filter_logits(logits / params.temperature, params.top_k, params.top_p), -1
                 )
                 token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            live = batch.live
             token = torch.where(live, token, self.pad_id)
-            tokens[rows[live], step] = token[live]
-            token_logps[rows[live], step] = logp.gather(1, token[:, None]).squeeze(1)[live]
+            sample, count = batch.sample[live], batch.count[live]
+            tokens[sample, count] = token[live]
+            token_logps[sample, count] = logp.gather(1, token[:, None]).squeeze(1)[live]
+            batch.count = batch.count + live
 
             done = stopper.stops(token) & live
             for i in (stopper.may_complete(token) & live & ~done).nonzero().flatten().tolist():
-                done[i] = stopper.hit(tokens[rows[i], : step + 1].tolist())
-            if bool(done.any()):
-                for i in rows[done].tolist():
-                    lengths[i], finish[i] = step + 1, "stop"
-                live &= ~done
-                if not bool(live.any()):
-                    break
-                # finished rows leave the batch once they are a quarter of it: dropping them costs a copy of
-                # the cache's filled part, so one copy per few finishes rather than one per step
-                if int((~live).sum()) * 4 >= len(rows):
-                    kept = live.nonzero().flatten()
-                    cache.batch_select_indices(kept)
-                    rows, token, attention, next_pos = (
-                        rows[kept],
-                        token[kept],
-                        attention[kept],
-                        next_pos[kept],
-                    )
-                    live = live[kept]
-            if step + 1 == params.max_new_tokens:
+                done[i] = stopper.hit(tokens[batch.sample[i], : batch.count[i]].tolist())
+            for i in done.nonzero().flatten().tolist():
+                row = int(batch.sample[i])
+                lengths[row], finish[row] = int(batch.count[i]), "stop"
+            done |= live & (batch.count == max_new)  # at the length limit ("length", as set)
+            batch.live = live & ~done
+            if not bool(batch.live.any()) and admitted == len(prompts):
                 break
-            attention = torch.cat([attention, attention.new_ones((len(rows), 1))], dim=1)
+            # finished rows leave the batch once they are a quarter of it: dropping them costs a copy of the
+            # cache's filled part, so one copy per few finishes rather than one per step
+            if int((~batch.live).sum()) * 4 >= len(batch.live):
+                kept = batch.live.nonzero().flatten()
+                batch.keep(kept, trim=slots < total)
+                token = token[kept]
+            if len(batch.live) == 0:
+                continue  # every row finished: the waiting prompts enter at the loop's top
+            batch.attention = torch.cat(
+                [batch.attention, batch.attention.new_ones((len(batch.live), 1))], dim=1
+            )
             out = self.model(
                 input_ids=token[:, None],
-                attention_mask=attention,
-                position_ids=next_pos,
+                attention_mask=batch.attention,
+                position_ids=batch.next_pos,
                 use_cache=True,
-                **{self._cache_arg: cache},
+                **{self._cache_arg: batch.cache},
             )
-            cache, logits = _cache_of(out), out.logits[:, -1, :]
-            next_pos = next_pos + 1
+            batch.cache, batch.logits = _cache_of(out), out.logits[:, -1, :]
+            batch.next_pos = batch.next_pos + 1
 
         self.model.train(was_training)
         token_lists, logp_lists = tokens.tolist(), token_logps.tolist()
         completions = []
-        for i in range(batch):
+        for i in range(total):
             ids = token_lists[i][: lengths[i]]
             completions.append(
                 Completion(

@@ -36,6 +36,12 @@ class RuntimeConfig(Section):
     engines: int = Field(
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
+    engine_max_rows: int = Field(
+        0,
+        ge=0,
+        description="Sequences an engine computes at once (continuous batching: a prompt's samples enter as "
+        "finished sequences free their rows); 0 = all of a call's sequences at once. Bounds the KV cache.",
+    )
     env_workers: int = Field(
         1,
         gt=0,

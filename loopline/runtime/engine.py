@@ -42,7 +42,9 @@ class EngineWorker:
         self.rank = rank_and_world()[0]
         if engine is None:
             model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
-            engine = TorchEngine(model, tokenizer, seed=cfg.seed + 1 + self.rank)
+            engine = TorchEngine(
+                model, tokenizer, seed=cfg.seed + 1 + self.rank, max_rows=cfg.runtime.engine_max_rows
+            )
         self.engine = engine
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.layout: Any = None  # the trainer's TrainerLayout, from the driver

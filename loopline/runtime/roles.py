@@ -64,7 +64,7 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     from loopline.runtime.critic import CriticRole, CriticWorker
 
     # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
-    engine = TorchEngine(copy.deepcopy(model), tokenizer)
+    engine = TorchEngine(copy.deepcopy(model), tokenizer, max_rows=cfg.runtime.engine_max_rows)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
     trainer = WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model))

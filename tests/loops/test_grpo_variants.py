@@ -233,3 +233,25 @@ def test_model_packing_reaches_every_role_and_reports_the_padded_first_step(tmp_
     assert packed_models == {"Qwen2ForCausalLM", "Qwen2Model"}  # the policy and reference; the critic's body
     for key in ("loss", "policy_loss", "kl", "entropy", "value_loss", "value_mean", "grad_norm"):
         assert packed[0][key] == pytest.approx(padded[0][key], abs=1e-5, rel=1e-4), key
+
+
+def test_runtime_engine_max_rows_reaches_the_engine_that_samples_the_steps(tmp_path, monkeypatch):
+    from loopline.rollout.engine import TorchEngine
+
+    rows_per_forward: list[int] = []
+    generate = TorchEngine.generate
+
+    def recording(self, prompts, params, n=1):
+        hook = self.model.register_forward_pre_hook(
+            lambda _, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+        )
+        try:
+            return generate(self, prompts, params, n)
+        finally:
+            hook.remove()
+
+    monkeypatch.setattr(TorchEngine, "generate", recording)
+    # 4 prompts x 4 samples a step through 8 rows: two prompts at a time, the others entering as rows free
+    _, rows = _run(tmp_path, "runtime.engine_max_rows=8")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows_per_forward and max(rows_per_forward) <= 8

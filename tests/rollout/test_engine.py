@@ -127,6 +127,63 @@ def test_prompts_are_prefilled_once_and_finished_rows_leave_the_batch(small_mode
     assert decode == sorted(decode, reverse=True) and decode[-1] < 40
 
 
+def _digit_prompts(tokenizer, count: int) -> list[list[int]]:
+    rows, _ = arithmetic_splits(TaskConfig(num_train=count, num_eval=2, num_val=2), seed=3)
+    return [tokenizer(r.prompt)["input_ids"] for r in rows]
+
+
+@pytest.mark.parametrize("max_rows", [2, 6, 15])
+def test_continuous_batching_gives_each_sample_what_the_whole_batch_at_once_gives(
+    trained, tokenizer, max_rows
+):
+    # greedy, so a sample does not depend on its batch: the same tokens however many rows compute at once, and
+    # log-probs within float noise (other padding, other batch shapes)
+    prompts = _digit_prompts(tokenizer, 12)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop=("\n",))
+    whole = TorchEngine(trained, tokenizer).generate(prompts, params, n=2)
+    assert len({len(c.token_ids) for c in whole}) > 1  # a spread of lengths: rows free at different steps
+    capped = TorchEngine(trained, tokenizer, max_rows=max_rows).generate(prompts, params, n=2)
+    for a, b in zip(whole, capped):
+        assert (a.prompt_index, a.sample_index, a.token_ids, a.finish_reason) == (
+            b.prompt_index, b.sample_index, b.token_ids, b.finish_reason,
+        )  # fmt: skip
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+
+
+def test_waiting_prompts_take_freed_rows_and_the_cache_stays_bounded(small_model, tokenizer):
+    # 24 prompts x 2 samples through 8 rows at T=1 with digits as stops: most samples end within a few tokens,
+    # a few run to 30. Every forward holds at most 8 rows; prompts enter while long samples still run (a
+    # prefill after decode steps of other rows), and the cache spans at most a prompt and its completion
+    shapes = []
+    hook = small_model.register_forward_pre_hook(
+        lambda _, args, kwargs: shapes.append((kwargs["input_ids"].shape, kwargs["attention_mask"].shape[1])),
+        with_kwargs=True,
+    )
+    prompts = _digit_prompts(tokenizer, 24)
+    params = SamplingParams(max_new_tokens=30, seed=2, stop=tuple("0123456789"))
+    try:
+        out = TorchEngine(small_model, tokenizer, max_rows=8).generate(prompts, params, n=2)
+    finally:
+        hook.remove()
+    assert all(rows <= 8 for (rows, _), _ in shapes)
+    prefills = [i for i, ((_, width), _) in enumerate(shapes) if width > 1]
+    assert len(prefills) > 3 and prefills[1] > 1  # groups enter one after another, between decode steps
+    longest = max(len(c.token_ids) for c in out)
+    assert longest > 10 and len(shapes) - len(prefills) < 24 * longest / 4  # far fewer steps than in sequence
+    # the cache never spans more than a prompt and two completions (columns left of every row's are dropped)
+    assert max(columns for _, columns in shapes) <= max(map(len, prompts)) + 2 * params.max_new_tokens + 1
+    assert sorted((c.prompt_index, c.sample_index) for c in out) == [
+        (p, s) for p in range(24) for s in range(2)
+    ]
+
+
+def test_max_rows_below_a_group_is_refused(small_model, tokenizer):
+    with pytest.raises(ValueError, match=r"engine max_rows \(3\) is below the 4 samples of one prompt"):
+        TorchEngine(small_model, tokenizer, max_rows=3).generate(_prompts(tokenizer), SamplingParams(), n=4)
+    with pytest.raises(ValueError, match="max_rows must be at least 0"):
+        TorchEngine(small_model, tokenizer, max_rows=-1)
+
+
 def test_stop_strings_are_matched_as_decoding_every_token_would(small_model):
     # the matcher decodes only after a token whose text holds a stop string's last character; on random
     # sequences over a BPE vocabulary with merges it must stop exactly where decoding every token stops
