@@ -152,6 +152,11 @@ class RunConfig(Section):
             raise ValueError(
                 f"sft.batch_size ({self.sft.batch_size}) must be a multiple of runtime.trainer_ranks ({n})"
             )
+        if 0 < self.runtime.engine_max_rows < self.grpo.group_size:
+            raise ValueError(
+                f"runtime.engine_max_rows ({self.runtime.engine_max_rows}) must hold one prompt's "
+                f"grpo.group_size ({self.grpo.group_size}) samples, which start together (or be 0: no cap)"
+            )
         return self
 
 

@@ -33,6 +33,13 @@ def test_unknown_key_names_the_dotted_key(override, key):
         ("runtime.trainer_tp=2", "runtime", "trainer_ranks=1 must be divisible by trainer_tp=2"),
         ("data.task.min_digits=4", "data.task", "min_digits"),
         ("seed.x=1", "seed", "integer"),
+        (
+            "runtime.engine_max_rows=4",
+            "<root>",
+            "runtime.engine_max_rows (4) must hold one prompt's grpo.group_size",
+        ),
+        ("runtime.engine_max_rows=-1", "runtime.engine_max_rows", "greater than or equal to 0"),
+        ("model.packing=maybe", "model.packing", "valid boolean"),
     ],
 )
 def test_bad_value_names_the_key_and_the_rule(override, key, hint):
