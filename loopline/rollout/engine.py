@@ -355,10 +355,10 @@ class TorchEngine:
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[Completion]:
         """n completions per prompt; prompts are token ids (no padding).
 
-        Continuous batching: at most max_rows sequences compute at once (all when 0). A prompt enters with its
-        n samples when n rows are free, prefilled once; a finished sequence leaves the batch (its cache row
-        dropped) once finished rows are a quarter of it, or at once when a waiting prompt needs the rows, so a
-        long tail neither keeps finished rows computing nor holds waiting prompts back.
+        Continuous batching: at most max_rows sequences compute at once (all when 0). Waiting prompts enter with
+        their n samples once a quarter of the rows (at least n) are free, prefilled once; a finished sequence
+        leaves the batch (its cache row dropped) once finished rows are a quarter of it, or when waiting prompts
+        take its row, so a long tail neither keeps finished rows computing nor holds waiting prompts back.
         """
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs non-empty prompts")
