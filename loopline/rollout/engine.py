@@ -167,9 +167,10 @@ class _PreallocatedLayer(DynamicLayer):
         """Keep `rows`, without the columns before `first`."""
         self._rebuild(rows, first=first)
 
-    def stack(self, rows: torch.Tensor, first: int, other: _PreallocatedLayer, capacity: int) -> None:
+    def stack(self, rows: torch.Tensor, first: int, other: _PreallocatedLayer, headroom: int) -> None:
         """Keep `rows` from column `first` on, then append every row of `other` below them; the two parts'
-        filled columns right-aligned (zeros on the left of the narrower part, which the attention mask hides)."""
+        filled columns right-aligned (zeros on the left of the narrower part, which the attention mask hides),
+        with `headroom` free columns after them for the tokens to come."""
         assert self.buffers is not None and other.buffers is not None
         parts = [
             [b[rows, :, first : self.length] for b in self.buffers],
@@ -179,7 +180,7 @@ class _PreallocatedLayer(DynamicLayer):
         stacked = []
         for i in range(2):  # keys, values
             top, bottom = parts[0][i], parts[1][i]
-            shape = (top.shape[0] + bottom.shape[0], top.shape[1], max(capacity, width), top.shape[-1])
+            shape = (top.shape[0] + bottom.shape[0], top.shape[1], width + headroom, top.shape[-1])
             buffer = top.new_zeros(shape)
             buffer[: top.shape[0], :, width - top.shape[-2] : width] = top
             buffer[top.shape[0] :, :, width - bottom.shape[-2] : width] = bottom
@@ -228,14 +229,14 @@ class _Running:
         attention = self.attention[rows]
         return int(attention.any(dim=0).float().argmax()) if len(rows) else attention.shape[1]
 
-    def join(self, new: _Running, capacity: int) -> None:
-        """Append `new`'s rows (a group just prefilled) to the live rows, which alone are kept; columns that no
-        kept row attends to any more are dropped, so the cache spans at most a prompt and its completion."""
+    def join(self, new: _Running, headroom: int) -> None:
+        """Append `new`'s rows (groups just prefilled) to the live rows, which alone are kept; columns that no
+        kept row attends to any more are dropped, so the cache never grows with the number of prompts served."""
         rows = self.live.nonzero().flatten()
         first = self._first_column(rows)
         attention = self.attention[rows]
         for layer, other in zip(self.cache.layers, new.cache.layers):
-            cast(_PreallocatedLayer, layer).stack(rows, first, cast(_PreallocatedLayer, other), capacity)
+            cast(_PreallocatedLayer, layer).stack(rows, first, cast(_PreallocatedLayer, other), headroom)
         width = self.cache.layers[0].keys.shape[-2]
         attention = attention[:, first:]
         self.attention = torch.cat([_left_pad(attention, width), _left_pad(new.attention, width)], dim=0)
@@ -318,7 +319,7 @@ class TorchEngine:
             self._stoppers[stop] = _StopMatcher(self.tokenizer, stop, self._pieces)
         return self._stoppers[stop]
 
-    def _prefill(self, prompts: list[list[int]], first: int, n: int, capacity: int) -> _Running:
+    def _prefill(self, prompts: list[list[int]], first: int, n: int, headroom: int) -> _Running:
         """Prompts first, first + 1, ... prefilled in one forward (left-padded), each row then repeated for its n
         samples: the group shares its prompt's KV, copies of the prefilled rows, not n prefills."""
         device = next(self.model.parameters()).device
@@ -330,7 +331,7 @@ class TorchEngine:
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        cache = _preallocated_cache(width + capacity)
+        cache = _preallocated_cache(width + headroom)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention,
@@ -390,7 +391,7 @@ class TorchEngine:
             if admitted < len(prompts) and free >= max(n, slots // 4):
                 enter = min(len(prompts) - admitted, free // n)
                 new = self._prefill(prompts[admitted : admitted + enter], admitted, n, max_new)
-                batch.join(new, capacity=max_new)
+                batch.join(new, headroom=max_new)
                 admitted += enter
             logits = batch.logits.float()
             if params.temperature == 0.0:
