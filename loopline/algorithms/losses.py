@@ -91,6 +91,56 @@ def truncated_is_weights(
     return torch.exp(diff).clamp(max=cap)
 
 
+BehaviourCorrection = Literal["tis", "mask_token", "mask_seq"]
+
+
+@dataclass
+class BehaviourWeights:
+    """Per-token weights proximal / behaviour for the policy loss, and how far the batch was off-policy."""
+
+    weights: torch.Tensor  # (B, T), detached; 1 off the mask
+    low: float  # smallest and largest raw weight on the mask (before truncating or masking)
+    high: float
+    mean: float
+    cut_fraction: float  # share of the masked tokens truncated (tis) or zeroed (mask_token, mask_seq)
+
+
+def behaviour_weights(
+    proximal: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, mode: BehaviourCorrection, cap: float
+) -> BehaviourWeights:
+    """Importance weights rho = exp(proximal - behaviour) for tokens sampled by another policy than the trainer's.
+
+    proximal: the trainer's log-probs of the sampled tokens before the update (the loss ratio's denominator);
+    behaviour: what the engine that sampled them reported (other kernels, or an older policy version). (B, T).
+    tis: min(rho, cap). mask_token: rho where 1/cap <= rho <= cap, else 0. mask_seq: rho, with every token of a
+    sequence zeroed when its geometric-mean rho (length-normalised, so the bound does not depend on length) is
+    outside [1/cap, cap]. The loss still divides by the tokens as drawn: a zeroed token counts, it adds nothing.
+    """
+    if cap <= 1.0:
+        raise ValueError(f"behaviour correction needs cap > 1, got {cap}")
+    m = mask.to(proximal.dtype)
+    on = m.bool()
+    log_rho = (proximal - behaviour).detach() * m
+    rho = torch.exp(log_rho)
+    if mode == "tis":
+        weights, cut = rho.clamp(max=cap), on & (rho > cap)
+    elif mode == "mask_token":
+        keep = (rho >= 1.0 / cap) & (rho <= cap)
+        weights, cut = torch.where(keep, rho, torch.zeros_like(rho)), on & ~keep
+    elif mode == "mask_seq":
+        seq = torch.exp(log_rho.sum(dim=1) / m.sum(dim=1).clamp(min=1.0))  # (B,)
+        keep = ((seq >= 1.0 / cap) & (seq <= cap)).unsqueeze(1)  # (B, 1)
+        weights, cut = torch.where(keep, rho, torch.zeros_like(rho)), on & ~keep
+    else:
+        raise ValueError(f"unknown behaviour correction {mode!r}; use tis, mask_token or mask_seq")
+    weights = torch.where(on, weights, torch.ones_like(weights))
+    n = max(int(on.sum()), 1)
+    raw = rho[on] if on.any() else torch.ones(1)
+    return BehaviourWeights(
+        weights, float(raw.min()), float(raw.max()), float(raw.mean()), float(cut.sum()) / n
+    )
+
+
 def _policy_loss_output(
     per_token: torch.Tensor,
     log_ratio: torch.Tensor,

@@ -50,16 +50,23 @@ class PolicyLoss:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
 
     def policy_loss(
-        self, logp: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor
+        self,
+        logp: torch.Tensor,
+        old: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        is_weights: torch.Tensor | None = None,
     ) -> PolicyLossOutput:
-        """The surrogate alone. logp, old, mask: (B, T); advantages: (B,) or (B, T) (clip only)."""
+        """The surrogate alone. logp, old, mask: (B, T); advantages: (B,) or (B, T) (clip only); is_weights:
+        (B, T) behaviour weights (losses.behaviour_weights) multiplied into the per-token loss."""
         if self.surrogate == "gspo":
             return gspo_policy_loss(
-                logp, old, advantages, mask, self.clip_low, self.clip_high, self.agg, self.max_len
-            )
+                logp, old, advantages, mask, self.clip_low, self.clip_high, self.agg, self.max_len,
+                is_weights=is_weights,
+            )  # fmt: skip
         return clipped_policy_loss(
             logp, old, advantages, mask, self.clip_low, self.clip_high, self.agg, self.max_len,
-            dual_clip=self.dual_clip,
+            dual_clip=self.dual_clip, is_weights=is_weights,
         )  # fmt: skip
 
     def __call__(
@@ -71,10 +78,11 @@ class PolicyLoss:
         entropy: torch.Tensor,
         ref_logprobs: torch.Tensor | None,
         kl_coef: float,
+        is_weights: torch.Tensor | None = None,
     ) -> PolicyObjective:
         """surrogate - entropy_coef * agg(entropy) + kl_coef * agg(KL(pi || ref)); the KL term only when
-        kl_coef is not 0 and the reference's log-probs are given. entropy, ref_logprobs: (B, T)."""
-        surrogate = self.policy_loss(logp, old, advantages, mask)
+        kl_coef is not 0 and the reference's log-probs are given. entropy, ref_logprobs, is_weights: (B, T)."""
+        surrogate = self.policy_loss(logp, old, advantages, mask, is_weights)
         loss = surrogate.loss
         if self.entropy_coef:
             loss = loss - self.entropy_coef * aggregate(entropy, mask, self.agg, self.max_len)

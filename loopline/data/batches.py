@@ -35,6 +35,8 @@ class RolloutBatch(TokenBatch):
     ref_logprobs: torch.Tensor | None  # (B, C) reference policy log-probs, when KL is used
     advantages: torch.Tensor  # (B,) per sequence
     rewards: torch.Tensor  # (B,)
+    # (B, C) behaviour weights (grpo.behaviour_correction); None = all 1
+    is_weights: torch.Tensor | None = None
 
 
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> TokenBatch:

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
-from loopline.algorithms.losses import kl_estimate
+from loopline.algorithms.losses import behaviour_weights, kl_estimate
 from loopline.algorithms.reward import whiten_clip
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import SampleId
@@ -247,6 +247,15 @@ def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     return float((values * mask).sum() / mask.sum().clamp(min=1.0))
 
 
+def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:
+    """The log-probs the engine reported for each completion's tokens, as response columns (B, width), 0 past
+    each completion's end (multi-turn: 0 on observations, which the mask leaves out)."""
+    out = torch.zeros((len(completions), width), dtype=torch.float32)
+    for row, c in enumerate(completions):
+        out[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return out
+
+
 def _take(batch: B, rows: torch.Tensor) -> B:
     """The batch's rows at `rows` (every tensor field indexed along dim 0)."""
     picked = {f.name: getattr(batch, f.name) for f in fields(batch)}
@@ -409,7 +418,16 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             )
             tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
             ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-            old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+            correction = None
+            if cfg.behaviour_correction != "none":
+                # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
+                old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
+                behaviour = engine_logprobs(completions, mask.shape[1])
+                correction = behaviour_weights(
+                    proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap
+                )
+            else:
+                old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
             reward_kl = (
                 kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
             )
@@ -419,6 +437,7 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             batch = RolloutBatch(
                 tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
                 ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
+                is_weights=correction.weights if correction else None,
             )  # fmt: skip
 
         # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
@@ -471,6 +490,11 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             row.update(kl_coef=kl_coef, measured_kl=measured_kl)
         if cfg.dynamic_sampling:
             row.update(sampling_rounds=scored.rounds, informative_fraction=scored.informative_fraction)
+        if correction is not None:
+            row.update(
+                behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
+                behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
+            )  # fmt: skip
         if critic is not None:
             row.update(
                 critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm

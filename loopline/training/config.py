@@ -123,6 +123,17 @@ class GRPOConfig(Section):
     mask_truncated: bool = Field(
         False, description="DAPO overlong filtering: completions cut at max_new_tokens get no loss."
     )
+    behaviour_correction: Literal["none", "tis", "mask_token", "mask_seq"] = Field(
+        "none",
+        description="Off-policy correction for samples the engine drew under other numerics (or older weights): "
+        "the ratio is taken against the trainer's log-probs before the update, and each token is weighted by "
+        "trainer / engine probability at the sampling temperature: tis truncates the weight at behaviour_cap; "
+        "mask_token zeroes tokens whose weight is outside [1/cap, cap]; mask_seq zeroes whole sequences whose "
+        "geometric-mean weight is. Costs one forward per step; none = no weight.",
+    )
+    behaviour_cap: float = Field(
+        2.0, gt=1.0, description="Truncation (tis) or masking bound (mask_*) of the behaviour weight."
+    )
 
     @model_validator(mode="after")
     def _variants_fit(self) -> GRPOConfig:
@@ -133,6 +144,12 @@ class GRPOConfig(Section):
             )
         if self.policy_loss == "gspo" and self.dual_clip is not None:
             raise ValueError("dual_clip applies to policy_loss 'clip' only")
+        if self.behaviour_correction != "none" and (self.sampling.top_p < 1.0 or self.sampling.top_k > 0):
+            raise ValueError(
+                f"behaviour_correction '{self.behaviour_correction}' compares the engine's log-probs with the "
+                "trainer's, which it cannot recompute under top_p/top_k filtering: set sampling.top_p=1 and "
+                "sampling.top_k=0, or behaviour_correction=none"
+            )
         if self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(
                 f"overlong_buffer ({self.overlong_buffer}) must be <= sampling.max_new_tokens "

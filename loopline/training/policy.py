@@ -340,7 +340,9 @@ class PolicyTrainer:
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
             mask = micro.response_mask
-            out = loss_fn(logp, old, micro.advantages, mask, entropy, micro.ref_logprobs, kl_coef)
+            out = loss_fn(
+                logp, old, micro.advantages, mask, entropy, micro.ref_logprobs, kl_coef, micro.is_weights
+            )
             ent = _masked_mean(entropy, mask)
             (out.loss * share).backward()
             for key, value, weight in (

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from loopline.algorithms.losses import (
+    behaviour_weights,
     clipped_policy_loss,
     clipped_value_loss,
     dual_clip_token_loss,
@@ -174,3 +175,60 @@ def test_policy_loss_all_masked_is_zero_with_zero_gradient():
     out.loss.backward()
     assert float(out.loss.detach()) == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
     assert float(out.clip_fraction) == 0.0 and float(out.approx_kl) == 0.0
+
+
+# ---------------------------------------------------------------- behaviour correction (off-policy samples)
+
+# trainer (proximal) vs engine (behaviour) probabilities: rho = .5/.25 = 2, .4/.8 = .5, .9/.3 = 3; the
+# fourth token is off the mask, so whatever its log-probs say its weight is 1
+PROXIMAL = torch.log(torch.tensor([[0.5, 0.4, 0.9, 0.2]]))
+BEHAVIOUR = torch.log(torch.tensor([[0.25, 0.8, 0.3, 0.01]]))
+MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+
+
+@pytest.mark.parametrize(
+    ("mode", "cap", "weights", "cut"),
+    [
+        ("tis", 2.5, [2.0, 0.5, 2.5, 1.0], 1 / 3),  # 3 truncated to 2.5
+        ("mask_token", 2.5, [2.0, 0.5, 0.0, 1.0], 1 / 3),  # 3 > 2.5 zeroed; .5 >= 1/2.5 kept
+        ("mask_token", 1.9, [0.0, 0.0, 0.0, 1.0], 1.0),  # 2 > 1.9, .5 < 1/1.9, 3 > 1.9
+        ("mask_seq", 2.5, [2.0, 0.5, 3.0, 1.0], 0.0),  # geometric mean (2 * .5 * 3)^(1/3) = 1.44: kept whole
+        ("mask_seq", 1.4, [0.0, 0.0, 0.0, 1.0], 1.0),  # 1.44 > 1.4: the whole sequence zeroed
+    ],
+)
+def test_behaviour_weights_by_hand(mode, cap, weights, cut):
+    out = behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, mode, cap)
+    torch.testing.assert_close(out.weights, torch.tensor([weights]))
+    assert out.cut_fraction == pytest.approx(cut)
+    assert (out.low, out.high, out.mean) == pytest.approx((0.5, 3.0, 5.5 / 3))  # raw rho on the mask
+
+
+def test_mask_seq_judges_each_sequence_by_its_own_tokens():
+    # row 0: rho 2 and .5 (geometric mean 1, kept); row 1: rho 3 and 3 (mean 3, zeroed); padding is ignored
+    proximal = torch.log(torch.tensor([[0.5, 0.4, 0.7], [0.9, 0.6, 0.5]]))
+    behaviour = torch.log(torch.tensor([[0.25, 0.8, 0.01], [0.3, 0.2, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    out = behaviour_weights(proximal, behaviour, mask, "mask_seq", 2.0)
+    # row 1's third token has rho 1, but its sequence mean (3 * 3 * 1)^(1/3) = 2.08 > 2 zeroes it too
+    torch.testing.assert_close(out.weights, torch.tensor([[2.0, 0.5, 1.0], [0.0, 0.0, 0.0]]))
+    assert out.cut_fraction == pytest.approx(3 / 5)
+
+
+def test_zeroed_tokens_still_count_in_the_loss_normalisation():
+    # A = 1, ratio 1: per-token loss -1; weights [2, 0, 1] over 3 drawn tokens -> -(2 + 0 + 1) / 3 = -1,
+    # not -(2 + 1) / 2 as it would be if the masked token left the denominator
+    logp = torch.zeros(1, 3, requires_grad=True)
+    w = torch.tensor([[2.0, 0.0, 1.0]])
+    out = clipped_policy_loss(logp, logp.detach(), torch.tensor([1.0]), torch.ones(1, 3), is_weights=w)
+    torch.testing.assert_close(out.loss, torch.tensor(-1.0))
+    out.loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2 / 3, 0.0, -1 / 3]]))
+
+
+def test_behaviour_weights_are_detached_and_refuse_a_cap_of_one():
+    proximal = PROXIMAL.clone().requires_grad_(True)
+    assert not behaviour_weights(proximal, BEHAVIOUR, MASK, "tis", 2.0).weights.requires_grad
+    with pytest.raises(ValueError, match="cap > 1"):
+        behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "tis", 1.0)
+    with pytest.raises(ValueError, match="unknown behaviour correction"):
+        behaviour_weights(PROXIMAL, BEHAVIOUR, MASK, "clip", 2.0)  # type: ignore[arg-type]

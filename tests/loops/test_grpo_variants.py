@@ -255,3 +255,60 @@ def test_runtime_engine_max_rows_reaches_the_engine_that_samples_the_steps(tmp_p
     _, rows = _run(tmp_path, "runtime.engine_max_rows=8")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows_per_forward and max(rows_per_forward) <= 8
+
+
+@pytest.mark.parametrize("mode", ["tis", "mask_token", "mask_seq"])
+def test_behaviour_correction_in_a_synchronous_run_weighs_every_token_one(tmp_path, mode):
+    # the engine samples from the weights the trainer holds, so the trainer's recomputed log-probs at the
+    # sampling temperature equal the engine's: every weight is 1 within float noise, nothing is cut, and the
+    # first step is the uncorrected run's
+    extra = ["grpo.sampling.temperature=0.7"]
+    _, plain = _run(tmp_path / "plain", *extra)
+    moved, rows = _run(
+        tmp_path / mode, *extra, f"grpo.behaviour_correction={mode}", "grpo.behaviour_cap=1.01"
+    )
+    assert moved
+    for r in rows:
+        assert 1 - 1e-4 < r["behaviour_weight_min"] <= r["behaviour_weight_mean"] <= r["behaviour_weight_max"]
+        assert r["behaviour_weight_max"] < 1 + 1e-4 and r["behaviour_cut_fraction"] == 0.0
+    for key in ("loss", "policy_loss", "entropy", "grad_norm"):
+        assert rows[0][key] == pytest.approx(plain[0][key], abs=1e-6, rel=1e-5), key
+    assert "behaviour_weight_min" not in plain[0]
+
+
+def test_behaviour_correction_weighs_samples_from_a_stale_engine(tmp_path, monkeypatch):
+    # the engine keeps the initial weights (no sync after the first): from step 2 on the trainer's policy has
+    # moved, so the weights spread around 1, a tight cap truncates some of them, and the loss differs from the
+    # uncorrected run's on the same samples; step 1 is still on-policy
+    import loopline.loops.grpo as grpo
+
+    synced = grpo.sync_engine
+    monkeypatch.setattr(
+        grpo, "sync_engine", lambda ctx, version: synced(ctx, version) if version == 0 else None
+    )
+
+    def stale_run(out, *overrides: str) -> list[dict]:
+        ctx = build_context(load_config(None, [*TINY, f"out_dir={out}", "grpo.steps=3", *overrides]))
+        ctx.scorer = DigitScorer()
+        try:
+            train_grpo(ctx, RunState(phase="grpo"))
+        finally:
+            ctx.close()
+        return read_metrics(out)
+
+    plain = stale_run(tmp_path / "plain")
+    rows = stale_run(tmp_path / "tis", "grpo.behaviour_correction=tis", "grpo.behaviour_cap=1.001")
+    assert rows[0]["behaviour_cut_fraction"] == 0.0 and rows[0]["behaviour_weight_max"] < 1 + 1e-4
+    assert rows[0]["loss"] == pytest.approx(plain[0]["loss"], abs=1e-6)
+    for r, p in zip(rows[1:], plain[1:]):
+        assert r["behaviour_weight_min"] < 1 - 1e-3 and r["behaviour_weight_max"] > 1.001
+        assert 0.0 < r["behaviour_cut_fraction"] < 1.0
+        assert r["reward_mean"] == p["reward_mean"]  # the same stale samples
+        assert abs(r["loss"] - p["loss"]) > 1e-5  # weighted
+
+
+def test_behaviour_correction_refuses_filtered_sampling():
+    with pytest.raises(ConfigError, match="top_p/top_k"):
+        load_config(None, ["grpo.behaviour_correction=tis", "grpo.sampling.top_k=5"])
+    with pytest.raises(ConfigError, match=r"grpo\.behaviour_cap"):
+        load_config(None, ["grpo.behaviour_correction=tis", "grpo.behaviour_cap=1"])

@@ -181,3 +181,32 @@ def test_grpo_loss_is_built_from_the_config():
     assert (loss.surrogate, loss.clip_low, loss.clip_high, loss.dual_clip) == ("clip", 0.1, 0.3, 2.0)
     assert (loss.agg, loss.max_len, loss.entropy_coef, loss.kl_estimator) == ("fixed_length", 7, 0.01, "k2")
     assert grpo_loss(cfg, max_len=11).max_len == 11  # the agent's driver allows another response width
+
+
+@pytest.mark.parametrize("micro", [6, 4])
+def test_behaviour_weights_reach_the_gradient_token_by_token(small_model, micro):
+    # weights 0 on rows 1 and 3 give the gradient of a batch whose rows 1 and 3 have advantage 0 (the loss
+    # still divides by every drawn token); weight 2 on row 0 gives the gradient of row 0's advantage doubled
+    # when nothing clips (ratios of 1: old = current)
+    batch = _rollout(small_model, kl=False)
+    with torch.no_grad():
+        current, _ = response_logprobs(small_model, batch)
+    batch = RolloutBatch(**{**batch.__dict__, "old_logprobs": current})
+    cfg = GRPOConfig(micro_batch_size=micro, sampling=SamplingConfig(max_new_tokens=MAX_NEW))
+    weights = torch.ones_like(current)
+    weights[[1, 3]] = 0.0
+    weights[0] = 2.0
+    advantages = batch.advantages.clone()
+    advantages[[1, 3]] = 0.0
+    advantages[0] *= 2.0
+    _, weighted = _grads_of_one_step(
+        small_model, RolloutBatch(**{**batch.__dict__, "is_weights": weights}), cfg
+    )
+    _, moved = _grads_of_one_step(
+        small_model, RolloutBatch(**{**batch.__dict__, "advantages": advantages}), cfg
+    )
+    _, plain = _grads_of_one_step(small_model, batch, cfg)
+    assert weighted.keys() == moved.keys() and weighted
+    for name in weighted:
+        torch.testing.assert_close(weighted[name], moved[name], atol=1e-6, rtol=1e-5, msg=name)
+    assert any(not torch.allclose(weighted[n], plain[n]) for n in weighted)
