@@ -23,6 +23,13 @@ class TaskConfig(Section):
     num_val: int = Field(
         512, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
     )
+    teacher_drops_carries: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the training problems whose sum carries that the SFT teacher writes with every carry "
+        "dropped (042+079=0011 for 0121); the RL reward still checks the true sum. 0 = a perfect teacher.",
+    )
 
     @model_validator(mode="after")
     def _digits_order(self) -> TaskConfig:

@@ -42,6 +42,25 @@ def _problems(cfg: TaskConfig, seed: int, count: int) -> list[PromptRow]:
     return rows
 
 
+def dropped_carries(a: int, b: int, width: int) -> str:
+    """a + b written digit by digit with every carry dropped (each digit the sum of the operands' digits mod 10)."""
+    digits = [(a // 10**i + b // 10**i) % 10 for i in range(width)]
+    return "".join(str(d) for d in reversed(digits))
+
+
+def _taught(row: PromptRow, cfg: TaskConfig, seed: int) -> PromptRow:
+    """The row as the SFT teacher writes it: for a share (data.task.teacher_drops_carries) of the problems whose sum
+    carries, the completion drops every carry; the answer the reward checks stays the true sum."""
+    a, b = (int(x) for x in row.prompt[:-1].split("+"))
+    sloppy = dropped_carries(a, b, cfg.max_digits + 1)
+    if (
+        sloppy == row.answer
+        or random.Random(f"teacher-{seed}-{row.index}").random() >= cfg.teacher_drops_carries
+    ):
+        return row
+    return PromptRow(row.index, row.prompt, row.answer, sloppy + "\n")
+
+
 def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
     return [PromptRow(i, r.prompt, r.answer, r.completion) for i, r in enumerate(rows)]
 
@@ -49,7 +68,8 @@ def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
 def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train and held-out splits of 'a+b=' prompts, the same for the same seed."""
     rows = _problems(cfg, seed, cfg.num_train + cfg.num_eval + cfg.num_val)
-    return rows[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+    train = [_taught(row, cfg, seed) for row in rows[: cfg.num_train]] if cfg.teacher_drops_carries else rows
+    return train[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
 
 
 def arithmetic_validation(cfg: TaskConfig, seed: int) -> list[PromptRow]:

@@ -77,3 +77,41 @@ def test_validation_split_is_disjoint_and_leaves_the_other_splits_alone():
     # the validation split extends the stream: train and held-out are those of a run without one
     assert arithmetic_splits(cfg.model_copy(update={"num_val": 0}), seed=0) == (train, held_out)
     assert arithmetic_validation(cfg, seed=0) == val
+
+
+@pytest.mark.parametrize(
+    "a,b,written",
+    [
+        (42, 79, "0011"),
+        (999, 999, "0888"),
+        (5, 5, "0000"),
+        (123, 456, "0579"),
+        (0, 0, "0000"),
+        (95, 7, "0092"),
+    ],
+)
+def test_dropped_carries_adds_each_digit_mod_10(a, b, written):
+    from loopline.data.tasks import dropped_carries
+
+    assert dropped_carries(a, b, 4) == written
+
+
+def test_a_sloppy_teacher_drops_the_carries_of_its_share_of_carrying_problems_only():
+    from loopline.data.tasks import dropped_carries
+
+    honest = TaskConfig(num_train=4000, num_eval=200)
+    sloppy = honest.model_copy(update={"teacher_drops_carries": 0.75})
+    train, held_out = arithmetic_splits(sloppy, seed=0)
+    true_train, true_held_out = arithmetic_splits(honest, seed=0)
+    assert held_out == true_held_out  # the held-out split and every answer are the task's own
+    assert [(r.prompt, r.answer) for r in train] == [(r.prompt, r.answer) for r in true_train]
+    carrying = [r for r in train if dropped_carries(*_operands(r.prompt), 4) != r.answer]
+    dropped = [r for r in carrying if r.completion != r.answer + "\n"]
+    assert all(r.completion == dropped_carries(*_operands(r.prompt), 4) + "\n" for r in dropped)
+    assert all(r.completion == r.answer + "\n" for r in train if r not in carrying)
+    assert 0.70 < len(dropped) / len(carrying) < 0.80
+    assert arithmetic_splits(sloppy, seed=0)[0] == train  # the same rows dropped every time
+    everything = arithmetic_splits(honest.model_copy(update={"teacher_drops_carries": 1.0}), seed=0)[0]
+    assert sum(r.completion != r.answer + "\n" for r in everything) == len(carrying)
+    with pytest.raises(ValueError, match="teacher_drops_carries"):
+        TaskConfig(teacher_drops_carries=1.5)
