@@ -18,13 +18,13 @@ class TaskConfig(Section):
     max_digits: int = Field(3, ge=1, le=9, description="Most digits of an operand.")
     num_train: int = Field(20000, gt=0, description="Training problems generated.")
     num_eval: int = Field(
-        1000, gt=0, description="Held-out problems, disjoint from training (1000: a 1-point change is 10)."
+        2000, gt=0, description="Held-out problems, disjoint from training (2000: a 1-point change is 20)."
     )
     num_val: int = Field(
-        512, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
+        2000, ge=0, description="Validation problems, disjoint from both: sft.stop_at_accuracy reads them."
     )
     teacher_drops_carries: float = Field(
-        0.0,
+        0.5,
         ge=0.0,
         le=1.0,
         description="Share of the training problems whose sum carries that the SFT teacher writes with every carry "

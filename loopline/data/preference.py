@@ -63,13 +63,14 @@ def wrong_sum(answer: str, rng: random.Random) -> str:
 
 
 def builtin_pairs(rows: list[PromptRow], seed: int, limit: int | None = None) -> list[PreferencePair]:
-    """One pair per task row (the first `limit`): chosen = its completion, rejected = a wrong sum, same format."""
+    """One pair per task row (the first `limit`): chosen = the true sum, rejected = a wrong sum, in the SFT target's
+    format (not the target itself: data.task.teacher_drops_carries makes some targets wrong)."""
     rng = random.Random(f"pairs-{seed}")
     pairs: list[PreferencePair] = []
     for row in rows[:limit]:
         suffix = row.completion[len(row.answer) :]  # what follows the sum in the SFT target ("\n")
         pairs.append(
-            PreferencePair(len(pairs), row.prompt, row.completion, wrong_sum(row.answer, rng) + suffix)
+            PreferencePair(len(pairs), row.prompt, row.answer + suffix, wrong_sum(row.answer, rng) + suffix)
         )
     return pairs
 

@@ -22,6 +22,7 @@ layout of its own).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -86,8 +87,14 @@ def _pairs(
     eval_pairs = eval_pairs[: cfg.num_eval]
     if cfg.rejected == "synthetic":
         return train_pairs, eval_pairs
-    train = sample_policy_pairs(ctx, ctx.train_rows[: len(train_pairs)], ctx.cfg.seed)
-    held_out = sample_policy_pairs(ctx, ctx.eval_rows[: len(eval_pairs)], ctx.cfg.seed + 1)
+    train_rows, eval_rows = ctx.train_rows[: len(train_pairs)], ctx.eval_rows[: len(eval_pairs)]
+    if (
+        cfg.source == "builtin"
+    ):  # the chosen side is the true sum, not the SFT teacher's (which may drop carries)
+        train_rows = [replace(r, completion=p.chosen) for r, p in zip(train_rows, train_pairs)]
+        eval_rows = [replace(r, completion=p.chosen) for r, p in zip(eval_rows, eval_pairs)]
+    train = sample_policy_pairs(ctx, train_rows, ctx.cfg.seed)
+    held_out = sample_policy_pairs(ctx, eval_rows, ctx.cfg.seed + 1)
     return train, held_out
 
 

@@ -74,7 +74,9 @@ def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None =
         rows = [ctx.train_rows[ref.index] for ref in refs]
         batch = sft_batch(ctx, rows, state.step + 1)
         with ctx.watchdog.stage("train"):
-            stats = ctx.actor.sft_step(batch, cfg.micro_batch_size)
+            # past half the target, smaller steps: the rise to it is steep, and a step too far overshoots
+            lr_scale = cfg.near_target_lr if cfg.fine_check(state.val_accuracy) else 1.0
+            stats = ctx.actor.sft_step(batch, cfg.micro_batch_size, lr_scale)
         state.step += 1
         ctx.ledger.record("sft", state.step, [(ref.epoch, ref.index, 0) for ref in refs])
         state.sampler = sampler.state_dict()
@@ -89,11 +91,13 @@ def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None =
         row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
         row["time_train"] = elapsed
         if ctx.val_rows and cfg.check_due(state.step, state.val_accuracy):
+            fine = cfg.fine_check(state.val_accuracy) or cfg.coarse_val >= len(ctx.val_rows)
             with ctx.watchdog.stage("eval"):
                 sync_engine(ctx, version=0)
-                state.val_accuracy = row["val_accuracy"] = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
-            # a fixed skill level, whatever step float noise puts it at
-            state.done = state.val_accuracy >= cfg.stop_at_accuracy
+                rows = ctx.val_rows if fine else ctx.val_rows[: cfg.coarse_val]
+                state.val_accuracy = row["val_accuracy"] = evaluate(ctx, rows)["eval_accuracy"]
+            # a fixed skill level, whatever step float noise puts it at, read on the whole split
+            state.done = fine and state.val_accuracy >= cfg.stop_at_accuracy
         last = state.step == cfg.steps or state.done
         if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
             with ctx.watchdog.stage("eval"):

@@ -22,7 +22,7 @@ class SamplingConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation."""
 
-    num_prompts: int = Field(1000, gt=0, description="Held-out prompts scored (at most the split size).")
+    num_prompts: int = Field(2000, gt=0, description="Held-out prompts scored (at most the split size).")
     batch_size: int = Field(1000, gt=0, description="Prompts per generate call.")
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Greedy by default."

@@ -134,8 +134,8 @@ class ActorWorker:
             )
         return trained.cpu(), sampled.cpu()
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
-        return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size)
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
+        return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         return _started(self.trainer).policy_step(to_device(batch, self.device), kl_coef)
@@ -326,9 +326,11 @@ class ActorRole:
         dp = outs[:: self.tp]
         return torch.cat([t for t, _ in dp]), torch.cat([s for _, s in dp])
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         slices = self._slices(batch)
-        return self.group.call_each("sft_step", [(s, micro_batch_size) for s in slices])[0]  # same on all
+        return self.group.call_each("sft_step", [(s, micro_batch_size, lr_scale) for s in slices])[
+            0
+        ]  # same on all
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         slices = self._slices(batch)

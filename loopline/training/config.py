@@ -30,7 +30,7 @@ class SFTConfig(Section):
     """Supervised warm start (prompt-masked next-token loss)."""
 
     steps: int = Field(
-        400, ge=0, description="Optimizer steps (at most, with stop_at_accuracy); 0 skips SFT."
+        800, ge=0, description="Optimizer steps (at most, with stop_at_accuracy); 0 skips SFT."
     )
     batch_size: int = Field(64, gt=0, description="Sequences per step.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
@@ -39,7 +39,7 @@ class SFTConfig(Section):
     )
     eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
     stop_at_accuracy: float | None = Field(
-        0.3,
+        0.32,
         ge=0.0,
         le=1.0,
         description="End SFT at the first check where greedy accuracy on the validation split (data.task.num_val, "
@@ -52,18 +52,36 @@ class SFTConfig(Section):
         description="Steps between validation checks (stop_at_accuracy) while the last check was below half "
         "the target; above that, every step, so that a steep rise is not overshot.",
     )
+    near_target_lr: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="Learning-rate multiplier once a check has passed half the target (stop_at_accuracy): the rise "
+        "to the target is steep, and smaller steps land nearer it instead of jumping past.",
+    )
+    coarse_val: int = Field(
+        256,
+        gt=0,
+        description="Validation problems a check reads while the last check was below half the target (the "
+        "split's first N): enough to see the rise begin, cheap enough to check often. Checks past half the target "
+        "read the whole split, and only they can end SFT.",
+    )
+
+    def fine_check(self, last_accuracy: float) -> bool:
+        """Whether the next check reads the whole validation split (past half the target) or its first coarse_val."""
+        return self.stop_at_accuracy is not None and last_accuracy >= self.stop_at_accuracy / 2
 
     def check_due(self, step: int, last_accuracy: float) -> bool:
         """Whether SFT's stopping rule checks the validation split after `step`."""
         if self.stop_at_accuracy is None:
             return False
-        return step % self.check_every == 0 or last_accuracy >= self.stop_at_accuracy / 2
+        return step % self.check_every == 0 or self.fine_check(last_accuracy)
 
 
 class GRPOConfig(Section):
     """Group-relative policy optimisation."""
 
-    steps: int = Field(100, ge=0, description="RL steps (one rollout + update each).")
+    steps: int = Field(150, ge=0, description="RL steps (one rollout + update each).")
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
@@ -83,7 +101,9 @@ class GRPOConfig(Section):
     )
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight (entropy is logged regardless).")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4, warmup_steps=10))
+    optim: OptimConfig = Field(
+        default_factory=lambda: OptimConfig(lr=3e-4, schedule="cosine", warmup_steps=10)
+    )
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     eval_every: int = Field(25, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
     advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = Field(

@@ -63,11 +63,15 @@ def optimizer_step(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     grad_clip: float,
+    lr_scale: float = 1.0,
 ) -> tuple[float, float]:
-    """Clip the global grad norm, step (skipped when the norm is not finite), zero grads; (grad_norm, lr)."""
+    """Clip the global grad norm, step at the schedule's lr times lr_scale (skipped when the norm is not finite),
+    zero grads; (grad_norm, lr used)."""
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
-    lr = scheduler.get_last_lr()[0]
+    lr = scheduler.get_last_lr()[0] * lr_scale
     if torch.isfinite(grad_norm):
+        for group in optimizer.param_groups:
+            group["lr"] *= lr_scale  # for this step: the scheduler's next step sets every group's lr afresh
         optimizer.step()
         scheduler.step()
     # else: a non-finite gradient would poison the weights and AdamW moments: skip this update
@@ -294,11 +298,12 @@ class PolicyTrainer:
         total = all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64), self.group)
         return dict(zip(sums, total.tolist()))
 
-    def _step(self) -> tuple[float, float]:
-        return optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip)
+    def _step(self, lr_scale: float = 1.0) -> tuple[float, float]:
+        return optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, lr_scale)
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int) -> SFTStepStats:
-        """One optimizer step of token-mean cross-entropy on response tokens (prompt masked)."""
+    def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
+        """One optimizer step of token-mean cross-entropy on response tokens (prompt masked), at the schedule's
+        learning rate times lr_scale."""
         self.model.train()
         totals = self._totals(batch)
         total = 0.0
@@ -308,7 +313,7 @@ class PolicyTrainer:
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
             (loss * _share(micro, totals, "token_mean")).backward()
             total += float(loss.detach()) * _share(micro, totals, "token_mean")
-        grad_norm, lr = self._step()
+        grad_norm, lr = self._step(lr_scale)
         return SFTStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums({"loss": total}))
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:

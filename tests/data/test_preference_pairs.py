@@ -23,12 +23,14 @@ def test_wrong_sums_are_wrong_same_width_digits():
             assert wrong != answer and len(wrong) == len(answer) and wrong.isdigit()
 
 
-def test_builtin_pairs_chosen_is_the_sft_target_and_rejected_differs():
-    train, _ = arithmetic_splits(TaskConfig(num_train=50, num_eval=5), seed=0)
+def test_builtin_pairs_chosen_is_the_true_sum_and_rejected_differs():
+    # the SFT teacher drops carries in some targets (the default): the chosen side is still the true sum
+    train, _ = arithmetic_splits(TaskConfig(num_train=50, num_eval=5, teacher_drops_carries=1.0), seed=0)
+    assert sum(r.completion != r.answer + "\n" for r in train[:20]) >= 5
     pairs = builtin_pairs(train, seed=0, limit=20)
     assert len(pairs) == 20 and [p.index for p in pairs] == list(range(20))
     for p, row in zip(pairs, train):
-        assert p.prompt == row.prompt and p.chosen == row.completion  # "0427\n"
+        assert p.prompt == row.prompt and p.chosen == row.answer + "\n"  # "0427\n"
         assert p.rejected.endswith("\n") and p.rejected != p.chosen and len(p.rejected) == len(p.chosen)
     assert builtin_pairs(train, seed=0, limit=20) == pairs  # deterministic
 

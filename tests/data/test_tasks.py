@@ -15,7 +15,7 @@ def _operands(prompt: str) -> tuple[int, int]:
 
 
 def test_splits_are_deterministic_disjoint_and_correct():
-    cfg = TaskConfig(min_digits=1, max_digits=2, num_train=300, num_eval=50)
+    cfg = TaskConfig(min_digits=1, max_digits=2, num_train=300, num_eval=50, teacher_drops_carries=0.0)
     train, held_out = arithmetic_splits(cfg, seed=0)
     again_train, again_held_out = arithmetic_splits(cfg, seed=0)
     assert (train, held_out) == (again_train, again_held_out)
@@ -74,6 +74,7 @@ def test_validation_split_is_disjoint_and_leaves_the_other_splits_alone():
     seen = {_operands(r.prompt) for r in train} | {_operands(r.prompt) for r in held_out}
     assert seen.isdisjoint(_operands(r.prompt) for r in val)
     assert all(int(r.answer) == sum(_operands(r.prompt)) for r in val)
+    assert all(r.completion == r.answer + "\n" for r in val)  # the teacher writes for training only
     # the validation split extends the stream: train and held-out are those of a run without one
     assert arithmetic_splits(cfg.model_copy(update={"num_val": 0}), seed=0) == (train, held_out)
     assert arithmetic_validation(cfg, seed=0) == val
@@ -99,7 +100,7 @@ def test_dropped_carries_adds_each_digit_mod_10(a, b, written):
 def test_a_sloppy_teacher_drops_the_carries_of_its_share_of_carrying_problems_only():
     from loopline.data.tasks import dropped_carries
 
-    honest = TaskConfig(num_train=4000, num_eval=200)
+    honest = TaskConfig(num_train=4000, num_eval=200, teacher_drops_carries=0.0)
     sloppy = honest.model_copy(update={"teacher_drops_carries": 0.75})
     train, held_out = arithmetic_splits(sloppy, seed=0)
     true_train, true_held_out = arithmetic_splits(honest, seed=0)

@@ -52,3 +52,31 @@ def test_checks_come_every_check_every_steps_then_every_step_past_half_the_targe
     assert not any(
         SFTConfig(stop_at_accuracy=None).check_due(s, 0.9) for s in range(1, 16)
     )  # no target: never
+
+
+def test_only_a_check_of_the_whole_split_ends_sft(tmp_path, monkeypatch):
+    # every check reports 100%: the first (step 3, below half the target) reads the split's first coarse_val
+    # problems and cannot end SFT; the next step's check reads all 16 and ends it at step 4
+    import loopline.loops.sft as sft
+
+    read: list[int] = []
+    real = sft.evaluate
+
+    def perfect(ctx, rows=None):
+        if rows is None:  # the held-out eval of the phase's last step
+            return real(ctx)
+        read.append(len(rows))
+        assert rows == ctx.val_rows[: len(rows)]
+        return {"eval_accuracy": 1.0}
+
+    monkeypatch.setattr(sft, "evaluate", perfect)
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "sft.stop_at_accuracy=0.5", "sft.coarse_val=4", *TINY]) == 0
+    assert read == [4, 16]
+    assert max(r["step"] for r in _rows(run) if r["phase"] == "sft") == 4
+
+
+def test_the_whole_split_is_read_from_half_the_target_on():
+    cfg = SFTConfig(stop_at_accuracy=0.4)
+    assert not cfg.fine_check(0.19) and cfg.fine_check(0.2) and cfg.fine_check(0.9)
+    assert not SFTConfig(stop_at_accuracy=None).fine_check(1.0)
