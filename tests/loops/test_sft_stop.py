@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from loopline.cli import main
 from loopline.config import SFTConfig
 
@@ -80,3 +82,21 @@ def test_the_whole_split_is_read_from_half_the_target_on():
     cfg = SFTConfig(stop_at_accuracy=0.4)
     assert not cfg.fine_check(0.19) and cfg.fine_check(0.2) and cfg.fine_check(0.9)
     assert not SFTConfig(stop_at_accuracy=None).fine_check(1.0)
+
+
+def test_past_half_the_target_sft_steps_at_near_target_lr(tmp_path, monkeypatch):
+    # every check reports 30% of a 50% target: from the first check (step 3) on, SFT is past half the target,
+    # so steps 4.. run at the schedule's lr times near_target_lr, and the target is never reached
+    import loopline.loops.sft as sft
+
+    real = sft.evaluate
+    monkeypatch.setattr(
+        sft, "evaluate", lambda ctx, rows=None: real(ctx) if rows is None else {"eval_accuracy": 0.3}
+    )
+    run = tmp_path / "run"
+    args = ["sft.stop_at_accuracy=0.5", "sft.near_target_lr=0.25", "sft.optim.schedule=constant"]
+    assert (
+        main(["train", f"out_dir={run}", *args, "sft.optim.warmup_steps=0", "sft.optim.lr=1e-3", *TINY]) == 0
+    )
+    lrs = [r["lr"] for r in _rows(run) if r["phase"] == "sft" and r["step"] > 0]
+    assert lrs == pytest.approx([1e-3] * 3 + [2.5e-4] * 9)

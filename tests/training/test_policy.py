@@ -210,3 +210,27 @@ def test_behaviour_weights_reach_the_gradient_token_by_token(small_model, micro)
     for name in weighted:
         torch.testing.assert_close(weighted[name], moved[name], atol=1e-6, rtol=1e-5, msg=name)
     assert any(not torch.allclose(weighted[n], plain[n]) for n in weighted)
+
+
+def test_an_sft_step_at_lr_scale_moves_the_weights_as_the_scaled_learning_rate_for_that_step_only(
+    small_model,
+):
+    # AdamW's update is proportional to the learning rate (same gradients, same moments): one step at
+    # lr 1e-3 x 0.5 equals one at lr 5e-4; the scale is for that step only, the schedule's lr comes back
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (3, 5, 2, 4)]
+    targets = [torch.randint(3, 259, (n,), generator=g).tolist() for n in (4, 2, 6, 3)]
+    batch = collate(prompts, targets, pad_id=0)
+
+    def trainer(lr: float) -> PolicyTrainer:
+        return PolicyTrainer(
+            copy.deepcopy(small_model), OptimConfig(lr=lr, warmup_steps=0, grad_clip=1e9), 10
+        )
+
+    scaled, half = trainer(1e-3), trainer(5e-4)
+    assert scaled.sft_step(batch, 4, lr_scale=0.5).lr == pytest.approx(5e-4)
+    assert half.sft_step(batch, 4).lr == pytest.approx(5e-4)
+    for (name, a), b in zip(scaled.model.named_parameters(), half.model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(scaled.model.parameters(), small_model.parameters()))
+    assert scaled.sft_step(batch, 4).lr == pytest.approx(1e-3)  # constant schedule, unscaled again
