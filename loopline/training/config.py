@@ -39,7 +39,7 @@ class SFTConfig(Section):
     )
     eval_every: int = Field(100, ge=0, description="Held-out eval every N steps; 0 = only at the end.")
     stop_at_accuracy: float | None = Field(
-        0.32,
+        0.35,
         ge=0.0,
         le=1.0,
         description="End SFT at the first check where greedy accuracy on the validation split (data.task.num_val, "
