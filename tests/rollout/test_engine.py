@@ -21,7 +21,9 @@ PROMPTS_TEXT = ["7+5=", "12+30=", "4+91=", "3+3=", "60+9="]  # 5 to 7 tokens wit
 def trained(tokenizer, small_cfg):
     """The small model after 60 SFT steps on 1-2 digit addition: it writes digits, '\\n' and EOS."""
     model = build_tiny_model(small_cfg, tokenizer, seed=0)
-    rows, _ = arithmetic_splits(TaskConfig(max_digits=2, num_train=500, num_eval=10), seed=0)
+    rows, _ = arithmetic_splits(
+        TaskConfig(max_digits=2, num_train=500, num_eval=10, teacher_drops_carries=0.0), seed=0
+    )
     trainer = PolicyTrainer(model, OptimConfig(lr=1e-2, warmup_steps=0), total_steps=60)
     g = torch.Generator().manual_seed(0)
     for _ in range(60):
