@@ -123,7 +123,7 @@ def behaviour_weights(
     log_rho = (proximal - behaviour).detach() * m
     rho = torch.exp(log_rho)
     if mode == "tis":
-        weights, cut = rho.clamp(max=cap), on & (rho > cap)
+        weights, cut = truncated_is_weights(proximal, behaviour, mask, cap), on & (rho > cap)
     elif mode == "mask_token":
         keep = (rho >= 1.0 / cap) & (rho <= cap)
         weights, cut = torch.where(keep, rho, torch.zeros_like(rho)), on & ~keep

@@ -68,8 +68,10 @@ def _renumbered(rows: list[PromptRow]) -> list[PromptRow]:
 def arithmetic_splits(cfg: TaskConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow]]:
     """Disjoint train and held-out splits of 'a+b=' prompts, the same for the same seed."""
     rows = _problems(cfg, seed, cfg.num_train + cfg.num_eval + cfg.num_val)
-    train = [_taught(row, cfg, seed) for row in rows[: cfg.num_train]] if cfg.teacher_drops_carries else rows
-    return train[: cfg.num_train], _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
+    train = rows[: cfg.num_train]
+    if cfg.teacher_drops_carries:
+        train = [_taught(row, cfg, seed) for row in train]
+    return train, _renumbered(rows[cfg.num_train : cfg.num_train + cfg.num_eval])
 
 
 def arithmetic_validation(cfg: TaskConfig, seed: int) -> list[PromptRow]:

@@ -88,9 +88,8 @@ def _pairs(
     if cfg.rejected == "synthetic":
         return train_pairs, eval_pairs
     train_rows, eval_rows = ctx.train_rows[: len(train_pairs)], ctx.eval_rows[: len(eval_pairs)]
-    if (
-        cfg.source == "builtin"
-    ):  # the chosen side is the true sum, not the SFT teacher's (which may drop carries)
+    # built-in pairs' chosen side is the true sum, not the SFT teacher's target (which may drop carries)
+    if cfg.source == "builtin":
         train_rows = [replace(r, completion=p.chosen) for r, p in zip(train_rows, train_pairs)]
         eval_rows = [replace(r, completion=p.chosen) for r, p in zip(eval_rows, eval_pairs)]
     train = sample_policy_pairs(ctx, train_rows, ctx.cfg.seed)

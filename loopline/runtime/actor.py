@@ -328,9 +328,8 @@ class ActorRole:
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         slices = self._slices(batch)
-        return self.group.call_each("sft_step", [(s, micro_batch_size, lr_scale) for s in slices])[
-            0
-        ]  # same on all
+        stats = self.group.call_each("sft_step", [(s, micro_batch_size, lr_scale) for s in slices])
+        return stats[0]  # the same on every rank
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         slices = self._slices(batch)
