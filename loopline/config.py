@@ -146,6 +146,12 @@ class RunConfig(Section):
                 "task's rows lack: give it a file dataset that has them (data.source=jsonl data.train_path=... "
                 "data.eval_path=...)"
             )
+        if self.grpo.max_staleness and self.runtime.backend != "ray":
+            raise ValueError(
+                f"grpo.max_staleness={self.grpo.max_staleness} overlaps generation and training on separate "
+                "actors: it needs runtime.backend=ray (the local backend runs the engine in this process, "
+                "between training steps; 0 = synchronous)"
+            )
         if self.model.lora.r and self.runtime.backend != "local":
             raise ValueError("model.lora (r > 0) runs on runtime.backend 'local' only for now")
         if self.sft.batch_size % n:

@@ -45,7 +45,11 @@ def kill_at(cmd: list[str], point: str, markers: Path, timeout_s: float) -> None
 def steady(rows: list[dict]) -> list[dict]:
     """Metrics rows without wall-clock measurements (those differ between any two runs)."""
     return [
-        {k: v for k, v in r.items() if not k.startswith("time_") and not k.endswith("tokens_per_s")}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.startswith("time_") and not k.endswith(("tokens_per_s", "_idle_fraction"))
+        }
         for r in rows
     ]
 

@@ -71,7 +71,8 @@ class RunState:
 class LoopState:
     """The RL loop's own state beyond the policy (loop.pt): what a resumed phase restores to continue exactly.
 
-    On disk it is the plain dict to_dict() makes (the keys "kl", "engine_rng" and, with a critic, "critic"), as
+    On disk it is the plain dict to_dict() makes (the keys "kl", "engine_rng", with a critic "critic", with
+    batches generated ahead "buffer"), as
     every loopline has written it; from_dict() reads any of them (a key the writer lacked reads as absent).
     """
 
@@ -80,17 +81,26 @@ class LoopState:
     critic: dict[str, Any] | None = (
         None  # local: the critic's whole state; ray: {"dcp": its shards' dir name}
     )
+    # grpo.max_staleness >= 1: the batches generated but not yet trained (loops.grpo.Scored), oldest first
+    buffer: list[Any] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """The loop.pt form."""
         out: dict[str, Any] = {"kl": self.kl, "engine_rng": self.engine_rng}
         if self.critic is not None:
             out["critic"] = self.critic
+        if self.buffer:
+            out["buffer"] = self.buffer
         return out
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> LoopState:
-        return cls(kl=saved.get("kl"), engine_rng=saved.get("engine_rng", []), critic=saved.get("critic"))
+        return cls(
+            kl=saved.get("kl"),
+            engine_rng=saved.get("engine_rng", []),
+            critic=saved.get("critic"),
+            buffer=saved.get("buffer", []),
+        )
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from loopline.envs.tasks import calculator_splits, calculator_validation, code_s
 from loopline.errors import UserError
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
+from loopline.metrics.trace import Trace
 from loopline.models.load import load_policy
 from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
@@ -66,6 +67,7 @@ class RunContext:
     # the validation split (built-in task), read by SFT's stopping rule (sft.stop_at_accuracy)
     val_rows: list[PromptRow] = field(default_factory=list)
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
+    trace: Trace = field(default_factory=Trace)  # the RL loop's stages as spans (trace.json in run_dir)
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""

@@ -47,6 +47,8 @@ from loopline.loops.context import (
     sync_engine,
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
+from loopline.loops.stream import RolloutStream
+from loopline.metrics.trace import Trace
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.critic import CheckpointWithCritic
@@ -60,18 +62,24 @@ log = logging.getLogger(__name__)
 
 
 class StageTimer:
-    """Wall time per named stage of one step; the run's watchdog (if given) fails a stage that hangs."""
+    """Wall time per named stage of one step; the run's watchdog (if given) fails a stage that hangs; the run's
+    trace (if given) gets each stage as a span on `lane`."""
 
-    def __init__(self, watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self, watchdog: Watchdog | None = None, trace: Trace | None = None, lane: str = "trainer"
+    ) -> None:
         self.seconds: dict[str, float] = {}
-        self.watchdog = watchdog
+        self.watchdog, self.trace, self.lane = watchdog, trace, lane
 
     @contextmanager
     def __call__(self, stage: str):
         t0 = time.perf_counter()
         with self.watchdog.stage(stage) if self.watchdog else nullcontext():
             yield
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + t1 - t0
+        if self.trace is not None:
+            self.trace.span(self.lane, stage, t0, t1)
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Scored:
     informative_fraction: float  # of all groups generated, those whose scores were not all equal
     model_masks: list[list[int]] | None = None  # (B) multi-turn: 1 on the model's tokens, 0 on observations
     episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: turns, tool calls, endings
+    seconds: dict[str, float] = field(default_factory=dict)  # time per stage of its collect (rollout, score)
 
 
 @dataclass
@@ -318,12 +327,17 @@ def _restore_loop(
 
 
 def _loop_state(
-    ctx: RunContext, kl_control: FixedKLController | AdaptiveKLController, critic: Critic | None
+    kl_control: FixedKLController | AdaptiveKLController,
+    critic: Critic | None,
+    engine_rng: list,
+    pending: list[Scored],
 ) -> LoopState:
-    """What a checkpoint needs of the loop beyond the policy: KL controller, critic, engine generators."""
+    """What a checkpoint needs of the loop beyond the policy: KL controller, critic, and as of the last weight
+    sync the engines' generators and the batches generated ahead of training (grpo.max_staleness)."""
     return LoopState(
         kl=kl_control.state_dict(),
-        engine_rng=ctx.rollout.rng_states(),
+        engine_rng=engine_rng,
+        buffer=pending,
         critic=critic.state()
         if critic is not None
         else None,  # local: its whole state; ray: where its shards are
@@ -386,133 +400,210 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
     # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
     need_old = cfg.epochs_per_step * cfg.minibatches > 1 or cfg.kl_in == "reward"
     sync_engine(ctx, version=state.step)
-    pad_id = ctx.tokenizer.pad_token_id
 
-    bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
-    while state.step < cfg.steps:
-        timer = StageTimer(ctx.watchdog)
-        scaled = apply_scale_request(
-            ctx
-        )  # `loopline scale`: engines / env workers join or leave between steps
-
-        # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores.
+    def produce(b: int) -> Scored:
+        """Batch b, collected on the rollout lane (the producer's thread with max_staleness >= 1)."""
+        timer = StageTimer(ctx.watchdog, ctx.trace, "rollout")
         scored = collect(ctx, sampler, params, timer, reward)
-        completions = scored.completions
+        scored.seconds = timer.seconds
+        return scored
 
-        # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
-        with timer("experience"):
-            tokens = collate(scored.prompts, [c.token_ids for c in completions], pad_id)
-            if scored.model_masks is not None:  # multi-turn: observations are not trained
-                tokens = replace(tokens, response_mask=model_mask(scored.model_masks, tokens.response_mask))
-            lengths = tokens.response_mask.sum(dim=1)  # (B,) trained tokens
-            truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
-            rewards = scored.scores  # (B,)
-            if cfg.overlong_buffer:
-                rewards = rewards + overlong_penalty(
-                    lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
-                )
-            mask = (
-                mask_truncated(tokens.response_mask, truncated)
-                if cfg.mask_truncated
-                else tokens.response_mask
-            )
-            tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
-            ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-            correction = None
-            if cfg.behaviour_correction != "none":
-                # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
-                old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
-                behaviour = engine_logprobs(completions, mask.shape[1])
-                correction = behaviour_weights(
-                    proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap
-                )
-            else:
-                old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
-            reward_kl = (
-                kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
-            )
-            values = critic.values(tokens) if critic else None
-            signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
-            advantages, returns = estimate(signals, cfg)  # (B,) or (B, C); returns (B, C) for the critic
-            batch = RolloutBatch(
-                tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
-                ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
-                is_weights=correction.weights if correction else None,
-            )  # fmt: skip
-
-        # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
-        with timer("train"):
-            loss_kl_coef = kl_control.value if cfg.kl_in == "loss" else 0.0
-            for _ in range(cfg.epochs_per_step):
-                for rows in minibatch_rows(len(batch), cfg.minibatches):
-                    stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
-                    if critic is not None and values is not None and returns is not None:
-                        value_batch = ValueBatch(
-                            tokens.input_ids, tokens.attention_mask, mask, values, returns
-                        )
-                        critic_stats = critic.step(_take(value_batch, rows))
-            measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.kl
-            kl_coef = kl_control.value
-            kl_control.update(measured_kl, len(batch))
-
-        # 5. Weight sync: the engine samples the next step from the updated policy.
-        with timer("sync"):
-            state.step += 1
-            ctx.ledger.record("grpo", state.step, scored.ids)
-            sync_engine(ctx, version=state.step)
-            state.policy_version = state.step
-        state.sampler = sampler.state_dict()
-
-        # 6. Metrics, held-out eval, checkpoint.
-        row = {
-            "phase": "grpo",
-            "step": state.step,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-            "accuracy": float(scored.correct.float().mean()),
-            "loss": stats.loss,
-            **stats.extra,
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "response_len_mean": float(lengths.mean()),
-            "response_len_max": int(lengths.max()),
-            "truncated_fraction": float(truncated.float().mean()),
-            "rollout_tokens_per_s": float(lengths.sum()) / max(timer.seconds["rollout"], 1e-9),
-            "train_tokens_per_s": float(tokens.attention_mask.sum())
-            * cfg.epochs_per_step
-            / max(timer.seconds["train"], 1e-9),
-            **{f"time_{k}": v for k, v in timer.seconds.items()},
-            **ctx.scorer.take_stats(),  # ray: chunks scored again, env workers replaced, env workers now
-        }
-        row.update(scaled)
-        row.update({f"episode_{k}": v for k, v in scored.episode_metrics.items()})
-        if cfg.kl_coef > 0:
-            row.update(kl_coef=kl_coef, measured_kl=measured_kl)
-        if cfg.dynamic_sampling:
-            row.update(sampling_rounds=scored.rounds, informative_fraction=scored.informative_fraction)
-        if correction is not None:
-            row.update(
-                behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
-                behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
-            )  # fmt: skip
-        if critic is not None:
-            row.update(
-                critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm
-            )
-        last = state.step == cfg.steps
-        if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
-            with ctx.watchdog.stage("eval"):
-                row.update(evaluate(ctx))
-        ctx.logger.log(row)
-        pause_point(f"step:grpo:{state.step}")  # test hook: a kill between a step's row and its checkpoint
-        stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
-        if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
-            with ctx.watchdog.stage("checkpoint"):
-                ctx.checkpoints.save(state, _loop_state(ctx, kl_control, critic), reference=cfg.kl_coef > 0)
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
-        if stop:
-            bar.close()
-            ctx.stop.check(state)
-    bar.close()
+    # max_staleness = k >= 1: batches are collected up to k versions ahead, on a thread, while the trainer trains
+    stream = RolloutStream(produce, cfg.max_staleness, state.step, cfg.steps, loop.buffer, state.step)
+    engine_rng, pending = loop.engine_rng, list(loop.buffer)  # as of the last sync: what a checkpoint holds
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
+    try:
+        while state.step < cfg.steps:
+            row = _grpo_step(ctx, state, sampler, stream, produce, estimate, critic, kl_control, need_old)
+            engine_rng, pending = row.pop("_engine_rng"), row.pop("_pending")
+            last = state.step == cfg.steps
+            if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
+                with stream.engines(), ctx.watchdog.stage("eval"):
+                    t0 = time.perf_counter()
+                    row.update(evaluate(ctx))
+                    ctx.trace.span("trainer", "eval", t0, time.perf_counter())
+            ctx.logger.log(row)
+            pause_point(
+                f"step:grpo:{state.step}"
+            )  # test hook: a kill between a step's row and its checkpoint
+            stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
+            if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
+                with ctx.watchdog.stage("checkpoint"):
+                    loop_state = _loop_state(kl_control, critic, engine_rng, pending)
+                    ctx.checkpoints.save(state, loop_state, reference=cfg.kl_coef > 0)
+                    ctx.trace.write(ctx.run_dir / "trace.json")
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
+            if stop:
+                bar.close()
+                ctx.stop.check(state)
+    finally:
+        stream.close()
+        bar.close()
     return state
+
+
+def _grpo_step(
+    ctx: RunContext,
+    state: RunState,
+    sampler: Sampler,
+    stream: RolloutStream[Scored],
+    produce: Callable[[int], Scored],
+    estimate: Callable,
+    critic: Critic | None,
+    kl_control: FixedKLController | AdaptiveKLController,
+    need_old: bool,
+) -> dict:
+    """One RL step on batch state.step: experience, update, weight sync; its metrics row (before eval), with the
+    engines' generators and the batches generated ahead as of the sync under "_engine_rng" and "_pending"."""
+    cfg = ctx.cfg.grpo
+    pad_id = ctx.tokenizer.pad_token_id
+    started = time.perf_counter()
+    timer = StageTimer(ctx.watchdog, ctx.trace, "trainer")
+    with stream.engines():  # `loopline scale`: engines / env workers join or leave between batches
+        scaled = apply_scale_request(ctx)
+
+    # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores
+    # (collected ahead on the rollout lane with max_staleness >= 1, at most that many versions behind).
+    asked = time.perf_counter()
+    scored, waited = stream.take(state.step)
+    if waited:
+        ctx.trace.span("trainer", "wait", asked, asked + waited)
+    dropped = sum(state.step - c.policy_version > cfg.max_staleness for c in scored.completions)
+    if dropped:  # only a run resumed with a smaller max_staleness: this batch is collected again, now
+        log.warning(
+            "grpo step %d: %d samples were generated more than grpo.max_staleness=%d versions ago: dropped, and "
+            "the batch collected again",
+            state.step,
+            dropped,
+            cfg.max_staleness,
+        )
+        with stream.engines():
+            scored = produce(state.step)
+    completions = scored.completions
+
+    # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
+    with timer("experience"):
+        tokens = collate(scored.prompts, [c.token_ids for c in completions], pad_id)
+        if scored.model_masks is not None:  # multi-turn: observations are not trained
+            tokens = replace(tokens, response_mask=model_mask(scored.model_masks, tokens.response_mask))
+        lengths = tokens.response_mask.sum(dim=1)  # (B,) trained tokens
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
+        rewards = scored.scores  # (B,)
+        if cfg.overlong_buffer:
+            rewards = rewards + overlong_penalty(
+                lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+            )
+        mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
+        tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
+        ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
+        correction = None
+        if cfg.behaviour_correction != "none":
+            # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
+            old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
+            behaviour = engine_logprobs(completions, mask.shape[1])
+            correction = behaviour_weights(
+                proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap
+            )
+        else:
+            old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+        reward_kl = (
+            kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
+        )
+        values = critic.values(tokens) if critic else None
+        signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
+        advantages, returns = estimate(signals, cfg)  # (B,) or (B, C); returns (B, C) for the critic
+        batch = RolloutBatch(
+            tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
+            is_weights=correction.weights if correction else None,
+        )  # fmt: skip
+
+    # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
+    with timer("train"):
+        loss_kl_coef = kl_control.value if cfg.kl_in == "loss" else 0.0
+        for _ in range(cfg.epochs_per_step):
+            for rows in minibatch_rows(len(batch), cfg.minibatches):
+                stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
+                if critic is not None and values is not None and returns is not None:
+                    value_batch = ValueBatch(tokens.input_ids, tokens.attention_mask, mask, values, returns)
+                    critic_stats = critic.step(_take(value_batch, rows))
+        measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.kl
+        kl_coef = kl_control.value
+        kl_control.update(measured_kl, len(batch))
+
+    # 5. Weight sync: the engine samples the next batches from the updated policy (with max_staleness = k,
+    # once the batches due under the weights it holds are all generated: up to k versions old when trained).
+    trained_at = state.step  # the policy version the batch was trained at
+    with timer("sync"):
+        state.step += 1
+        ctx.ledger.record("grpo", state.step, scored.ids)
+        waited += stream.ready_to_sync(state.step)
+        sync_engine(ctx, version=state.step)
+        state.policy_version = state.step
+        # the producer is idle until told of the new weights: the state a checkpoint of this step holds
+        state.sampler = sampler.state_dict()
+        engine_rng, pending = ctx.rollout.rng_states(), stream.pending()
+        stream.synced(state.step)
+
+    # 6. Metrics (eval and checkpoint: the caller's)
+    row = {
+        "phase": "grpo",
+        "step": state.step,
+        "reward_mean": float(rewards.mean()),
+        "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+        "accuracy": float(scored.correct.float().mean()),
+        "loss": stats.loss,
+        **stats.extra,
+        "grad_norm": stats.grad_norm,
+        "lr": stats.lr,
+        "response_len_mean": float(lengths.mean()),
+        "response_len_max": int(lengths.max()),
+        "truncated_fraction": float(truncated.float().mean()),
+        "rollout_tokens_per_s": float(lengths.sum()) / max(scored.seconds["rollout"], 1e-9),
+        "train_tokens_per_s": float(tokens.attention_mask.sum())
+        * cfg.epochs_per_step
+        / max(timer.seconds["train"], 1e-9),
+        **{f"time_{k}": v for k, v in {**scored.seconds, **timer.seconds}.items()},
+        **ctx.scorer.take_stats(),  # ray: chunks scored again, env workers replaced, env workers now
+    }
+    row.update(scaled)
+    row.update({f"episode_{k}": v for k, v in scored.episode_metrics.items()})
+    if cfg.kl_coef > 0:
+        row.update(kl_coef=kl_coef, measured_kl=measured_kl)
+    if cfg.dynamic_sampling:
+        row.update(sampling_rounds=scored.rounds, informative_fraction=scored.informative_fraction)
+    if correction is not None:
+        row.update(
+            behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
+            behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
+        )  # fmt: skip
+    if critic is not None:
+        row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
+    if cfg.max_staleness:
+        row.update(_async_metrics(scored, trained_at, cfg.max_staleness, dropped, waited, stream, started))
+    return {**row, "_engine_rng": engine_rng, "_pending": pending}
+
+
+def _async_metrics(
+    scored: Scored,
+    trained_at: int,
+    k: int,
+    dropped: int,
+    waited: float,
+    stream: RolloutStream[Scored],
+    started: float,
+) -> dict[str, float]:
+    """max_staleness >= 1: how far behind the trained samples were (versions), how long each side waited."""
+    behind = torch.tensor([trained_at - c.policy_version for c in scored.completions], dtype=torch.float32)
+    now = time.perf_counter()
+    return {
+        "staleness_mean": float(behind.mean()),
+        "staleness_max": int(behind.max()),
+        **{f"staleness_{v}": float((behind == v).float().mean()) for v in range(k + 1)},
+        "stale_dropped": dropped,
+        "time_wait": waited,
+        "trainer_idle_fraction": waited / max(now - started, 1e-9),
+        "engine_idle_fraction": stream.idle_fraction(started, now),
+        "time_step": now - started,
+    }

@@ -154,6 +154,14 @@ class GRPOConfig(Section):
     behaviour_cap: float = Field(
         2.0, gt=1.0, description="Truncation (tis) or masking bound (mask_*) of the behaviour weight."
     )
+    max_staleness: int = Field(
+        0,
+        ge=0,
+        description="Asynchronous RL (runtime.backend=ray): the engines generate batches up to this many policy "
+        "versions ahead, on their own actors while the trainer trains. Batch b is generated under version "
+        "max(0, b - k) on a fixed schedule, so a run replays and resumes exactly; a checkpoint holds the batches "
+        "generated ahead. Needs behaviour_correction (the samples come from older weights). 0 = synchronous.",
+    )
 
     @model_validator(mode="after")
     def _variants_fit(self) -> GRPOConfig:
@@ -169,6 +177,12 @@ class GRPOConfig(Section):
                 f"behaviour_correction '{self.behaviour_correction}' compares the engine's log-probs with the "
                 "trainer's, which it cannot recompute under top_p/top_k filtering: set sampling.top_p=1 and "
                 "sampling.top_k=0, or behaviour_correction=none"
+            )
+        if self.max_staleness and self.behaviour_correction == "none":
+            raise ValueError(
+                f"max_staleness={self.max_staleness} trains samples up to {self.max_staleness} policy versions "
+                "old: set behaviour_correction (tis, mask_token or mask_seq) so that each token is weighted by "
+                "the trainer's probability over the engine's"
             )
         if self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(

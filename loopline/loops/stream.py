@@ -1,0 +1,154 @@
+"""Rollout batches generated ahead of training (grpo.max_staleness = k), so that engines and trainer overlap.
+
+A background thread collects batch b under policy version max(0, b - k) while the trainer trains the batches
+before it. The schedule is fixed, not first-come: the trainer syncs version v + 1 into the engines only once
+batch v + k is generated, so the engines never take new weights in the middle of a batch, a sample is trained at
+most k versions after the weights that generated it, and a run replays exactly (its seed fixes it, not thread
+timing). Between a sync and the next batch the producer is idle: that is where a checkpoint reads the batches
+generated but not yet trained (`pending`), with the sampler and the engines' generators as they were after them,
+so a resumed run continues the uninterrupted one. With k = 0 the batch is collected in the caller's thread when
+it is taken: the synchronous loop, call for call.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class RolloutStream(Generic[T]):
+    """Batches first, first + 1, ... from `produce(b)`, at most k policy versions ahead of the trainer."""
+
+    def __init__(
+        self,
+        produce: Callable[[int], T],
+        k: int,
+        first: int,
+        last: int,
+        buffered: list[T] | None = None,
+        version: int = 0,
+    ) -> None:
+        """produce: collects batch b (on the producer thread when k >= 1); first: the next batch to train; last:
+        one past the last batch to generate; buffered: batches first, first + 1, ... generated before (a resumed
+        run's); version: the policy version the engines hold now."""
+        self.produce, self.k, self.last = produce, k, last
+        self._ready: dict[int, T] = {first + i: b for i, b in enumerate(buffered or [])}
+        self._next = first + len(self._ready)  # the next batch to generate
+        self._version = version
+        self._error: BaseException | None = None
+        self._stopped = False
+        self._cond = threading.Condition()
+        self._engines = (
+            threading.Lock()
+        )  # held while a batch is collected: the engines and env workers are busy
+        self._busy: list[tuple[float, float]] = []  # (start, end) perf_counter of each collect, for idle time
+        self._collecting: float | None = None  # start of the collect in flight
+        self._thread: threading.Thread | None = None
+        if k > 0:
+            self._thread = threading.Thread(target=self._run, name="loopline-rollouts", daemon=True)
+            self._thread.start()
+
+    # -- the trainer's side --------------------------------------------------------------------------------
+
+    def take(self, b: int) -> tuple[T, float]:
+        """Batch b and the seconds spent waiting for it."""
+        start = time.perf_counter()
+        if self._thread is None:
+            return self._collect(b), 0.0
+        with self._cond:
+            self._cond.wait_for(lambda: b in self._ready or self._error is not None)
+            self._raise()
+            batch = self._ready.pop(b)
+        return batch, time.perf_counter() - start
+
+    def ready_to_sync(self, version: int) -> float:
+        """Wait until every batch of the engines' current weights is generated (up to version - 1 + k), so that
+        version can be synced; the seconds waited."""
+        if self._thread is None:  # k = 0: the batch was collected as it was taken
+            return 0.0
+        start = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._next >= min(version - 1 + self.k + 1, self.last) or self._error is not None
+            )
+            self._raise()
+        return time.perf_counter() - start
+
+    def synced(self, version: int) -> None:
+        """The engines hold `version` now: batches up to version + k may be generated."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def pending(self) -> list[T]:
+        """The batches generated and not yet taken, in order (call between ready_to_sync and synced: the producer
+        is idle then)."""
+        with self._cond:
+            return [self._ready[b] for b in sorted(self._ready)]
+
+    @contextmanager
+    def engines(self) -> Iterator[None]:
+        """Use the engines and env workers from the trainer's thread (eval, scaling) between two batches."""
+        with self._engines:
+            yield
+
+    def close(self) -> None:
+        """Stop the producer (a collect in flight finishes on its own; its batch is dropped)."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    # -- the producer's side -------------------------------------------------------------------------------
+
+    def _collect(self, b: int) -> T:
+        with self._engines:
+            with self._cond:
+                self._collecting = start = time.perf_counter()
+            try:
+                return self.produce(b)
+            finally:
+                with self._cond:
+                    self._busy.append((start, time.perf_counter()))
+                    self._collecting = None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or (self._next < self.last and self._admitted()))
+                if self._stopped:
+                    return
+                b = self._next
+            try:
+                batch = self._collect(b)
+            except BaseException as e:  # handed to the trainer's thread, which raises it
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._ready[b] = batch
+                self._next = b + 1
+                self._cond.notify_all()
+
+    def _admitted(self) -> bool:
+        """Batch _next is due under the engines' weights: generated under version max(0, b - k)."""
+        return self._next - self.k <= self._version
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def idle_fraction(self, start: float, end: float) -> float:
+        """Share of [start, end] (perf_counter) in which no batch was being collected."""
+        if end <= start:
+            return 0.0
+        with self._cond:
+            spans = [*self._busy, *([(self._collecting, end)] if self._collecting is not None else [])]
+            self._busy = [(s, e) for s, e in self._busy if e > start]  # older spans are never asked for again
+        busy = sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
+        return max(0.0, 1.0 - busy / (end - start))

@@ -1,0 +1,216 @@
+"""Asynchronous RL (grpo.max_staleness = k): batches generated ahead while the trainer trains, on a fixed
+schedule (batch b under policy version max(0, b - k)).
+
+The stream is checked with real threads and a stand-in collect that records the weights it ran under; the loop on
+a local Ray cluster: a k = 1 run SIGKILLed between a step's row and its checkpoint and resumed ends bitwise equal
+to the uninterrupted one (the checkpoint holds the batch generated ahead), every sample trained once, every
+sample at most k versions old, and generation overlapping training in the run's trace.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loopline.checkpoint.ledger import read_ledger, repeats
+from loopline.cli import main
+from loopline.config import ConfigError, load_config
+from loopline.loops.stream import RolloutStream
+from loopline.metrics.logger import read_metrics
+from loopline.metrics.trace import read_spans
+from tests.runs import kill_at, steady
+
+
+class Engines:
+    """Stand-in engines: the weights version they hold, and what each collect ran under and when."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.collected: dict[int, tuple[int, float, float]] = {}  # batch -> (version, start, end)
+        self.busy = threading.Lock()
+
+    def produce(self, b: int) -> int:
+        assert self.busy.acquire(blocking=False), "two collects at once"
+        start = time.perf_counter()
+        time.sleep(0.03)
+        self.collected[b] = (self.version, start, time.perf_counter())
+        self.busy.release()
+        return b
+
+
+def _train(stream: RolloutStream[int], engines: Engines, first: int, last: int) -> dict[int, float]:
+    """The loop's protocol around the stream; returns when each step's training ended."""
+    trained = {}
+    for step in range(first, last):
+        batch, _ = stream.take(step)
+        assert batch == step
+        time.sleep(0.05)  # training
+        trained[step] = time.perf_counter()
+        stream.ready_to_sync(step + 1)
+        assert not engines.busy.locked(), "weights synced while a batch was being collected"
+        engines.version = step + 1
+        stream.synced(step + 1)
+    return trained
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_batch_b_is_generated_under_version_b_minus_k_and_overlaps_training(k: int) -> None:
+    engines = Engines()
+    stream = RolloutStream(engines.produce, k, first=0, last=8)
+    try:
+        trained = _train(stream, engines, 0, 8)
+    finally:
+        stream.close()
+    assert {b: v for b, (v, _, _) in engines.collected.items()} == {b: max(0, b - k) for b in range(8)}
+    # with k >= 1 batch s + 1 starts before step s has finished training; with k = 0 only after
+    started_early = [engines.collected[s + 1][1] < trained[s] for s in range(7)]
+    assert all(started_early) if k else not any(started_early)
+
+
+def test_pending_batches_carry_over_to_a_resumed_stream() -> None:
+    engines = Engines()
+    stream = RolloutStream(engines.produce, 2, first=0, last=10)
+    _train(stream, engines, 0, 3)  # the producer is released after the sync of version 3
+    stream.close()
+    time.sleep(0.1)  # a collect released by the last sync may still finish; it is not part of the snapshot
+    # what a checkpoint at step 3 held: read between ready_to_sync and synced, batches 3 and 4 (under versions 1, 2)
+    engines2 = Engines()
+    engines2.version = 3
+    resumed = RolloutStream(engines2.produce, 2, first=3, last=10, buffered=[3, 4], version=3)
+    try:
+        _train(resumed, engines2, 3, 10)
+    finally:
+        resumed.close()
+    # the resumed stream generates from batch 5 on, under version 3 = 5 - k, as the uninterrupted one would
+    assert sorted(engines2.collected) == list(range(5, 10))
+    assert {b: v for b, (v, _, _) in engines2.collected.items()} == {b: b - 2 for b in range(5, 10)}
+
+
+def test_pending_is_what_was_generated_and_not_taken() -> None:
+    engines = Engines()
+    stream = RolloutStream(engines.produce, 2, first=0, last=10)
+    try:
+        for step in range(3):
+            stream.take(step)
+            stream.ready_to_sync(step + 1)
+            if step == 2:
+                assert stream.pending() == [3, 4]
+            engines.version = step + 1
+            stream.synced(step + 1)
+    finally:
+        stream.close()
+
+
+def test_a_collect_that_raises_raises_in_the_trainer() -> None:
+    def produce(b: int) -> int:
+        if b == 2:
+            raise RuntimeError("engine 0 died past its replacements")
+        return b
+
+    stream = RolloutStream(produce, 1, first=0, last=5)
+    try:
+        assert stream.take(0)[0] == 0
+        stream.synced(1)
+        assert stream.take(1)[0] == 1
+        with pytest.raises(RuntimeError, match="engine 0 died"):
+            stream.ready_to_sync(2)  # batch 2 (under version 1) failed
+    finally:
+        stream.close()
+
+
+def test_idle_fraction_counts_the_collects_in_a_window() -> None:
+    stream = RolloutStream(lambda b: time.sleep(0.1) or b, 0, first=0, last=3)
+    start = time.perf_counter()
+    stream.take(0)
+    time.sleep(0.1)
+    idle = stream.idle_fraction(start, time.perf_counter())
+    assert 0.3 < idle < 0.7, idle
+
+
+def test_max_staleness_needs_ray_and_a_behaviour_correction() -> None:
+    with pytest.raises(ConfigError, match="needs runtime.backend=ray"):
+        load_config(overrides=["grpo.max_staleness=1", "grpo.behaviour_correction=tis"])
+    with pytest.raises(ConfigError, match="set behaviour_correction"):
+        load_config(overrides=["grpo.max_staleness=1", "runtime.backend=ray"])
+    with pytest.raises(ConfigError, match="max_staleness"):
+        load_config(overrides=["grpo.max_staleness=-1"])
+    cfg = load_config(
+        overrides=["grpo.max_staleness=2", "runtime.backend=ray", "grpo.behaviour_correction=tis"]
+    )
+    assert cfg.grpo.max_staleness == 2
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The loop on Ray
+# ------------------------------------------------------------------------------------------------------------
+
+ARGS = [
+    "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
+    "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
+    "grpo.eval_every=0", "grpo.optim.lr=1e-2", "grpo.optim.warmup_steps=0", "grpo.behaviour_correction=tis",
+    "grpo.entropy_coef=0.01",
+    "data.task.num_train=40", "data.task.num_eval=4", "eval.num_prompts=4", "checkpoint_every=2",
+    "progress=false", "tensorboard=false", "threads=1", "deterministic=true",
+    "runtime.backend=ray", "runtime.engines=1", "runtime.env_workers=1", "runtime.call_timeout_s=120",
+]  # fmt: skip
+FINAL = "grpo-000005"
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run / "checkpoints" / FINAL / "model" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
+    ray_cluster, tmp_path: Path
+) -> None:
+    import ray
+
+    address = f"runtime.cluster.address={ray.get_runtime_context().gcs_address}"
+    args = [*ARGS, address, "grpo.max_staleness=1"]
+    reference = tmp_path / "reference"
+    assert main(["train", *args, f"out_dir={reference}"]) == 0
+    rows = [r for r in read_metrics(reference) if r["phase"] == "grpo" and r["step"] > 0]
+    # the first batch comes from the weights RL starts from, every later one from the version before
+    assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1, 1]
+    assert [r["staleness_1"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert all(r["stale_dropped"] == 0 and 0 <= r["engine_idle_fraction"] <= 1 for r in rows)
+    # samples one version old were weighted: the behaviour weight moved off 1 once the weights did
+    assert rows[0]["behaviour_weight_max"] == pytest.approx(1.0, abs=1e-4)
+    assert max(abs(r["behaviour_weight_min"] - 1) for r in rows[1:]) > 1e-4
+    # generation overlapped training: a rollout span runs while a train span does
+    spans = read_spans(reference / "trace.json")
+    rollouts = [(s, e) for lane, name, s, e in spans if lane == "rollout" and name == "rollout"]
+    trains = [(s, e) for lane, name, s, e in spans if lane == "trainer" and name == "train"]
+    assert any(rs < te and ts < re for rs, re in rollouts for ts, te in trains)
+
+    # SIGKILLed with step 3 logged but not checkpointed: the resume starts from grpo-000002, whose loop state
+    # holds batch 2 (generated under version 1), and must replay steps 3-5 exactly
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "loopline.cli", "train", *args, f"out_dir={run}"]
+    kill_at(cmd, "step:grpo:3", tmp_path / "markers", 300)
+    assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
+    saved = torch.load(run / "checkpoints" / "grpo-000002" / "loop.pt", weights_only=False)
+    assert [{c.policy_version for c in b.completions} for b in saved["buffer"]] == [{1}]
+    assert main(["train", "--resume", *args, f"out_dir={run}"]) == 0
+    assert steady(read_metrics(run)) == steady(read_metrics(reference))
+    a, b = _weights(run), _weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ledger = read_ledger(run)
+    assert [r["step"] for r in ledger if r["phase"] == "grpo"] == [1, 2, 3, 4, 5]
+    assert not repeats(ledger)
+
+    # the same job synchronous trains other samples' gradients at other weights: it ends elsewhere
+    sync = tmp_path / "sync"
+    assert main(["train", *ARGS, address, f"out_dir={sync}"]) == 0
+    c = _weights(sync)
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+    sync_rows = [r for r in read_metrics(sync) if r["phase"] == "grpo" and r["step"] > 0]
+    assert "staleness_max" not in sync_rows[0] and sync_rows[0]["reward_mean"] == rows[0]["reward_mean"]
