@@ -36,6 +36,7 @@ from loopline.data.batches import RolloutBatch, TokenBatch, collate
 from loopline.data.sampler import Sampler, SampleRef
 from loopline.envs.multiturn import rollout_metrics
 from loopline.loops.context import (
+    SCALE_REQUEST,
     RunContext,
     apply_scale_request,
     encode_prompt,
@@ -443,6 +444,15 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
     return state
 
 
+def scale_between_batches(ctx: RunContext, stream: RolloutStream) -> dict[str, float]:
+    """`loopline scale`: engines / env workers join or leave between two batches, when a request is there (only
+    then does the trainer wait for a batch in flight: an unconditional wait would undo the overlap)."""
+    if not (ctx.run_dir / SCALE_REQUEST).exists():
+        return {}
+    with stream.engines():
+        return apply_scale_request(ctx)
+
+
 def _grpo_step(
     ctx: RunContext,
     state: RunState,
@@ -460,8 +470,7 @@ def _grpo_step(
     pad_id = ctx.tokenizer.pad_token_id
     started = time.perf_counter()
     timer = StageTimer(ctx.watchdog, ctx.trace, "trainer")
-    with stream.engines():  # `loopline scale`: engines / env workers join or leave between batches
-        scaled = apply_scale_request(ctx)
+    scaled = scale_between_batches(ctx, stream)
 
     # 1-2. Rollout and score: group_size samples of each prompt from the engine's policy, verifier scores
     # (collected ahead on the rollout lane with max_staleness >= 1, at most that many versions behind).
@@ -582,6 +591,7 @@ def _grpo_step(
         row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
     if cfg.max_staleness:
         row.update(_async_metrics(scored, trained_at, cfg.max_staleness, dropped, waited, stream, started))
+    row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
     return {**row, "_engine_rng": engine_rng, "_pending": pending}
 
 
@@ -605,5 +615,4 @@ def _async_metrics(
         "time_wait": waited,
         "trainer_idle_fraction": waited / max(now - started, 1e-9),
         "engine_idle_fraction": stream.idle_fraction(started, now),
-        "time_step": now - started,
     }

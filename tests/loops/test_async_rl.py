@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ import torch
 from loopline.checkpoint.ledger import read_ledger, repeats
 from loopline.cli import main
 from loopline.config import ConfigError, load_config
+from loopline.loops.context import write_scale_request
+from loopline.loops.grpo import scale_between_batches
 from loopline.loops.stream import RolloutStream
 from loopline.metrics.logger import read_metrics
 from loopline.metrics.trace import read_spans
@@ -132,6 +135,32 @@ def test_idle_fraction_counts_the_collects_in_a_window() -> None:
     assert 0.3 < idle < 0.7, idle
 
 
+def test_the_trainer_waits_for_a_batch_in_flight_only_to_scale(tmp_path: Path) -> None:
+    release, started = threading.Event(), threading.Event()
+
+    def produce(b: int) -> int:
+        started.set()
+        release.wait(10)
+        return b
+
+    resized: list[tuple[int, bool]] = []  # (engines, whether the batch in flight had finished)
+    engines = SimpleNamespace(resize=lambda n: resized.append((n, release.is_set())))
+    ctx = SimpleNamespace(run_dir=tmp_path, rollout=engines)  # what scale_between_batches reads of the run
+    stream = RolloutStream(produce, 1, first=0, last=2)
+    try:
+        assert started.wait(5)  # batch 0 is being collected
+        t0 = time.perf_counter()
+        assert scale_between_batches(ctx, stream) == {}  # no request: no wait
+        assert time.perf_counter() - t0 < 1.0
+        write_scale_request(tmp_path, {"engines": 2})
+        threading.Timer(0.3, release.set).start()
+        assert scale_between_batches(ctx, stream)["engines"] == 2
+        assert resized == [(2, True)]  # applied once the batch was collected, not under it
+    finally:
+        release.set()
+        stream.close()
+
+
 def test_max_staleness_needs_ray_and_a_behaviour_correction() -> None:
     with pytest.raises(ConfigError, match="needs runtime.backend=ray"):
         load_config(overrides=["grpo.max_staleness=1", "grpo.behaviour_correction=tis"])
@@ -153,7 +182,7 @@ ARGS = [
     "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
     "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
     "grpo.eval_every=0", "grpo.optim.lr=1e-2", "grpo.optim.warmup_steps=0", "grpo.behaviour_correction=tis",
-    "grpo.entropy_coef=0.01",
+    "grpo.entropy_coef=0.01", "grpo.sampling.max_new_tokens=32",  # a rollout long enough to overlap
     "data.task.num_train=40", "data.task.num_eval=4", "eval.num_prompts=4", "checkpoint_every=2",
     "progress=false", "tensorboard=false", "threads=1", "deterministic=true",
     "runtime.backend=ray", "runtime.engines=1", "runtime.env_workers=1", "runtime.call_timeout_s=120",
@@ -185,11 +214,13 @@ def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
     # samples one version old were weighted: the behaviour weight moved off 1 once the weights did
     assert rows[0]["behaviour_weight_max"] == pytest.approx(1.0, abs=1e-4)
     assert max(abs(r["behaviour_weight_min"] - 1) for r in rows[1:]) > 1e-4
-    # generation overlapped training: a rollout span runs while a train span does
+    # generation overlapped training after the first step too (nothing on the trainer's side waits for a batch in
+    # flight that it does not need): a rollout span runs while a later step's train span does
     spans = read_spans(reference / "trace.json")
     rollouts = [(s, e) for lane, name, s, e in spans if lane == "rollout" and name == "rollout"]
     trains = [(s, e) for lane, name, s, e in spans if lane == "trainer" and name == "train"]
-    assert any(rs < te and ts < re for rs, re in rollouts for ts, te in trains)
+    assert len(rollouts) == len(trains) == 5
+    assert any(rs < te and ts < re for rs, re in rollouts for ts, te in trains[1:])
 
     # SIGKILLed with step 3 logged but not checkpointed: the resume starts from grpo-000002, whose loop state
     # holds batch 2 (generated under version 1), and must replay steps 3-5 exactly

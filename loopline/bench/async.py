@@ -1,0 +1,152 @@
+"""`loopline bench async`: the same RL job synchronous and with grpo.max_staleness = 1 and 2, on Ray with one
+trainer rank, one engine and one env worker: samples/s of each, held-out accuracy of each after the same number of
+samples, how stale the trained samples were and how long each side waited; ends with the headline
+`async_over_sync_samples_per_s` (the better of k = 1 and k = 2 over synchronous).
+
+Per seed: one SFT warm start (local backend), then the three GRPO runs from its weights (model.path), each on a
+fresh local Ray, all three with grpo.behaviour_correction=tis (the same loss: only the schedule differs).
+samples/s counts the steps after the first (the first has nothing to overlap with) from each row's time_step,
+so Ray's start and the final eval are outside it. The workload (--workload): `agent` is the calculator agent
+(multi-turn episodes of tool calls and answers, so generation and env steps are a large share of a step, as in
+agentic RL), `addition` the default job's task (short answers: the trainer's share dominates, so overlap gains
+little there). The response lengths of each run are printed, to show the tail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loopline.cli import AGENT
+from loopline.config import load_config
+from loopline.metrics.logger import read_metrics
+
+WORKLOADS = {
+    # the calculator agent's settings (cli.AGENT), SFT stopped at a validation accuracy that leaves RL room
+    "agent": [
+        *AGENT, "sft.steps=600", "sft.stop_at_accuracy=0.5", "sft.check_every=10",
+        "grpo.eval_every=0", "env.calculator.num_eval=512", "eval.num_prompts=512",
+    ],
+    # the default job's task and settings
+    "addition": ["grpo.eval_every=0", "eval.num_prompts=1000"],
+}  # fmt: skip
+MODES = {"sync": 0, "k1": 1, "k2": 2}
+
+
+def _run(args: list[str], log: Path, timeout_s: float) -> None:
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    with log.open("w") as out:
+        done = subprocess.run(
+            [sys.executable, "-m", "loopline.cli", "train", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=timeout_s,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"loopline train {' '.join(args)} failed (rc {done.returncode}); see {log}")
+
+
+def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: float) -> dict[str, dict]:
+    """SFT once, then GRPO synchronous and with k = 1, 2 from its weights; each mode's figures."""
+    sft = tmp / f"sft-{seed}"
+    _run(
+        [*workload, f"seed={seed}", "grpo.steps=0", "progress=false", f"out_dir={sft}"],
+        tmp / f"sft-{seed}.log",
+        timeout_s,
+    )
+    model = sft / "checkpoints" / (sft / "checkpoints" / "latest").read_text().strip() / "model"
+    out = {}
+    for mode, k in MODES.items():
+        run = tmp / f"{mode}-{seed}"
+        args = [
+            *workload, f"seed={seed}", f"model.path={model}", "sft.steps=0", f"grpo.steps={steps}",
+            "runtime.backend=ray", "runtime.trainer_ranks=1", "runtime.engines=1", "runtime.env_workers=1",
+            "grpo.behaviour_correction=tis", f"grpo.max_staleness={k}", "checkpoint_every=0",
+            "progress=false", "tensorboard=false", f"out_dir={run}",
+        ]  # fmt: skip
+        started = time.perf_counter()
+        _run(args, tmp / f"{mode}-{seed}.log", timeout_s)
+        rows = [r for r in read_metrics(run) if r.get("phase") == "grpo" and r["step"] > 0]
+        timed = rows[1:]  # the first step has nothing to overlap with
+        grpo = load_config(run / "config.yaml").grpo
+        samples = len(timed) * grpo.prompts_per_step * grpo.group_size
+        result = {
+            "samples_per_s": samples / sum(r["time_step"] for r in timed),
+            "eval_accuracy": rows[-1]["eval_accuracy"],
+            "run_s": time.perf_counter() - started,
+            "response_len_mean": statistics.mean(r["response_len_mean"] for r in rows),
+            "response_len_max": max(r["response_len_max"] for r in rows),
+            "time_step_mean": statistics.mean(r["time_step"] for r in timed),
+        }
+        if k:
+            result |= {
+                key: statistics.mean(r[key] for r in timed)
+                for key in ("staleness_mean", "trainer_idle_fraction", "engine_idle_fraction")
+            }
+            result["staleness_max"] = max(r["staleness_max"] for r in rows)
+            result["stale_dropped"] = sum(r["stale_dropped"] for r in rows)
+        result["start_accuracy"] = [r["eval_accuracy"] for r in read_metrics(sft) if "eval_accuracy" in r][-1]
+        out[mode] = result
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="loopline bench async", description=__doc__, allow_abbrev=False)
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="agent", help="the job (see above)")
+    parser.add_argument("--seeds", default="0", help="comma list of seeds (the accuracy target reads three)")
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps of each run (same samples in each)")
+    parser.add_argument("--timeline", default="", help="write a PNG of seed 1's first runs' timelines here")
+    parser.add_argument(
+        "--keep", default="", help="keep the runs in this directory (default: a temporary one)"
+    )
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is given up")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if not seeds or args.steps < 3:
+        parser.error("--seeds needs at least one seed and --steps at least 3")
+    workload = WORKLOADS[args.workload]
+    print(f"cpus: {os.cpu_count()}")
+    print(f"workload: {args.workload}")
+    with tempfile.TemporaryDirectory(prefix="loopline-bench-async-") as tmp_dir:
+        tmp = Path(args.keep) if args.keep else Path(tmp_dir)
+        tmp.mkdir(parents=True, exist_ok=True)
+        results = {}
+        for seed in seeds:
+            results[seed] = run_seed(tmp, workload, seed, args.steps, args.timeout)
+            for mode, r in results[seed].items():
+                for key, value in r.items():
+                    print(f"seed{seed}.{mode}.{key}: {value:.4g}", flush=True)
+        if args.timeline:
+            from loopline.metrics.trace import plot_timeline
+
+            first = seeds[0]
+            traces = {
+                f"{mode} (seed {first})": tmp / f"{mode}-{first}" / "trace.json" for mode in ("sync", "k1")
+            }
+            print(f"timeline: {plot_timeline(traces, args.timeline)}")
+    mean = {
+        mode: {
+            key: statistics.mean(results[s][mode][key] for s in seeds)
+            for key in ("samples_per_s", "eval_accuracy")
+        }
+        for mode in MODES
+    }
+    for mode in MODES:
+        print(f"{mode}.samples_per_s: {mean[mode]['samples_per_s']:.2f}")
+        print(f"{mode}.eval_accuracy_mean: {mean[mode]['eval_accuracy']:.4f}")
+    for mode in ("k1", "k2"):
+        print(
+            f"{mode}_over_sync_samples_per_s: {mean[mode]['samples_per_s'] / mean['sync']['samples_per_s']:.3f}"
+        )
+        gap = 100 * (mean[mode]["eval_accuracy"] - mean["sync"]["eval_accuracy"])
+        print(f"{mode}_minus_sync_accuracy_points: {gap:+.2f}")
+    best = max(mean["k1"]["samples_per_s"], mean["k2"]["samples_per_s"])
+    print(f"async_over_sync_samples_per_s: {best / mean['sync']['samples_per_s']:.3f}")
+    return 0
