@@ -330,6 +330,22 @@ def test_update_weights_copies_bitwise_and_bumps_version(small_model, trained, t
         engine.update_weights({"not.a.weight": torch.zeros(1)}, version=6)
 
 
+@pytest.mark.parametrize("max_rows", [0, 8])
+def test_no_sample_comes_from_state_left_by_earlier_weights(small_model, trained, tokenizer, max_rows):
+    """Async RL syncs weights between generate calls: an engine that generated under other weights (its KV cache
+    filled, its stop tables built) then took new ones samples exactly what a fresh engine with the new ones does,
+    and says which version it sampled under. The engine keeps no KV or prefix cache across calls."""
+    params = SamplingParams(max_new_tokens=6, seed=3, stop=("\n",))
+    used = TorchEngine(copy.deepcopy(small_model), tokenizer, max_rows=max_rows)
+    used.generate(_prompts(tokenizer), params, n=4)  # under the old weights
+    used.update_weights(trained.state_dict(), version=7)
+    fresh = TorchEngine(copy.deepcopy(trained), tokenizer, max_rows=max_rows)
+    a, b = used.generate(_prompts(tokenizer), params, n=4), fresh.generate(_prompts(tokenizer), params, n=4)
+    assert [c.token_ids for c in a] == [c.token_ids for c in b]
+    assert [c.logprobs for c in a] == [c.logprobs for c in b]
+    assert {c.policy_version for c in a} == {7}
+
+
 def test_generate_rejects_empty_prompts_and_restores_train_mode(small_model, tokenizer):
     engine = TorchEngine(small_model, tokenizer)
     with pytest.raises(ValueError, match="non-empty"):

@@ -196,3 +196,31 @@ def test_a_local_runs_env_workers_scale_through_loopline_scale(tmp_path: Path) -
         _assert_every_sample_trained_once(ctx, 3)
     finally:
         ctx.close()
+
+
+def test_engines_killed_during_an_async_run_are_replaced_and_the_bound_holds(
+    ray_cluster, tmp_path: Path, capsys
+) -> None:
+    """grpo.max_staleness=1: batches are collected on the driver's producer thread while the trainer trains. An
+    engine dies as batch 1 is scored (its next call, a sync or a generate, finds it dead) and another after step
+    2's row; both are replaced, every sample is trained once, none more than one version old."""
+    run = tmp_path / "run"
+    cfg = load_config(
+        overrides=[
+            *ARGS, "grpo.steps=4", "runtime.engines=2", "grpo.max_staleness=1", "grpo.behaviour_correction=tis",
+            f"out_dir={run}",
+        ]
+    )  # fmt: skip
+    ctx = build_context(cfg)
+    try:
+        ctx.scorer = Hooked(ctx.scorer, "score", {2: _kill_an_engine})
+        ctx.logger = Hooked(ctx.logger, "log", {2: _kill_an_engine})
+        assert _grpo(ctx).step == 4
+        assert "replaced in" in capsys.readouterr().out
+        assert ctx.rollout.replacements == 2
+        rows = [r for r in read_metrics(run) if r["phase"] == "grpo"]
+        assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
+        _assert_every_sample_trained_once(ctx, 4)
+        _assert_engines_hold_the_trainers_weights(ctx)
+    finally:
+        ctx.close()
