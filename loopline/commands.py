@@ -133,23 +133,50 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 def _attempts(
     cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
 ) -> tuple[RunContext, RunState]:
-    """`train` until it ends, restarting the roles after a worker failure; the last context and final state."""
+    """`train` until it ends, restarting after a worker failure from the last checkpoint: the trainer group alone
+    when a trainer rank failed (ray: engines and env workers keep running), else every role; the last context and
+    the final state."""
     failed_at = None
-    for attempt in range(cfg.runtime.max_restarts + 1):
-        ctx = build_context(cfg)
-        ctx.stop = stop
-        try:
-            return ctx, _train(ctx, resume, failed_at, changes)
-        except WorkerError as e:
-            ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
-            if attempt == cfg.runtime.max_restarts:
-                raise
-            restarts = cfg.runtime.max_restarts
-            print(f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
-            resume, failed_at, changes = True, time.perf_counter(), None
-        finally:
-            ctx.close()  # also stops the Ray workers (and a Ray this run started) when the run fails
+    ctx = build_context(cfg)
+    ctx.stop = stop
+    try:
+        for attempt in range(cfg.runtime.max_restarts + 1):
+            try:
+                return ctx, _train(ctx, resume, failed_at, changes)
+            except WorkerError as e:
+                ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
+                if attempt == cfg.runtime.max_restarts:
+                    raise
+                restarts = cfg.runtime.max_restarts
+                resume, failed_at, changes = True, time.perf_counter(), None
+                if _restart_trainer(ctx, e):
+                    print(
+                        f"{e}\nrestarted the trainer group; resuming from the last checkpoint (restart "
+                        f"{attempt + 1} of {restarts}; engines and env workers kept running)"
+                    )
+                    continue
+                print(
+                    f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})"
+                )
+                ctx.close()  # also stops the Ray workers (and a Ray this run started)
+                ctx = build_context(cfg)
+                ctx.stop = stop
+    finally:
+        ctx.close()
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def _restart_trainer(ctx: RunContext, failure: WorkerError) -> bool:
+    """After a trainer rank's failure on ray, replace the trainer ranks alone; False when that does not apply or
+    fails (then every role restarts)."""
+    if ctx.restart_trainer is None or failure.role != "actor":
+        return False
+    try:
+        ctx.restart_trainer()
+    except WorkerError as e:
+        print(f"restarting the trainer group failed ({e}): restarting every role")
+        return False
+    return True
 
 
 def _train(
@@ -160,7 +187,7 @@ def _train(
     if resume:
         state, resume = _resume(ctx, changes)
         if failed_at is not None:
-            print(f"recovered in {time.perf_counter() - failed_at:.1f}s (roles restarted, checkpoint loaded)")
+            print(f"recovered in {time.perf_counter() - failed_at:.1f}s (restarted, checkpoint loaded)")
     else:
         _start_fresh(ctx)
         record_config(ctx.run_dir, "start")

@@ -1,4 +1,5 @@
-"""GRPO-family RL, synchronous: rollout -> score -> advantages -> update -> weight sync -> log, one step at a time.
+"""GRPO-family RL: rollout -> score -> advantages -> update -> weight sync -> log, one step at a time; with
+grpo.max_staleness = k >= 1 the rollouts of the next batches run on a thread meanwhile (loops.stream).
 
 One loop runs the family; the config picks the parts once, up front:
 - grpo.advantage: the estimator (loops.estimators.ESTIMATORS); `gae` adds a critic, which makes it PPO.
@@ -7,8 +8,9 @@ One loop runs the family; the config picks the parts once, up front:
 - grpo.kl_in / kl_controller: KL to the reference as a loss term or a reward penalty; fixed or adaptive.
 - DAPO extras: dynamic sampling (collect), overlong shaping and truncated-completion masking.
 
-Checkpoints hold, besides the policy, the frozen reference (kl_coef > 0), the KL controller, the critic
-and the engines' sampling generators, so a resumed run continues exactly as the uninterrupted one.
+Checkpoints hold, besides the policy, the frozen reference (kl_coef > 0), the KL controller, the critic,
+the engines' sampling generators and the batches generated ahead, so a resumed run continues exactly as the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -415,8 +417,9 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     try:
         while state.step < cfg.steps:
-            row = _grpo_step(ctx, state, sampler, stream, produce, estimate, critic, kl_control, need_old)
-            engine_rng, pending = row.pop("_engine_rng"), row.pop("_pending")
+            row, engine_rng, pending = _grpo_step(
+                ctx, state, sampler, stream, produce, estimate, critic, kl_control, need_old
+            )
             last = state.step == cfg.steps
             if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
                 with stream.engines(), ctx.watchdog.stage("eval"):
@@ -424,9 +427,8 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
                     row.update(evaluate(ctx))
                     ctx.trace.span("trainer", "eval", t0, time.perf_counter())
             ctx.logger.log(row)
-            pause_point(
-                f"step:grpo:{state.step}"
-            )  # test hook: a kill between a step's row and its checkpoint
+            # test hook: a kill between a step's row and its checkpoint
+            pause_point(f"step:grpo:{state.step}")
             stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
             if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
                 with ctx.watchdog.stage("checkpoint"):
@@ -463,9 +465,9 @@ def _grpo_step(
     critic: Critic | None,
     kl_control: FixedKLController | AdaptiveKLController,
     need_old: bool,
-) -> dict:
-    """One RL step on batch state.step: experience, update, weight sync; its metrics row (before eval), with the
-    engines' generators and the batches generated ahead as of the sync under "_engine_rng" and "_pending"."""
+) -> tuple[dict, list, list[Scored]]:
+    """One RL step on batch state.step: experience, update, weight sync. Returns its metrics row (before eval)
+    and, as of the sync, the engines' generators and the batches generated ahead (what a checkpoint holds)."""
     cfg = ctx.cfg.grpo
     pad_id = ctx.tokenizer.pad_token_id
     started = time.perf_counter()
@@ -590,16 +592,17 @@ def _grpo_step(
     if critic is not None:
         row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
     if cfg.max_staleness:
-        row.update(_async_metrics(scored, trained_at, cfg.max_staleness, dropped, waited, stream, started))
+        row.update(_async_metrics(scored, trained_at, cfg.max_staleness, waited, stream, started))
+    if cfg.max_staleness or dropped:
+        row["stale_dropped"] = dropped
     row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
-    return {**row, "_engine_rng": engine_rng, "_pending": pending}
+    return row, engine_rng, pending
 
 
 def _async_metrics(
     scored: Scored,
     trained_at: int,
     k: int,
-    dropped: int,
     waited: float,
     stream: RolloutStream[Scored],
     started: float,
@@ -611,7 +614,6 @@ def _async_metrics(
         "staleness_mean": float(behind.mean()),
         "staleness_max": int(behind.max()),
         **{f"staleness_{v}": float((behind == v).float().mean()) for v in range(k + 1)},
-        "stale_dropped": dropped,
         "time_wait": waited,
         "trainer_idle_fraction": waited / max(now - started, 1e-9),
         "engine_idle_fraction": stream.idle_fraction(started, now),

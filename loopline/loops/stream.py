@@ -58,8 +58,8 @@ class RolloutStream(Generic[T]):
     def take(self, b: int) -> tuple[T, float]:
         """Batch b and the seconds spent waiting for it."""
         start = time.perf_counter()
-        if self._thread is None:
-            return self._collect(b), 0.0
+        if self._thread is None:  # k = 0: collected now (or generated ahead by the run this one resumed)
+            return (self._ready.pop(b) if b in self._ready else self._collect(b)), 0.0
         with self._cond:
             self._cond.wait_for(lambda: b in self._ready or self._error is not None)
             self._raise()
@@ -98,10 +98,13 @@ class RolloutStream(Generic[T]):
             yield
 
     def close(self) -> None:
-        """Stop the producer (a collect in flight finishes on its own; its batch is dropped)."""
+        """Stop the producer: a collect in flight finishes (its batch is dropped) before this returns, so nothing
+        uses the engines after it (a restarted attempt restores their generators next)."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
 
     # -- the producer's side -------------------------------------------------------------------------------
 

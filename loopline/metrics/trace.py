@@ -8,17 +8,19 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 LANES = ("rollout", "trainer")  # one row each in the viewer
+MAX_SPANS = 100_000  # the newest kept: about 10,000 RL steps, a trace file of some 15 MB
 
 
 class Trace:
-    """Spans recorded from any thread; `write` saves them (times in microseconds from the trace's start)."""
+    """Spans recorded from any thread; `write` saves the newest MAX_SPANS (microseconds from the trace's start)."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
-        self.events: list[dict] = []
+        self.events: deque[dict] = deque(maxlen=MAX_SPANS)
         self._lock = threading.Lock()
 
     def span(self, lane: str, name: str, start: float, end: float, **args: float) -> None:
@@ -43,7 +45,7 @@ class Trace:
             for i, lane in enumerate(LANES)
         ]
         with self._lock:
-            doc = {"traceEvents": names + self.events, "displayTimeUnit": "ms"}
+            doc = {"traceEvents": names + list(self.events), "displayTimeUnit": "ms"}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc))
         tmp.replace(path)

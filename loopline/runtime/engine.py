@@ -55,7 +55,7 @@ class EngineWorker:
         ranks come first), `engines` engines in all; `trainer` is the TrainerLayout the trainer ranks plan with."""
         from loopline.runtime.weight_sync import SyncGroup
 
-        if self.sync is None:
+        if self.sync is None or self.sync.address != tuple(address):  # new trainer ranks serve a new store
             self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
         self.layout = trainer
         self.sync.open(generation, trainer.size + self.rank, trainer.size + engines)

@@ -49,6 +49,8 @@ class Roles:
     scorer: Scorer
     shutdown: Callable[[], None]
     critic: Critic | None = None  # PPO's critic (grpo.advantage=gae)
+    # ray: new actors for every trainer rank, their world and the weight sync rebuilt; the other roles run on
+    restart_trainer: Callable[[], None] | None = None
 
 
 def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
@@ -169,6 +171,20 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     except BaseException:
         shutdown()
         raise
+
+    def restart_trainer() -> None:
+        """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle, the new ranks
+        form a new world, and the engines open the weight sync against its new store. The caller loads the
+        checkpoint into it; engines, env workers, the critic and the reference keep running."""
+        trainer.restart_ranks(list(range(trainer.world_size)))
+        sync.address, sync.layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
+        sync.open()
+
     return Roles(
-        ActorRole(trainer, model, reference, rt.trainer_tp), rollout, scorer, shutdown, critic=critic
+        ActorRole(trainer, model, reference, rt.trainer_tp),
+        rollout,
+        scorer,
+        shutdown,
+        critic,
+        restart_trainer,
     )

@@ -211,12 +211,19 @@ class WorkerGroup:
     def restart_rank(self, rank: int) -> None:
         """Kill rank `rank`'s actor (if still alive) and start a new one in its bundle, with the same arguments
         and environment; wait (at most timeout_s) until it is built. The other ranks are not touched."""
+        self.restart_ranks([rank])
+
+    def restart_ranks(self, ranks: list[int]) -> None:
+        """restart_rank for each of `ranks`, the new actors starting side by side."""
         self._ray_only("restart_rank")
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
-        kill(self._ranks[rank])
-        self._ranks[rank] = self._start_rank(rank, self._nodes())
-        self._wait_ready([rank])
+        for rank in ranks:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
+        kill(*(self._ranks[r] for r in ranks))
+        nodes = self._nodes()
+        for rank in ranks:
+            self._ranks[rank] = self._start_rank(rank, nodes)
+        self._wait_ready(ranks)
 
     def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
         """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;

@@ -9,6 +9,7 @@ sample at most k versions old, and generation overlapping training in the run's 
 
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
 import time
@@ -92,6 +93,14 @@ def test_pending_batches_carry_over_to_a_resumed_stream() -> None:
     # the resumed stream generates from batch 5 on, under version 3 = 5 - k, as the uninterrupted one would
     assert sorted(engines2.collected) == list(range(5, 10))
     assert {b: v for b, (v, _, _) in engines2.collected.items()} == {b: b - 2 for b in range(5, 10)}
+
+
+def test_a_synchronous_stream_hands_out_batches_generated_ahead_first() -> None:
+    """A run that generated ahead, resumed with max_staleness=0: the saved batch comes first, then it collects."""
+    engines = Engines()
+    stream = RolloutStream(engines.produce, 0, first=3, last=6, buffered=[3], version=3)
+    assert [stream.take(b)[0] for b in (3, 4, 5)] == [3, 4, 5]
+    assert sorted(engines.collected) == [4, 5]
 
 
 def test_pending_is_what_was_generated_and_not_taken() -> None:
@@ -230,6 +239,7 @@ def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
     assert (run / "checkpoints" / "latest").read_text().strip() == "grpo-000002"
     saved = torch.load(run / "checkpoints" / "grpo-000002" / "loop.pt", weights_only=False)
     assert [{c.policy_version for c in b.completions} for b in saved["buffer"]] == [{1}]
+    shutil.copytree(run, tmp_path / "run-k0")
     assert main(["train", "--resume", *args, f"out_dir={run}"]) == 0
     assert steady(read_metrics(run)) == steady(read_metrics(reference))
     a, b = _weights(run), _weights(reference)
@@ -237,6 +247,15 @@ def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
     ledger = read_ledger(run)
     assert [r["step"] for r in ledger if r["phase"] == "grpo"] == [1, 2, 3, 4, 5]
     assert not repeats(ledger)
+
+    # resumed synchronous (a smaller bound: --allow-config-change): the saved batch, one version old, is past it,
+    # so it is dropped, counted, and collected again under the current weights; no sample is trained twice
+    k0 = tmp_path / "run-k0"
+    resume_k0 = ["train", "--resume", *args, "grpo.max_staleness=0", f"out_dir={k0}", "--allow-config-change"]
+    assert main(resume_k0) == 0
+    resumed = {r["step"]: r for r in read_metrics(k0) if r["phase"] == "grpo"}
+    assert resumed[3]["stale_dropped"] == 16 and "stale_dropped" not in resumed[4]
+    assert not repeats(read_ledger(k0))
 
     # the same job synchronous trains other samples' gradients at other weights: it ends elsewhere
     sync = tmp_path / "sync"
