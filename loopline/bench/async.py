@@ -23,18 +23,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from loopline.cli import AGENT
 from loopline.config import load_config
 from loopline.metrics.logger import read_metrics
 
+# the `loopline` command line of each workload, less seed, steps and out_dir
 WORKLOADS = {
-    # the calculator agent's settings (cli.AGENT), SFT stopped at a validation accuracy that leaves RL room
+    # `loopline agent`: the example's settings, SFT stopped at a validation accuracy that leaves RL room
     "agent": [
-        *AGENT, "sft.steps=600", "sft.stop_at_accuracy=0.5", "sft.check_every=10",
+        "agent", "sft.steps=600", "sft.stop_at_accuracy=0.5", "sft.check_every=10",
         "grpo.eval_every=0", "env.calculator.num_eval=512", "eval.num_prompts=512",
     ],
     # the default job's task and settings
-    "addition": ["grpo.eval_every=0", "eval.num_prompts=1000"],
+    "addition": ["train", "grpo.eval_every=0", "eval.num_prompts=1000"],
 }  # fmt: skip
 MODES = {"sync": 0, "k1": 1, "k2": 2}
 
@@ -43,18 +43,19 @@ def _run(args: list[str], log: Path, timeout_s: float) -> None:
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     with log.open("w") as out:
         done = subprocess.run(
-            [sys.executable, "-m", "loopline.cli", "train", *args],
+            [sys.executable, "-m", "loopline.cli", *args],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             timeout=timeout_s,
         )
     if done.returncode != 0:
-        raise RuntimeError(f"loopline train {' '.join(args)} failed (rc {done.returncode}); see {log}")
+        raise RuntimeError(f"loopline {' '.join(args)} failed (rc {done.returncode}); see {log}")
 
 
 def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: float) -> dict[str, dict]:
-    """SFT once, then GRPO synchronous and with k = 1, 2 from its weights; each mode's figures."""
+    """SFT once, then GRPO synchronous and with k = 1, 2 from its weights; each mode's figures. workload: a
+    `loopline` command line (WORKLOADS)."""
     sft = tmp / f"sft-{seed}"
     _run(
         [*workload, f"seed={seed}", "grpo.steps=0", "progress=false", f"out_dir={sft}"],

@@ -47,16 +47,21 @@ class EngineWorker:
             )
         self.engine = engine
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
+        self.store = 0  # which store `sync` is connected to (CollectiveSync.store)
         self.layout: Any = None  # the trainer's TrainerLayout, from the driver
         self.plan: Any = None  # the weight-sync TransferPlan of the last sync
 
-    def open_sync(self, address: tuple[str, int], generation: int, trainer: Any, engines: int) -> None:
+    def open_sync(
+        self, address: tuple[str, int], generation: int, trainer: Any, engines: int, store: int = 0
+    ) -> None:
         """Open generation `generation` of the weight-sync group as its rank trainer.size + RANK (the trainer's
-        ranks come first), `engines` engines in all; `trainer` is the TrainerLayout the trainer ranks plan with."""
+        ranks come first), `engines` engines in all; `trainer` is the TrainerLayout the trainer ranks plan with;
+        `store` numbers the store at `address` (restarted trainer ranks serve a new one, maybe on the same port)."""
         from loopline.runtime.weight_sync import SyncGroup
 
-        if self.sync is None or self.sync.address != tuple(address):  # new trainer ranks serve a new store
+        if self.sync is None or self.store != store:
             self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
+            self.store = store
         self.layout = trainer
         self.sync.open(generation, trainer.size + self.rank, trainer.size + engines)
 

@@ -73,6 +73,12 @@ class CollectiveSync:
         self.trainer, self.engines = trainer, engines
         self.address, self.layout = address, layout
         self.generation = 0  # of the sync group
+        self.store = 0  # of the store at `address`: one more each time the trainer ranks restart (serve())
+
+    def serve(self, address: tuple[str, int], layout: Any) -> None:
+        """New trainer ranks serve the sync's store at `address` (the next open connects the engines to it)."""
+        self.address, self.layout = address, layout
+        self.store += 1
 
     def open(self) -> None:
         """Every trainer rank and engine opens the next generation of the sync group (the old one is dropped)."""
@@ -80,7 +86,7 @@ class CollectiveSync:
         engines = self.engines.world_size
         opens = self.trainer.call_async("open_sync", self.address, self.generation, engines)
         engine_opens = self.engines.call_async(
-            "open_sync", self.address, self.generation, self.layout, engines
+            "open_sync", self.address, self.generation, self.layout, engines, self.store
         )
         self.engines.wait(engine_opens)
         self.trainer.wait(opens)

@@ -177,7 +177,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         form a new world, and the engines open the weight sync against its new store. The caller loads the
         checkpoint into it; engines, env workers, the critic and the reference keep running."""
         trainer.restart_ranks(list(range(trainer.world_size)))
-        sync.address, sync.layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
+        sync.serve(*trainer.call("join", trainer.call("rendezvous")[0])[0])
         sync.open()
 
     return Roles(

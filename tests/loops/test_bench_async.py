@@ -13,7 +13,7 @@ from loopline.metrics.trace import plot_timeline
 bench = importlib.import_module("loopline.bench.async")  # `async` is a keyword: not importable by name
 
 TINY = [
-    "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
+    "train", "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
     "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16", "grpo.eval_every=0",
     "grpo.entropy_coef=0.01", "data.task.num_train=40", "data.task.num_eval=8", "eval.num_prompts=8",
     "threads=1", "runtime.call_timeout_s=120",
