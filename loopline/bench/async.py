@@ -63,6 +63,7 @@ def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: f
         timeout_s,
     )
     model = sft / "checkpoints" / (sft / "checkpoints" / "latest").read_text().strip() / "model"
+    start = [r["eval_accuracy"] for r in read_metrics(sft) if "eval_accuracy" in r][-1]
     out = {}
     for mode, k in MODES.items():
         run = tmp / f"{mode}-{seed}"
@@ -93,8 +94,7 @@ def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: f
             }
             result["staleness_max"] = max(r["staleness_max"] for r in rows)
             result["stale_dropped"] = sum(r["stale_dropped"] for r in rows)
-        result["start_accuracy"] = [r["eval_accuracy"] for r in read_metrics(sft) if "eval_accuracy" in r][-1]
-        out[mode] = result
+        out[mode] = result | {"start_accuracy": start}
     return out
 
 
@@ -103,7 +103,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="agent", help="the job (see above)")
     parser.add_argument("--seeds", default="0", help="comma list of seeds (the accuracy target reads three)")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps of each run (same samples in each)")
-    parser.add_argument("--timeline", default="", help="write a PNG of seed 1's first runs' timelines here")
+    parser.add_argument(
+        "--timeline", default="", help="write a PNG of the first seed's sync and k1 timelines here"
+    )
     parser.add_argument(
         "--keep", default="", help="keep the runs in this directory (default: a temporary one)"
     )
