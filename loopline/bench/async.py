@@ -1,7 +1,8 @@
-"""`loopline bench async`: the same RL job synchronous and with grpo.max_staleness = 1 and 2, on Ray with one
-trainer rank, one engine and one env worker: samples/s of each, held-out accuracy of each after the same number of
-samples, how stale the trained samples were and how long each side waited; ends with the headline
-`async_over_sync_samples_per_s` (the better of k = 1 and k = 2 over synchronous).
+"""`loopline bench async`: the same RL job synchronous, with grpo.max_staleness = 1 and 2 on the fixed schedule,
+and with k = 2 and partial rollouts (`k2_partial`: weights synced at once, taken by the engines mid-batch), on Ray
+with one trainer rank, one engine and one env worker: samples/s of each, held-out accuracy of each after the same
+number of samples, how stale the trained samples were, how many were partial and how long each side waited; ends
+with the headline `async_over_sync_samples_per_s` (the best async mode over synchronous).
 
 Per seed: one SFT warm start (local backend), then the three GRPO runs from its weights (model.path), each on a
 fresh local Ray, all three with grpo.behaviour_correction=tis (the same loss: only the schedule differs).
@@ -36,7 +37,8 @@ WORKLOADS = {
     # the default job's task and settings
     "addition": ["train", "grpo.eval_every=0", "eval.num_prompts=1000"],
 }  # fmt: skip
-MODES = {"sync": 0, "k1": 1, "k2": 2}
+# mode -> (grpo.max_staleness, grpo.partial_rollouts)
+MODES = {"sync": (0, "none"), "k1": (1, "none"), "k2": (2, "none"), "k2_partial": (2, "recompute_kv")}
 
 
 def _run(args: list[str], log: Path, timeout_s: float) -> None:
@@ -53,9 +55,11 @@ def _run(args: list[str], log: Path, timeout_s: float) -> None:
         raise RuntimeError(f"loopline {' '.join(args)} failed (rc {done.returncode}); see {log}")
 
 
-def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: float) -> dict[str, dict]:
-    """SFT once, then GRPO synchronous and with k = 1, 2 from its weights; each mode's figures. workload: a
-    `loopline` command line (WORKLOADS)."""
+def run_seed(
+    tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: float, modes: list[str] | None = None
+) -> dict[str, dict]:
+    """SFT once, then GRPO in each of `modes` (default: all of MODES) from its weights; each mode's figures.
+    workload: a `loopline` command line (WORKLOADS)."""
     sft = tmp / f"sft-{seed}"
     _run(
         [*workload, f"seed={seed}", "grpo.steps=0", "progress=false", f"out_dir={sft}"],
@@ -65,12 +69,14 @@ def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: f
     model = sft / "checkpoints" / (sft / "checkpoints" / "latest").read_text().strip() / "model"
     start = [r["eval_accuracy"] for r in read_metrics(sft) if "eval_accuracy" in r][-1]
     out = {}
-    for mode, k in MODES.items():
+    for mode in modes or list(MODES):
+        k, partial = MODES[mode]
         run = tmp / f"{mode}-{seed}"
         args = [
             *workload, f"seed={seed}", f"model.path={model}", "sft.steps=0", f"grpo.steps={steps}",
             "runtime.backend=ray", "runtime.trainer_ranks=1", "runtime.engines=1", "runtime.env_workers=1",
-            "grpo.behaviour_correction=tis", f"grpo.max_staleness={k}", "checkpoint_every=0",
+            "grpo.behaviour_correction=tis", f"grpo.max_staleness={k}", f"grpo.partial_rollouts={partial}",
+            "checkpoint_every=0",
             "progress=false", "tensorboard=false", f"out_dir={run}",
         ]  # fmt: skip
         started = time.perf_counter()
@@ -90,7 +96,12 @@ def run_seed(tmp: Path, workload: list[str], seed: int, steps: int, timeout_s: f
         if k:
             result |= {
                 key: statistics.mean(r[key] for r in timed)
-                for key in ("staleness_mean", "trainer_idle_fraction", "engine_idle_fraction")
+                for key in (
+                    "staleness_mean",
+                    "trainer_idle_fraction",
+                    "engine_idle_fraction",
+                    "partial_fraction",
+                )
             }
             result["staleness_max"] = max(r["staleness_max"] for r in rows)
             result["stale_dropped"] = sum(r["stale_dropped"] for r in rows)
@@ -104,16 +115,26 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seeds", default="0", help="comma list of seeds (the accuracy target reads three)")
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps of each run (same samples in each)")
     parser.add_argument(
-        "--timeline", default="", help="write a PNG of the first seed's sync and k1 timelines here"
+        "--timeline", default="", help="write a PNG of the first seed's timelines of the first two modes here"
     )
     parser.add_argument(
         "--keep", default="", help="keep the runs in this directory (default: a temporary one)"
     )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a run is given up")
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"comma list of modes, sync first (of {', '.join(MODES)})"
+    )
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     if not seeds or args.steps < 3:
         parser.error("--seeds needs at least one seed and --steps at least 3")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or len(modes) < 2 or modes[0] != "sync":
+        parser.error(
+            f"--modes must start with sync and name at least one async mode of {', '.join(MODES)}"
+            + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
     workload = WORKLOADS[args.workload]
     print(f"cpus: {os.cpu_count()}")
     print(f"workload: {args.workload}")
@@ -122,7 +143,7 @@ def main(argv: list[str]) -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         results = {}
         for seed in seeds:
-            results[seed] = run_seed(tmp, workload, seed, args.steps, args.timeout)
+            results[seed] = run_seed(tmp, workload, seed, args.steps, args.timeout, modes)
             for mode, r in results[seed].items():
                 for key, value in r.items():
                     print(f"seed{seed}.{mode}.{key}: {value:.4g}", flush=True)
@@ -130,26 +151,27 @@ def main(argv: list[str]) -> int:
             from loopline.metrics.trace import plot_timeline
 
             first = seeds[0]
-            traces = {
-                f"{mode} (seed {first})": tmp / f"{mode}-{first}" / "trace.json" for mode in ("sync", "k1")
-            }
+            traces = {f"{mode} (seed {first})": tmp / f"{mode}-{first}" / "trace.json" for mode in modes[:2]}
             print(f"timeline: {plot_timeline(traces, args.timeline)}")
     mean = {
         mode: {
             key: statistics.mean(results[s][mode][key] for s in seeds)
             for key in ("samples_per_s", "eval_accuracy")
         }
-        for mode in MODES
+        for mode in modes
     }
-    for mode in MODES:
+    for mode in modes:
         print(f"{mode}.samples_per_s: {mean[mode]['samples_per_s']:.2f}")
         print(f"{mode}.eval_accuracy_mean: {mean[mode]['eval_accuracy']:.4f}")
-    for mode in ("k1", "k2"):
+        if MODES[mode][0]:
+            staleness = statistics.mean(results[s][mode]["staleness_mean"] for s in seeds)
+            print(f"{mode}.staleness_mean: {staleness:.3f}")
+    for mode in modes[1:]:
         print(
             f"{mode}_over_sync_samples_per_s: {mean[mode]['samples_per_s'] / mean['sync']['samples_per_s']:.3f}"
         )
         gap = 100 * (mean[mode]["eval_accuracy"] - mean["sync"]["eval_accuracy"])
         print(f"{mode}_minus_sync_accuracy_points: {gap:+.2f}")
-    best = max(mean["k1"]["samples_per_s"], mean["k2"]["samples_per_s"])
+    best = max(mean[mode]["samples_per_s"] for mode in modes[1:])
     print(f"async_over_sync_samples_per_s: {best / mean['sync']['samples_per_s']:.3f}")
     return 0

@@ -268,7 +268,7 @@ def _rollout(
             # sampling a longer batch and cutting at this row's budget is a sample of that budget
             turns[i] = c.token_ids[:budget]
             trajs[i].add_model_turn(turns[i], c.logprobs[:budget])
-            versions[i].add(c.policy_version)
+            versions[i].update(c.token_versions[:budget] or [c.policy_version])
         actions = [fmt.action_text(turns[i]) for i in active]
 
         # 2. Every env steps at once (tools, sandboxes and services overlap their waits).
@@ -297,6 +297,7 @@ def _rollout(
         turn += 1
     for traj, seen in zip(trajs, versions):
         traj.policy_version = min(seen) if seen else 0
+        traj.partial = len(seen) > 1
     return trajs
 
 

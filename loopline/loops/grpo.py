@@ -128,6 +128,7 @@ def _episodes_as_completions(trajs: list[Trajectory], n: int) -> list[Completion
             "",
             "stop" if t.finish == "done" else "length",
             t.policy_version,
+            partial=t.partial,
         )
         for k, t in enumerate(trajs)
     ]
@@ -411,15 +412,21 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
         scored.seconds = timer.seconds
         return scored
 
+    def snapshot() -> dict:
+        """What a checkpoint needs of the rollout lane after a batch: the sampler (the engines' generators are read
+        at the sync: exact on the fixed schedule, where no batch is in flight then)."""
+        return sampler.state_dict()
+
     # max_staleness = k >= 1: batches are collected up to k versions ahead, on a thread, while the trainer trains
-    stream = RolloutStream(produce, cfg.max_staleness, state.step, cfg.steps, loop.buffer, state.step)
+    stream = RolloutStream(
+        produce, snapshot, cfg.max_staleness, state.step, cfg.steps, loop.buffer, state.step,
+        partial=cfg.partial_rollouts != "none",
+    )  # fmt: skip
     engine_rng, pending = loop.engine_rng, list(loop.buffer)  # as of the last sync: what a checkpoint holds
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     try:
         while state.step < cfg.steps:
-            row, engine_rng, pending = _grpo_step(
-                ctx, state, sampler, stream, produce, estimate, critic, kl_control, need_old
-            )
+            row, engine_rng, pending = _grpo_step(ctx, state, stream, estimate, critic, kl_control, need_old)
             last = state.step == cfg.steps
             if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
                 with stream.engines(), ctx.watchdog.stage("eval"):
@@ -458,9 +465,7 @@ def scale_between_batches(ctx: RunContext, stream: RolloutStream) -> dict[str, f
 def _grpo_step(
     ctx: RunContext,
     state: RunState,
-    sampler: Sampler,
-    stream: RolloutStream[Scored],
-    produce: Callable[[int], Scored],
+    stream: RolloutStream[Scored, dict],
     estimate: Callable,
     critic: Critic | None,
     kl_control: FixedKLController | AdaptiveKLController,
@@ -489,8 +494,7 @@ def _grpo_step(
             dropped,
             cfg.max_staleness,
         )
-        with stream.engines():
-            scored = produce(state.step)
+        scored = stream.recollect(state.step)
     completions = scored.completions
 
     # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
@@ -552,9 +556,9 @@ def _grpo_step(
         waited += stream.ready_to_sync(state.step)
         sync_engine(ctx, version=state.step)
         state.policy_version = state.step
-        # the producer is idle until told of the new weights: the state a checkpoint of this step holds
-        state.sampler = sampler.state_dict()
-        engine_rng, pending = ctx.rollout.rng_states(), stream.pending()
+        # what a checkpoint of this step holds: the batches generated ahead and the sampler after them
+        pending, state.sampler = stream.checkpoint()
+        engine_rng = ctx.rollout.rng_states()
         stream.synced(state.step)
 
     # 6. Metrics (eval and checkpoint: the caller's)
@@ -604,7 +608,7 @@ def _async_metrics(
     trained_at: int,
     k: int,
     waited: float,
-    stream: RolloutStream[Scored],
+    stream: RolloutStream[Scored, dict],
     started: float,
 ) -> dict[str, float]:
     """max_staleness >= 1: how far behind the trained samples were (versions), how long each side waited."""
@@ -614,6 +618,7 @@ def _async_metrics(
         "staleness_mean": float(behind.mean()),
         "staleness_max": int(behind.max()),
         **{f"staleness_{v}": float((behind == v).float().mean()) for v in range(k + 1)},
+        "partial_fraction": sum(c.partial for c in scored.completions) / len(scored.completions),
         "time_wait": waited,
         "trainer_idle_fraction": waited / max(now - started, 1e-9),
         "engine_idle_fraction": stream.idle_fraction(started, now),

@@ -1,13 +1,19 @@
 """Rollout batches generated ahead of training (grpo.max_staleness = k), so that engines and trainer overlap.
 
-A background thread collects batch b under policy version max(0, b - k) while the trainer trains the batches
-before it. The schedule is fixed, not first-come: the trainer syncs version v + 1 into the engines only once
-batch v + k is generated, so the engines never take new weights in the middle of a batch, a sample is trained at
-most k versions after the weights that generated it, and a run replays exactly (its seed fixes it, not thread
-timing). Between a sync and the next batch the producer is idle: that is where a checkpoint reads the batches
-generated but not yet trained (`pending`), with the sampler and the engines' generators as they were after them,
-so a resumed run continues the uninterrupted one. With k = 0 the batch is collected in the caller's thread when
-it is taken: the synchronous loop, call for call.
+A background thread collects batch b once the engines hold version b - k or later, while the trainer trains the
+batches before it, so a sample is trained at most k versions after the weights that sampled its first token.
+
+- Fixed schedule (the default): the trainer syncs version v + 1 into the engines only once batch v + k is
+  generated, so batch b is generated under exactly max(0, b - k), engines never take new weights mid-batch, and a
+  run replays exactly (its seed fixes it, not thread timing).
+- Partial rollouts (`partial=True`): the trainer syncs each version at once; engines take it mid-batch and the
+  sequences in flight go on under it. Batches start under the newest weights, so staleness is often below k, but
+  what is sampled depends on timing.
+
+After every batch the producer records `snapshot()` (the sampler's position): a checkpoint holds the batches
+generated but not yet trained with the snapshot after the last of them (`checkpoint`), so a resumed run continues
+from there (a batch in flight is collected again, from the same prompts). With k = 0 the batch is collected in the
+caller's thread when it is taken: the synchronous loop, call for call.
 """
 
 from __future__ import annotations
@@ -19,24 +25,29 @@ from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
-class RolloutStream(Generic[T]):
+class RolloutStream(Generic[T, S]):
     """Batches first, first + 1, ... from `produce(b)`, at most k policy versions ahead of the trainer."""
 
     def __init__(
         self,
         produce: Callable[[int], T],
+        snapshot: Callable[[], S],
         k: int,
         first: int,
         last: int,
         buffered: list[T] | None = None,
         version: int = 0,
+        partial: bool = False,
     ) -> None:
-        """produce: collects batch b (on the producer thread when k >= 1); first: the next batch to train; last:
-        one past the last batch to generate; buffered: batches first, first + 1, ... generated before (a resumed
-        run's); version: the policy version the engines hold now."""
-        self.produce, self.k, self.last = produce, k, last
+        """produce: collects batch b (on the producer thread when k >= 1); snapshot: what a checkpoint needs of the
+        rollout lane after a batch; first: the next batch to train; last: one past the last batch to generate;
+        buffered: batches first, first + 1, ... generated before (a resumed run's); version: the policy version the
+        engines hold now; partial: syncs do not wait for the batch in flight (partial rollouts)."""
+        self.produce, self.snapshot, self.k, self.last, self.partial = produce, snapshot, k, last, partial
+        self._snap = snapshot()  # as of the last batch generated (or the resumed run's)
         self._ready: dict[int, T] = {first + i: b for i, b in enumerate(buffered or [])}
         self._next = first + len(self._ready)  # the next batch to generate
         self._version = version
@@ -59,17 +70,26 @@ class RolloutStream(Generic[T]):
         """Batch b and the seconds spent waiting for it."""
         start = time.perf_counter()
         if self._thread is None:  # k = 0: collected now (or generated ahead by the run this one resumed)
-            return (self._ready.pop(b) if b in self._ready else self._collect(b)), 0.0
+            return (self._ready.pop(b) if b in self._ready else self.recollect(b)), 0.0
         with self._cond:
             self._cond.wait_for(lambda: b in self._ready or self._error is not None)
             self._raise()
             batch = self._ready.pop(b)
         return batch, time.perf_counter() - start
 
+    def recollect(self, b: int) -> T:
+        """Collect batch b now, in the caller's thread (k = 0, or a batch dropped as too stale)."""
+        with self._engines:
+            batch = self._collect(b)
+            snap = self.snapshot()
+        with self._cond:
+            self._snap = snap
+        return batch
+
     def ready_to_sync(self, version: int) -> float:
         """Wait until every batch of the engines' current weights is generated (up to version - 1 + k), so that
-        version can be synced; the seconds waited."""
-        if self._thread is None:  # k = 0: the batch was collected as it was taken
+        version can be synced; the seconds waited. No wait with partial rollouts: the engines take it mid-batch."""
+        if self._thread is None or self.partial:  # k = 0: the batch was collected as it was taken
             return 0.0
         start = time.perf_counter()
         with self._cond:
@@ -85,11 +105,10 @@ class RolloutStream(Generic[T]):
             self._version = version
             self._cond.notify_all()
 
-    def pending(self) -> list[T]:
-        """The batches generated and not yet taken, in order (call between ready_to_sync and synced: the producer
-        is idle then)."""
+    def checkpoint(self) -> tuple[list[T], S]:
+        """The batches generated and not yet taken, in order, and the snapshot after the last of them."""
         with self._cond:
-            return [self._ready[b] for b in sorted(self._ready)]
+            return [self._ready[b] for b in sorted(self._ready)], self._snap
 
     @contextmanager
     def engines(self) -> Iterator[None]:
@@ -109,15 +128,15 @@ class RolloutStream(Generic[T]):
     # -- the producer's side -------------------------------------------------------------------------------
 
     def _collect(self, b: int) -> T:
-        with self._engines:
+        """produce(b), timed as engine work; the caller holds the engines lock."""
+        with self._cond:
+            self._collecting = start = time.perf_counter()
+        try:
+            return self.produce(b)
+        finally:
             with self._cond:
-                self._collecting = start = time.perf_counter()
-            try:
-                return self.produce(b)
-            finally:
-                with self._cond:
-                    self._busy.append((start, time.perf_counter()))
-                    self._collecting = None
+                self._busy.append((start, time.perf_counter()))
+                self._collecting = None
 
     def _run(self) -> None:
         while True:
@@ -127,14 +146,16 @@ class RolloutStream(Generic[T]):
                     return
                 b = self._next
             try:
-                batch = self._collect(b)
+                with self._engines:
+                    batch = self._collect(b)
+                    snap = self.snapshot()
             except BaseException as e:  # handed to the trainer's thread, which raises it
                 with self._cond:
                     self._error = e
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._ready[b] = batch
+                self._ready[b], self._snap = batch, snap
                 self._next = b + 1
                 self._cond.notify_all()
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 import torch
@@ -35,7 +36,9 @@ class Completion:
     logprobs: list[float]  # log-prob of each token under the distribution it was sampled from
     text: str
     finish_reason: str  # "stop" (eos or stop string) or "length"
-    policy_version: int = 0
+    policy_version: int = 0  # the weights that sampled its first token
+    token_versions: list[int] = field(default_factory=list)  # the weights that sampled each token
+    partial: bool = False  # new weights arrived mid-generation: its tokens come from two or more versions
 
 
 class Engine(Protocol):
@@ -261,12 +264,21 @@ class TorchEngine:
         tokenizer: PreTrainedTokenizerBase,
         seed: int | None = None,
         max_rows: int = 0,
+        keep_stale_kv: bool = False,
     ) -> None:
-        """max_rows: sequences computed at once (runtime.engine_max_rows); 0 = all of a call's at once."""
+        """max_rows: sequences computed at once (runtime.engine_max_rows); 0 = all of a call's at once.
+        keep_stale_kv: weights offered during a generate call (a partial rollout) leave the cache of the sequences
+        in flight as the old weights filled it (faster, but their next tokens attend to another policy's keys and
+        values); by default the cache is recomputed under the new weights."""
         if max_rows < 0:
             raise ValueError(f"max_rows must be at least 0, got {max_rows}")
         self.model = model
         self.max_rows = max_rows
+        self.keep_stale_kv = keep_stale_kv
+        # weights offered while a generate call runs wait here for its next decode step (offer_weights)
+        self._cond = threading.Condition()
+        self._generating = False
+        self._offered: tuple[Mapping[str, torch.Tensor], int] | None = None
         self.tokenizer = tokenizer
         self.version = 0
         self.generator: torch.Generator | None = None
@@ -290,6 +302,31 @@ class TorchEngine:
                     raise KeyError(f"engine model has no parameter '{name}'")
                 params[name].copy_(tensor)
         self.version = version
+
+    def offer_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Take new weights from another thread: now when idle; during a generate call at its next decode step,
+        where the sequences in flight keep their tokens and go on under the new weights (a partial rollout).
+        `state_dict` must stay untouched until `wait_taken` returns."""
+        with self._cond:
+            if self._generating:
+                self._offered = (state_dict, version)
+            else:
+                self.update_weights(state_dict, version)
+
+    def wait_taken(self) -> None:
+        """Wait until the weights offered last are in the model (at most one decode step)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._offered is None)
+
+    def _take_offered(self) -> bool:
+        """Load weights offered during this generate call, if any; True if the weights changed."""
+        with self._cond:
+            if self._offered is None:
+                return False
+            self.update_weights(*self._offered)
+            self._offered = None
+            self._cond.notify_all()
+            return True
 
     def rng_state(self) -> torch.Tensor | None:
         """The sampling generator's state (a copy), or None when the engine samples from the process's RNG."""
@@ -319,14 +356,16 @@ class TorchEngine:
             self._stoppers[stop] = _StopMatcher(self.tokenizer, stop, self._pieces)
         return self._stoppers[stop]
 
-    def _prefill(self, prompts: list[list[int]], first: int, n: int, headroom: int) -> _Running:
-        """Prompts first, first + 1, ... prefilled in one forward (left-padded), each row then repeated for its n
-        samples: the group shares its prompt's KV, copies of the prefilled rows, not n prefills."""
+    def _forward_padded(
+        self, sequences: list[list[int]], headroom: int
+    ) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward of `sequences`, left-padded so that all end at the same column: the cache (room for
+        `headroom` more columns), each row's next-token logits, attention mask and position ids."""
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding: every prompt ends at the same column
+        width = max(len(p) for p in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        for i, p in enumerate(sequences):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
@@ -339,7 +378,13 @@ class TorchEngine:
             use_cache=True,
             **{self._cache_arg: cache},
         )
-        cache, logits = _cache_of(out), out.logits[:, -1, :]
+        return _cache_of(out), out.logits[:, -1, :], attention, positions
+
+    def _prefill(self, prompts: list[list[int]], first: int, n: int, headroom: int) -> _Running:
+        """Prompts first, first + 1, ... prefilled in one forward (left-padded), each row then repeated for its n
+        samples: the group shares its prompt's KV, copies of the prefilled rows, not n prefills."""
+        device = next(self.model.parameters()).device
+        cache, logits, attention, positions = self._forward_padded(prompts, headroom)
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits, attention = logits.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
@@ -350,6 +395,22 @@ class TorchEngine:
             cache, logits, attention, positions[:, -1:] + 1, sample,
             count=torch.zeros(rows, dtype=torch.long, device=device),
             live=torch.ones(rows, dtype=torch.bool, device=device),
+        )  # fmt: skip
+
+    def _recompute(
+        self, batch: _Running, prompts: list[list[int]], tokens: torch.Tensor, n: int, max_new: int
+    ) -> _Running:
+        """The live rows of `batch` prefilled again, prompt and tokens so far, under the weights now loaded: no
+        sequence goes on from keys and values that other weights computed."""
+        rows = batch.live.nonzero().flatten()
+        sample, count = batch.sample[rows], batch.count[rows]
+        sequences = [
+            prompts[s // n] + tokens[s, :c].tolist() for s, c in zip(sample.tolist(), count.tolist())
+        ]
+        cache, logits, attention, positions = self._forward_padded(sequences, max_new - int(count.min()))
+        return _Running(
+            cache, logits, attention, positions[:, -1:] + 1, sample, count,
+            live=torch.ones(len(rows), dtype=torch.bool, device=logits.device),
         )  # fmt: skip
 
     @torch.inference_mode()
@@ -369,6 +430,18 @@ class TorchEngine:
             raise ValueError(
                 f"engine max_rows ({slots}) is below the {n} samples of one prompt, which start together"
             )
+        with self._cond:
+            self._generating = True
+        try:
+            return self._generate(prompts, params, n, total, slots)
+        finally:
+            with self._cond:
+                self._generating = False
+            self._take_offered()  # weights offered during the last decode step
+
+    def _generate(
+        self, prompts: list[list[int]], params: SamplingParams, n: int, total: int, slots: int
+    ) -> list[Completion]:
         device = next(self.model.parameters()).device
         was_training = self.model.training
         self.model.eval()
@@ -380,6 +453,7 @@ class TorchEngine:
 
         tokens = torch.full((total, max_new), self.pad_id, dtype=torch.long, device=device)
         token_logps = torch.zeros((total, max_new), device=device)
+        versions = torch.zeros((total, max_new), dtype=torch.long)  # the weights that sampled each token
         lengths = [max_new] * total
         finish = ["length"] * total
         admitted = min(len(prompts), slots // n)  # prompts started so far, in order
@@ -407,6 +481,7 @@ class TorchEngine:
             sample, count = batch.sample[live], batch.count[live]
             tokens[sample, count] = token[live]
             token_logps[sample, count] = logp.gather(1, token[:, None]).squeeze(1)[live]
+            versions[sample.cpu(), count.cpu()] = self.version
             batch.count = batch.count + live
 
             done = stopper.stops(token) & live
@@ -427,6 +502,9 @@ class TorchEngine:
                 token = token[kept]
             if len(batch.live) == 0:
                 continue  # every row finished: the waiting prompts enter at the loop's top
+            if self._take_offered() and not self.keep_stale_kv:
+                batch = self._recompute(batch, prompts, tokens, n, max_new)
+                continue  # the recomputed forward gave every row's next-token logits
             batch.attention = torch.cat(
                 [batch.attention, batch.attention.new_ones((len(batch.live), 1))], dim=1
             )
@@ -441,10 +519,11 @@ class TorchEngine:
             batch.next_pos = batch.next_pos + 1
 
         self.model.train(was_training)
-        token_lists, logp_lists = tokens.tolist(), token_logps.tolist()
+        token_lists, logp_lists, version_lists = tokens.tolist(), token_logps.tolist(), versions.tolist()
         completions = []
         for i in range(total):
             ids = token_lists[i][: lengths[i]]
+            by = version_lists[i][: lengths[i]]
             completions.append(
                 Completion(
                     prompt_index=i // n,
@@ -453,7 +532,9 @@ class TorchEngine:
                     logprobs=logp_lists[i][: lengths[i]],
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     finish_reason=finish[i],
-                    policy_version=self.version,
+                    policy_version=by[0],
+                    token_versions=by,
+                    partial=by[0] != by[-1],
                 )
             )
         return completions

@@ -35,6 +35,7 @@ class Trajectory:
     finish: Finish | None = None  # None while running
     info: dict[str, float | int | str] = field(default_factory=dict)  # numeric entries summed over steps
     policy_version: int = 0  # the oldest engine version that sampled any of its turns
+    partial: bool = False  # its model tokens come from more than one engine version (partial rollouts)
 
     @property
     def done(self) -> bool:

@@ -15,8 +15,10 @@ Simplified: engines are TP=1 (the planner and transport handle TP>1, the engine 
 from __future__ import annotations
 
 import math
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +37,9 @@ if TYPE_CHECKING:
 class EngineWorker:
     """One rollout engine: a TorchEngine on a whole model, filled by the weight sync."""
 
+    # with grpo.partial_rollouts a weight sync lands while a generate call runs (on Ray: two calls at once)
+    max_concurrency = 2
+
     def __init__(self, cfg: RunConfig, engine: TorchEngine | None = None) -> None:
         """engine: an engine in this process (the local one-rank group); None: this rank loads the run's seeded
         initial model and samples from its own generator, seeded per engine rank (checkpointed: rng_state)."""
@@ -43,9 +48,13 @@ class EngineWorker:
         if engine is None:
             model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
             engine = TorchEngine(
-                model, tokenizer, seed=cfg.seed + 1 + self.rank, max_rows=cfg.runtime.engine_max_rows
-            )
+                model, tokenizer, seed=cfg.seed + 1 + self.rank, max_rows=cfg.runtime.engine_max_rows,
+                keep_stale_kv=cfg.grpo.partial_rollouts == "keep_stale_kv",
+            )  # fmt: skip
         self.engine = engine
+        # grpo.partial_rollouts: the sync writes into a copy that the engine takes at its next decode step
+        self.partial = cfg.grpo.partial_rollouts != "none"
+        self._staging: dict[str, torch.Tensor] | None = None
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.store = 0  # which store `sync` is connected to (CollectiveSync.store)
         self.layout: Any = None  # the trainer's TrainerLayout, from the driver
@@ -70,11 +79,9 @@ class EngineWorker:
 
     def receive_weights(self, version: int, targets: tuple[int, ...]) -> None:
         """This engine's part of the planned weight sync into engines `targets`: its tensors are written in place."""
-        from loopline.runtime.weight_sync import engine_tensors
-
         self.plan = sync_plan(self.plan, self.engine.model, self.layout, targets)
-        self.sync.sync(self.plan, None, engine_tensors(self.engine.model))
-        self.engine.version = version
+        with self._weights_for(version) as tensors:
+            self.sync.sync(self.plan, None, tensors)
 
     def copy_weights(
         self,
@@ -85,11 +92,27 @@ class EngineWorker:
     ) -> None:
         """This engine's part of the planned sync run in this process (the local sync): the plan's transfers copy
         the trainer ranks' `shards` (rank -> name -> tensor, laid out as `layout`) into its tensors in place."""
-        from loopline.runtime.weight_sync import copy_in_process, engine_tensors
+        from loopline.runtime.weight_sync import copy_in_process
 
         self.plan = sync_plan(self.plan, self.engine.model, layout, targets)
-        copy_in_process(self.plan, shards, {layout.size + self.rank: engine_tensors(self.engine.model)})
-        self.engine.version = version
+        with self._weights_for(version) as tensors:
+            copy_in_process(self.plan, shards, {layout.size + self.rank: tensors})
+
+    @contextmanager
+    def _weights_for(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The tensors a sync writes `version` into: the engine's own, or with partial rollouts a staging copy
+        handed to the engine once whole (it loads it now if idle, else at its next decode step)."""
+        from loopline.runtime.weight_sync import engine_tensors
+
+        if not self.partial:
+            yield engine_tensors(self.engine.model)
+            self.engine.version = version
+            return
+        self.engine.wait_taken()  # the staging copy is free again
+        if self._staging is None:
+            self._staging = {k: v.detach().clone() for k, v in engine_tensors(self.engine.model).items()}
+        yield self._staging
+        self.engine.offer_weights(self._staging, version)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """This engine's whole weights (for checks: the sync delivered the trainer's bytes)."""
@@ -145,6 +168,9 @@ class RolloutRole:
         self.group, self.sync, self.pool = group, sync, pool
         self.max_replacements = max_replacements
         self.replacements = 0  # engines replaced so far
+        # grpo.partial_rollouts: the trainer syncs while the rollout thread generates; either may replace an engine
+        self._lock = threading.RLock()
+        self._incarnation = [0] * group.world_size  # actors each rank has had: a death is replaced once
         self.version: int | None = None  # policy version of the last sync (None: the initial weights)
         self._own: dict[
             int, Pool
@@ -160,6 +186,7 @@ class RolloutRole:
         done: dict[int, list[Completion]] = {}
         todo = list(range(len(chunks)))
         while todo:  # a dead engine's prompts go again to its replacement; the others' results are kept
+            seen = list(self._incarnation)
             futures = [self.group.submit(r, "generate", chunks[r][1], params, n) for r in todo]
             died = []
             for r, outcome in zip(todo, self.group.settle(futures)):
@@ -169,9 +196,7 @@ class RolloutRole:
                     raise outcome
                 else:
                     done[r] = outcome
-            if died:
-                self._replace(died, "generate")
-                self._sync(self.version, tuple(died))  # the weights the others generate with
+            self._recover(died, seen, "generate")
             todo = died
         out = []
         for r, (offset, _) in enumerate(chunks):
@@ -185,7 +210,16 @@ class RolloutRole:
         self._sync(version, tuple(range(self.group.world_size)))
 
     def rng_states(self) -> list[torch.Tensor | None]:
-        return self.group.call("rng_state")
+        while True:  # a dead engine is replaced (a new one samples from a fresh stream) and asked again
+            seen = list(self._incarnation)
+            states = self.group.settle([self.group.submit(r, "rng_state") for r in range(self.engines)])
+            died = [r for r, s in enumerate(states) if isinstance(s, WorkerDiedError)]
+            for s in states:
+                if isinstance(s, WorkerError) and not isinstance(s, WorkerDiedError):
+                    raise s
+            if not died:
+                return states
+            self._recover(died, seen, "rng_state")
 
     def set_rng_states(self, states: list[torch.Tensor | None], reseed: int) -> bool:
         return all(self.group.call("set_rng_state", states, self.group.world_size, reseed))
@@ -220,6 +254,7 @@ class RolloutRole:
                 raise
         else:
             self._release([p for p, _ in self.group.remove_ranks(engines)])
+        self._incarnation = (self._incarnation + [0] * engines)[:engines]
         self.sync.open()
         self._sync(self.version, tuple(range(before, engines)))
 
@@ -240,13 +275,26 @@ class RolloutRole:
         replaced and then every engine synced again (the others may hold part of the new weights)."""
         if version is None or not targets:
             return  # before the first sync every engine, a new one too, holds the initial weights
-        while died := self.sync.push(version, targets):
-            self._replace(died, "receive_weights")
-            targets = tuple(range(self.group.world_size))
-        self.version = version
+        with self._lock:
+            while died := self.sync.push(version, targets):
+                self._replace(died, "receive_weights")
+                targets = tuple(range(self.group.world_size))
+            self.version = version
+
+    def _recover(self, died: list[int], seen: list[int], method: str) -> None:
+        """Engines `died` (found dead in `method`, issued when ranks had `seen` incarnations) replaced and synced to
+        the weights the others hold, unless another thread (a weight sync) found the death first and did it."""
+        if not died:
+            return
+        with self._lock:
+            fresh = [r for r in died if self._incarnation[r] == seen[r]]
+            self._replace(fresh, method)
+            self._sync(self.version, tuple(fresh))
 
     def _replace(self, ranks: list[int], method: str) -> None:
         """New actors for the dead engines `ranks`, in their bundles, and a reopened sync (no sync here)."""
+        if not ranks:
+            return
         start = time.perf_counter()
         for rank in ranks:
             if self.replacements >= self.max_replacements:
@@ -258,6 +306,7 @@ class RolloutRole:
                     "engine replacements of this run are used up",
                 )
             self.replacements += 1
+            self._incarnation[rank] += 1
             self.group.restart_rank(rank)
         self.sync.open()
         print(

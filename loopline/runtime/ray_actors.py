@@ -43,6 +43,8 @@ def start_actor(
         "num_cpus": share.pop("CPU", 0.0),
         "num_gpus": share.pop("GPU", 0.0),
         "max_restarts": max_restarts,
+        # a class that takes calls while another runs (an engine taking weights mid-generation) says how many
+        "max_concurrency": getattr(cls, "max_concurrency", 1),
     }
     if "memory" in share:
         options["memory"] = share.pop("memory")

@@ -162,6 +162,16 @@ class GRPOConfig(Section):
         "max(0, b - k) on a fixed schedule, so a run replays and resumes exactly; a checkpoint holds the batches "
         "generated ahead. Needs behaviour_correction (the samples come from older weights). 0 = synchronous.",
     )
+    partial_rollouts: Literal["none", "recompute_kv", "keep_stale_kv"] = Field(
+        "none",
+        description="With max_staleness >= 1: the trainer syncs each new version at once, and the engines take "
+        "it mid-batch: sequences in flight keep their tokens and go on under the new weights (each token records "
+        "its version; a sample's staleness counts from its first token). Batches then start under the newest "
+        "weights, so staleness is often below max_staleness, but what a run samples depends on timing (no exact "
+        "replay; resumes stay exactly-once). recompute_kv prefills the sequences in flight again under the new "
+        "weights; keep_stale_kv goes on from the cache the old weights filled (cheaper, off-policy keys/values). "
+        "none = the fixed schedule.",
+    )
 
     @model_validator(mode="after")
     def _variants_fit(self) -> GRPOConfig:
@@ -183,6 +193,11 @@ class GRPOConfig(Section):
                 f"max_staleness={self.max_staleness} trains samples up to {self.max_staleness} policy versions "
                 "old: set behaviour_correction (tis, mask_token or mask_seq) so that each token is weighted by "
                 "the trainer's probability over the engine's"
+            )
+        if self.partial_rollouts != "none" and not self.max_staleness:
+            raise ValueError(
+                f"partial_rollouts={self.partial_rollouts!r} lets new weights into batches being generated ahead "
+                "of training: set max_staleness >= 1 (the synchronous loop has no batch in flight at a sync)"
             )
         if self.overlong_buffer > self.sampling.max_new_tokens:
             raise ValueError(

@@ -46,6 +46,10 @@ class Engines:
         self.busy.release()
         return b
 
+    def snapshot(self) -> int:
+        """Stand-in for the sampler/generator state: how many batches were collected."""
+        return len(self.collected)
+
 
 def _train(stream: RolloutStream[int], engines: Engines, first: int, last: int) -> dict[int, float]:
     """The loop's protocol around the stream; returns when each step's training ended."""
@@ -65,7 +69,7 @@ def _train(stream: RolloutStream[int], engines: Engines, first: int, last: int) 
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_batch_b_is_generated_under_version_b_minus_k_and_overlaps_training(k: int) -> None:
     engines = Engines()
-    stream = RolloutStream(engines.produce, k, first=0, last=8)
+    stream = RolloutStream(engines.produce, engines.snapshot, k, first=0, last=8)
     try:
         trained = _train(stream, engines, 0, 8)
     finally:
@@ -78,14 +82,16 @@ def test_batch_b_is_generated_under_version_b_minus_k_and_overlaps_training(k: i
 
 def test_pending_batches_carry_over_to_a_resumed_stream() -> None:
     engines = Engines()
-    stream = RolloutStream(engines.produce, 2, first=0, last=10)
+    stream = RolloutStream(engines.produce, engines.snapshot, 2, first=0, last=10)
     _train(stream, engines, 0, 3)  # the producer is released after the sync of version 3
     stream.close()
     time.sleep(0.1)  # a collect released by the last sync may still finish; it is not part of the snapshot
     # what a checkpoint at step 3 held: read between ready_to_sync and synced, batches 3 and 4 (under versions 1, 2)
     engines2 = Engines()
     engines2.version = 3
-    resumed = RolloutStream(engines2.produce, 2, first=3, last=10, buffered=[3, 4], version=3)
+    resumed = RolloutStream(
+        engines2.produce, engines2.snapshot, 2, first=3, last=10, buffered=[3, 4], version=3
+    )
     try:
         _train(resumed, engines2, 3, 10)
     finally:
@@ -98,20 +104,20 @@ def test_pending_batches_carry_over_to_a_resumed_stream() -> None:
 def test_a_synchronous_stream_hands_out_batches_generated_ahead_first() -> None:
     """A run that generated ahead, resumed with max_staleness=0: the saved batch comes first, then it collects."""
     engines = Engines()
-    stream = RolloutStream(engines.produce, 0, first=3, last=6, buffered=[3], version=3)
+    stream = RolloutStream(engines.produce, engines.snapshot, 0, first=3, last=6, buffered=[3], version=3)
     assert [stream.take(b)[0] for b in (3, 4, 5)] == [3, 4, 5]
     assert sorted(engines.collected) == [4, 5]
 
 
-def test_pending_is_what_was_generated_and_not_taken() -> None:
+def test_checkpoint_is_what_was_generated_and_not_taken_with_the_snapshot_after_it() -> None:
     engines = Engines()
-    stream = RolloutStream(engines.produce, 2, first=0, last=10)
+    stream = RolloutStream(engines.produce, engines.snapshot, 2, first=0, last=10)
     try:
         for step in range(3):
             stream.take(step)
             stream.ready_to_sync(step + 1)
             if step == 2:
-                assert stream.pending() == [3, 4]
+                assert stream.checkpoint() == ([3, 4], 5)  # batches 0..4 collected
             engines.version = step + 1
             stream.synced(step + 1)
     finally:
@@ -124,7 +130,7 @@ def test_a_collect_that_raises_raises_in_the_trainer() -> None:
             raise RuntimeError("engine 0 died past its replacements")
         return b
 
-    stream = RolloutStream(produce, 1, first=0, last=5)
+    stream = RolloutStream(produce, lambda: None, 1, first=0, last=5)
     try:
         assert stream.take(0)[0] == 0
         stream.synced(1)
@@ -136,7 +142,7 @@ def test_a_collect_that_raises_raises_in_the_trainer() -> None:
 
 
 def test_idle_fraction_counts_the_collects_in_a_window() -> None:
-    stream = RolloutStream(lambda b: time.sleep(0.1) or b, 0, first=0, last=3)
+    stream = RolloutStream(lambda b: time.sleep(0.1) or b, lambda: None, 0, first=0, last=3)
     before = time.perf_counter()
     stream.take(0)
     after = time.perf_counter()
@@ -157,7 +163,7 @@ def test_the_trainer_waits_for_a_batch_in_flight_only_to_scale(tmp_path: Path) -
     resized: list[tuple[int, bool]] = []  # (engines, whether the batch in flight had finished)
     engines = SimpleNamespace(resize=lambda n: resized.append((n, release.is_set())))
     ctx = SimpleNamespace(run_dir=tmp_path, rollout=engines)  # what scale_between_batches reads of the run
-    stream = RolloutStream(produce, 1, first=0, last=2)
+    stream = RolloutStream(produce, lambda: None, 1, first=0, last=2)
     try:
         assert started.wait(5)  # batch 0 is being collected
         t0 = time.perf_counter()
@@ -170,6 +176,67 @@ def test_the_trainer_waits_for_a_batch_in_flight_only_to_scale(tmp_path: Path) -
     finally:
         release.set()
         stream.close()
+
+
+class SlowEngines(Engines):
+    """Generation slower than training: the case partial rollouts are for."""
+
+    def produce(self, b: int) -> int:
+        assert self.busy.acquire(blocking=False), "two collects at once"
+        start, version = time.perf_counter(), self.version
+        time.sleep(0.25)
+        self.collected[b] = (version, start, time.perf_counter())
+        self.busy.release()
+        return b
+
+
+def test_partial_rollouts_sync_at_once_and_start_batches_under_the_newest_weights() -> None:
+    """With partial rollouts the trainer never waits to sync (engines take the weights mid-batch), a batch starts
+    under the newest version, at most k behind: when generation is the slower side, staleness stays below k."""
+    engines = SlowEngines()
+    stream = RolloutStream(engines.produce, engines.snapshot, 2, first=0, last=8, partial=True)
+    synced_mid_batch = 0
+    try:
+        for step in range(8):
+            stream.take(step)
+            time.sleep(0.05)  # training
+            assert stream.ready_to_sync(step + 1) == 0.0
+            synced_mid_batch += engines.busy.locked()
+            engines.version = step + 1
+            stream.synced(step + 1)
+    finally:
+        stream.close()
+    behind = {b: b - v for b, (v, _, _) in engines.collected.items()}
+    assert all(0 <= d <= 2 for d in behind.values()), behind
+    assert sum(behind.values()) / len(behind) < 2 and synced_mid_batch >= 4
+
+
+def test_a_partial_checkpoint_leaves_out_the_batch_in_flight() -> None:
+    release, started = threading.Event(), threading.Event()
+    collected: list[int] = []
+
+    def produce(b: int) -> int:
+        if b == 2:
+            started.set()
+            release.wait(10)
+        collected.append(b)
+        return b
+
+    stream = RolloutStream(produce, lambda: len(collected), 2, first=0, last=5, partial=True)
+    try:
+        assert stream.take(0)[0] == 0
+        assert started.wait(5)  # batch 1 done, batch 2 in flight
+        assert stream.checkpoint() == ([1], 2)  # the snapshot after batch 1, not after the batch in flight
+    finally:
+        release.set()
+        stream.close()
+
+
+def test_partial_rollouts_need_max_staleness() -> None:
+    with pytest.raises(ConfigError, match="set max_staleness >= 1"):
+        load_config(overrides=["grpo.partial_rollouts=recompute_kv"])
+    with pytest.raises(ConfigError, match="partial_rollouts"):
+        load_config(overrides=["grpo.partial_rollouts=sometimes"])
 
 
 def test_max_staleness_needs_ray_and_a_behaviour_correction() -> None:
@@ -266,3 +333,35 @@ def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
     assert any(not torch.equal(a[k], c[k]) for k in a)
     sync_rows = [r for r in read_metrics(sync) if r["phase"] == "grpo" and r["step"] > 0]
     assert "staleness_max" not in sync_rows[0] and sync_rows[0]["reward_mean"] == rows[0]["reward_mean"]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_ray_stay_within_the_bound_and_resume_exactly_once(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """k = 2 with partial rollouts on a local Ray cluster, generation slower than training (4 rows at a time):
+    engines take weights mid-batch, every token records its version, no sample is more than k versions old by its
+    first token, and a run SIGKILLed mid-way resumes without losing or repeating a sample, the bound holding after
+    the resume; the engines end with the trainer's weights."""
+    import ray
+
+    address = f"runtime.cluster.address={ray.get_runtime_context().gcs_address}"
+    args = [
+        *ARGS, address, "grpo.max_staleness=2", "grpo.partial_rollouts=recompute_kv", "runtime.engine_max_rows=4",
+        "grpo.steps=6", "deterministic=false",
+    ]  # fmt: skip
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "loopline.cli", "train", *args, f"out_dir={run}"]
+    kill_at(cmd, "step:grpo:3", tmp_path / "markers", 300)
+    saved = torch.load(run / "checkpoints" / "grpo-000002" / "loop.pt", weights_only=False)
+    for b, batch in enumerate(saved.get("buffer", []), start=2):  # generated ahead (if any), within the bound
+        assert all(b - c.policy_version <= 2 for c in batch.completions)
+        assert all(c.token_versions and c.policy_version == min(c.token_versions) for c in batch.completions)
+    assert main(["train", "--resume", *args, f"out_dir={run}"]) == 0
+    rows = {r["step"]: r for r in read_metrics(run) if r["phase"] == "grpo" and r["step"] > 0}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    assert all(r["staleness_max"] <= 2 and r["stale_dropped"] == 0 for r in rows.values())
+    assert max(r["partial_fraction"] for r in rows.values()) > 0  # weights did land mid-batch
+    ledger = read_ledger(run)
+    assert [r["step"] for r in ledger if r["phase"] == "grpo"] == [1, 2, 3, 4, 5, 6]
+    assert not repeats(ledger)

@@ -408,3 +408,76 @@ def test_filter_logits_top_k_and_top_p():
     assert kept(0, 1.0) == [True] * 4 and kept(4, 1.0) == [True] * 4
     # kept logits are unchanged: the engine renormalises with log_softmax
     assert torch.equal(_filter_logits(logits, 2, 1.0)[0, [1, 3]], logits[0, [1, 3]])
+
+
+def _offer_after(engine: TorchEngine, forwards: int, weights: dict, version: int):
+    """Offer `weights` to `engine` once its model has run `forwards` forwards (the prefill is the first), as the
+    weight sync does from another thread while a generate call runs: the engine takes them at its next step."""
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        if len(calls) == forwards:
+            engine.offer_weights(weights, version)
+
+    return engine.model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("max_rows", [0, 8])
+def test_partial_rollout_goes_on_under_new_weights_with_recomputed_kv(
+    small_model, trained, tokenizer, max_rows
+):
+    """Weights arriving mid-call: tokens sampled so far keep their old version; every later token is what the new
+    weights give from the whole prefix (greedy: the new engine's continuation of that prefix), with the new
+    weights' log-probs; no token comes from keys and values the old weights computed."""
+    old, new = copy.deepcopy(small_model), trained
+    engine = TorchEngine(old, tokenizer, max_rows=max_rows)
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = _digit_prompts(tokenizer, 6)
+    handle = _offer_after(engine, 3, new.state_dict(), version=1)  # after the prefill and 2 decode steps
+    try:
+        got = engine.generate(prompts, params, n=2)
+    finally:
+        handle.remove()
+    assert engine.version == 1
+    fresh = TorchEngine(new, tokenizer)
+    switched = 0
+    for c in got:
+        versions = c.token_versions
+        assert len(versions) == len(c.token_ids) and versions == sorted(versions)
+        assert c.policy_version == versions[0] and c.partial == (versions[0] != versions[-1])
+        first_new = versions.index(1) if 1 in versions else len(versions)
+        prefix = prompts[c.prompt_index] + c.token_ids[:first_new]
+        if first_new < len(c.token_ids):
+            switched += 1
+            rest = fresh.generate([prefix], SamplingParams(max_new_tokens=8 - first_new, temperature=0.0))[0]
+            assert c.token_ids[first_new:] == rest.token_ids
+            assert c.logprobs[first_new:] == pytest.approx(rest.logprobs, abs=1e-5)
+    assert switched >= 4 and any(c.partial for c in got)
+
+
+def test_partial_rollout_keeping_stale_kv_differs_from_recomputing(small_model, trained, tokenizer):
+    """keep_stale_kv is what it says: the sequences in flight go on from the old weights' cache, so their tokens
+    differ from the recomputed ones (here, on these weights); the version of each token is recorded alike."""
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    prompts = _digit_prompts(tokenizer, 6)
+    runs = {}
+    for keep in (False, True):
+        engine = TorchEngine(copy.deepcopy(small_model), tokenizer, keep_stale_kv=keep)
+        handle = _offer_after(engine, 3, trained.state_dict(), version=1)
+        try:
+            runs[keep] = engine.generate(prompts, params, n=2)
+        finally:
+            handle.remove()
+    switches = {keep: [c.token_versions.count(0) for c in run] for keep, run in runs.items()}
+    assert switches[True] == switches[False] and max(switches[True]) >= 2
+    assert [c.logprobs for c in runs[True]] != [c.logprobs for c in runs[False]]
+
+
+def test_weights_offered_while_idle_load_at_once(small_model, trained, tokenizer):
+    engine = TorchEngine(copy.deepcopy(small_model), tokenizer)
+    engine.offer_weights(trained.state_dict(), version=4)
+    engine.wait_taken()
+    assert engine.version == 4
+    for name, t in trained.state_dict().items():
+        assert torch.equal(engine.model.state_dict()[name], t), name
