@@ -7,8 +7,9 @@ batches before it, so a sample is trained at most k versions after the weights t
   generated, so batch b is generated under exactly max(0, b - k), engines never take new weights mid-batch, and a
   run replays exactly (its seed fixes it, not thread timing).
 - Partial rollouts (`partial=True`): the trainer syncs each version at once; engines take it mid-batch and the
-  sequences in flight go on under it. Batches start under the newest weights, so staleness is often below k, but
-  what is sampled depends on timing.
+  sequences in flight go on under it. A batch starts under the newest weights and only once no finished batch
+  waits for the trainer (generating further ahead would add staleness, not throughput), so samples reach k
+  versions only when a batch runs late; what is sampled depends on timing.
 
 After every batch the producer records `snapshot()` (the sampler's position): a checkpoint holds the batches
 generated but not yet trained with the snapshot after the last of them (`checkpoint`), so a resumed run continues
@@ -75,6 +76,7 @@ class RolloutStream(Generic[T, S]):
             self._cond.wait_for(lambda: b in self._ready or self._error is not None)
             self._raise()
             batch = self._ready.pop(b)
+            self._cond.notify_all()  # with partial rollouts the next batch may start now
         return batch, time.perf_counter() - start
 
     def recollect(self, b: int) -> T:
@@ -160,8 +162,9 @@ class RolloutStream(Generic[T, S]):
                 self._cond.notify_all()
 
     def _admitted(self) -> bool:
-        """Batch _next is due under the engines' weights: generated under version max(0, b - k)."""
-        return self._next - self.k <= self._version
+        """Batch _next may start: the engines hold version b - k or later (fixed schedule: exactly max(0, b - k));
+        with partial rollouts also no finished batch is waiting for the trainer."""
+        return self._next - self.k <= self._version and not (self.partial and self._ready)
 
     def _raise(self) -> None:
         if self._error is not None:

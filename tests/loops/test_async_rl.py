@@ -211,6 +211,25 @@ def test_partial_rollouts_sync_at_once_and_start_batches_under_the_newest_weight
     assert sum(behind.values()) / len(behind) < 2 and synced_mid_batch >= 4
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_when_training_is_slower_partial_rollouts_keep_staleness_below_the_bound(partial: bool) -> None:
+    """Generation faster than training, k = 2: the fixed schedule runs two versions ahead (staleness 2 from step 2
+    on); with partial rollouts no batch starts while a finished one waits, so batches are one version old."""
+    engines = Engines()  # a collect takes 0.03 s, a step 0.15 s
+    stream = RolloutStream(engines.produce, engines.snapshot, 2, first=0, last=7, partial=partial)
+    try:
+        for step in range(7):
+            stream.take(step)
+            time.sleep(0.15)
+            stream.ready_to_sync(step + 1)
+            engines.version = step + 1
+            stream.synced(step + 1)
+    finally:
+        stream.close()
+    behind = [b - v for b, (v, _, _) in sorted(engines.collected.items())]
+    assert behind[2:] == ([1] * 5 if partial else [2] * 5), behind
+
+
 def test_a_partial_checkpoint_leaves_out_the_batch_in_flight() -> None:
     release, started = threading.Event(), threading.Event()
     collected: list[int] = []
@@ -224,9 +243,9 @@ def test_a_partial_checkpoint_leaves_out_the_batch_in_flight() -> None:
 
     stream = RolloutStream(produce, lambda: len(collected), 2, first=0, last=5, partial=True)
     try:
-        assert stream.take(0)[0] == 0
-        assert started.wait(5)  # batch 1 done, batch 2 in flight
-        assert stream.checkpoint() == ([1], 2)  # the snapshot after batch 1, not after the batch in flight
+        assert [stream.take(0)[0], stream.take(1)[0]] == [0, 1]
+        assert started.wait(5)  # batch 2 in flight
+        assert stream.checkpoint() == ([], 2)  # the snapshot after batch 1, not after the batch in flight
     finally:
         release.set()
         stream.close()

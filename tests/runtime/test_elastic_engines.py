@@ -198,17 +198,19 @@ def test_a_local_runs_env_workers_scale_through_loopline_scale(tmp_path: Path) -
         ctx.close()
 
 
+@pytest.mark.parametrize("partial", ["none", "recompute_kv"])
 def test_engines_killed_during_an_async_run_are_replaced_and_the_bound_holds(
-    ray_cluster, tmp_path: Path, capsys
+    ray_cluster, tmp_path: Path, capsys, partial: str
 ) -> None:
     """grpo.max_staleness=1: batches are collected on the driver's producer thread while the trainer trains. An
     engine dies as batch 1 is scored (its next call, a sync or a generate, finds it dead) and another after step
-    2's row; both are replaced, every sample is trained once, none more than one version old."""
+    2's row; both are replaced once (with partial rollouts the trainer's sync and the producer's generate may both
+    find a death), every sample is trained once, none more than one version old."""
     run = tmp_path / "run"
     cfg = load_config(
         overrides=[
             *ARGS, "grpo.steps=4", "runtime.engines=2", "grpo.max_staleness=1", "grpo.behaviour_correction=tis",
-            f"out_dir={run}",
+            f"grpo.partial_rollouts={partial}", f"out_dir={run}",
         ]
     )  # fmt: skip
     ctx = build_context(cfg)
@@ -219,7 +221,10 @@ def test_engines_killed_during_an_async_run_are_replaced_and_the_bound_holds(
         assert "replaced in" in capsys.readouterr().out
         assert ctx.rollout.replacements == 2
         rows = [r for r in read_metrics(run) if r["phase"] == "grpo"]
-        assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
+        if partial == "none":
+            assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
+        else:
+            assert rows[0]["staleness_max"] == 0 and all(r["staleness_max"] <= 1 for r in rows)
         _assert_every_sample_trained_once(ctx, 4)
         _assert_engines_hold_the_trainers_weights(ctx)
     finally:
