@@ -105,9 +105,10 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     """SFT warm start then GRPO; prints held-out accuracy before and after RL.
 
     A failed call on a worker group (ray: a rank that died, a collective broken by one, a call past its
-    timeout) restarts the roles from the newest checkpoint, at most runtime.max_restarts times; the time
-    from the failure to the resumed run is printed. SIGINT/SIGTERM: the step in progress ends, its checkpoint
-    is written, and the exit status is 130/143 (loops.stop).
+    timeout) restarts from the newest checkpoint, at most runtime.max_restarts times, the failed role alone or
+    every role (runtime.restart_scope); the time from the failure to the resumed run is printed and logged
+    (recover_<role>_s on the next metrics row). SIGINT/SIGTERM: the step in progress ends, its checkpoint is
+    written, and the exit status is 130/143 (loops.stop).
     """
     cfg, changes = _run_config(config, overrides, args, "train")
     t0 = time.perf_counter()
@@ -134,33 +135,43 @@ def _attempts(
     cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
 ) -> tuple[RunContext, RunState]:
     """`train` until it ends, restarting after a worker failure from the last checkpoint: the trainer group alone
-    when a trainer rank failed (ray: engines and env workers keep running), else every role; the last context and
-    the final state."""
-    failed_at = None
+    when a trainer rank failed and runtime.restart_scope is role (ray: engines and env workers keep running), else
+    every role; the last context and the final state."""
+    failed: tuple[float, str] | None = None  # when the last failure was caught, and its role
     ctx = build_context(cfg)
     ctx.stop = stop
+    # ray: the engines' generators as they start, for a restart of the trainer group alone (below)
+    engine_rng = ctx.rollout.rng_states() if ctx.restart_trainer is not None else []
     try:
         for attempt in range(cfg.runtime.max_restarts + 1):
             try:
-                return ctx, _train(ctx, resume, failed_at, changes)
+                return ctx, _train(ctx, resume, failed, changes)
             except WorkerError as e:
+                caught = time.perf_counter()
                 ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
                 if attempt == cfg.runtime.max_restarts:
                     raise
                 restarts = cfg.runtime.max_restarts
-                resume, failed_at, changes = True, time.perf_counter(), None
-                if _restart_trainer(ctx, e):
+                resume, failed, changes = True, (caught, e.role), None
+                print(e, flush=True)  # now: the restart takes seconds
+                if cfg.runtime.restart_scope == "role" and _restart_trainer(ctx, e):
+                    # the engines ran on: their generators go back to their start, as new engines' would be (a
+                    # GRPO checkpoint then restores its own; one of SFT holds none, and GRPO starts from these)
+                    ctx.rollout.set_rng_states(engine_rng, reseed=cfg.seed)
                     print(
-                        f"{e}\nrestarted the trainer group; resuming from the last checkpoint (restart "
+                        f"restarted the trainer group; resuming from the last checkpoint (restart "
                         f"{attempt + 1} of {restarts}; engines and env workers kept running)"
                     )
                     continue
-                print(
-                    f"{e}\nrestarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})"
-                )
+                print(f"restarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
+                t0 = time.perf_counter()
                 ctx.close()  # also stops the Ray workers (and a Ray this run started)
+                t1 = time.perf_counter()
                 ctx = build_context(cfg)
                 ctx.stop = stop
+                print(
+                    f"roles stopped in {t1 - t0:.2f}s, started in {time.perf_counter() - t1:.2f}s", flush=True
+                )
     finally:
         ctx.close()
     raise AssertionError("unreachable: the last attempt returns or raises")
@@ -180,14 +191,19 @@ def _restart_trainer(ctx: RunContext, failure: WorkerError) -> bool:
 
 
 def _train(
-    ctx: RunContext, resume: bool, failed_at: float | None, changes: dict[str, tuple] | None
+    ctx: RunContext, resume: bool, failed: tuple[float, str] | None, changes: dict[str, tuple] | None
 ) -> RunState:
     """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state.
+    failed: (time.perf_counter() when it was caught, role) of the failure this attempt recovers from;
     changes: what a --resume changed in the saved config (None: a restart after a worker failure)."""
     if resume:
         state, resume = _resume(ctx, changes)
-        if failed_at is not None:
-            print(f"recovered in {time.perf_counter() - failed_at:.1f}s (restarted, checkpoint loaded)")
+        if failed is not None:
+            seconds, role = time.perf_counter() - failed[0], failed[1]
+            print(
+                f"recovered in {seconds:.1f}s from a failure of role '{role}' (restarted, checkpoint loaded)"
+            )
+            ctx.logger.note({f"recover_{role}_s": seconds})  # on the row of the first step trained after it
     else:
         _start_fresh(ctx)
         record_config(ctx.run_dir, "start")

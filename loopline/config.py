@@ -165,6 +165,25 @@ class RunConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _pipeline_fits(self) -> RunConfig:
+        rt = self.runtime
+        stages = rt.trainer_pp * rt.trainer_pp_virtual
+        if not self.model.path and self.model.tiny.num_layers % stages:
+            raise ValueError(
+                f"model.tiny.num_layers ({self.model.tiny.num_layers}) must be divisible by runtime.trainer_pp * "
+                f"runtime.trainer_pp_virtual ({rt.trainer_pp} * {rt.trainer_pp_virtual}): each stage holds an "
+                "equal run of layers"
+            )
+        if rt.trainer_pp > 1:
+            # training.pipeline has the pipelined steps (tested over gloo); the actor, weight sync and
+            # checkpoints do not use them yet
+            raise ValueError(
+                f"runtime.trainer_pp={rt.trainer_pp}: pipeline parallelism is not built into the trainer role "
+                "yet (loopline train/sft/dpo/rm); use trainer_pp=1 with trainer_tp and FSDP2"
+            )
+        return self
+
 
 def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None, base: RunConfig | None = None

@@ -40,6 +40,8 @@ def test_unknown_key_names_the_dotted_key(override, key):
         ),
         ("runtime.engine_max_rows=-1", "runtime.engine_max_rows", "greater than or equal to 0"),
         ("model.packing=maybe", "model.packing", "valid boolean"),
+        ("runtime.restart_scope=rank", "runtime.restart_scope", "'role' or 'all'"),
+        ("runtime.trainer_standby=true", "runtime", "trainer_standby=true needs backend=ray"),
     ],
 )
 def test_bad_value_names_the_key_and_the_rule(override, key, hint):

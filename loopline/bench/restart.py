@@ -11,28 +11,46 @@
    long until the checkpoint is whole and `latest`; plus a train step's time alone and while an async
    write runs (on few cores the writer competes with the step for CPU).
 
+3. A trainer rank killed mid-run (ray: 2 trainer ranks, 1 engine, 1 env worker, on a local Ray cluster this
+   process starts, or the one it has joined): `loopline train` with runtime.max_restarts=1 runs in a process of
+   its own; past GRPO step --kill-step, with its trainer ranks (and spares) built, one trainer rank's process
+   gets SIGKILL as soon as the next checkpoint is whole. Timed from the kill to the metrics row of the first step
+   trained after the recovery (it carries recover_actor_s; then the run is killed), with
+   runtime.restart_scope=role (the trainer group restarts alone), the same with runtime.trainer_standby (spare
+   ranks, built ahead, take the dead ranks' places) and restart_scope=all (every role restarts from the
+   checkpoint), split into: the kill seen (the failure printed), restarted and checkpoint loaded ("recovered
+   in"), and the first step. Each case also reports whether the trainer ranks' and the engine's processes are
+   new, and whether the spares took the ranks' places.
+
 Prints `name: value` lines, ending with the headline ratios: the loop's wait for an async save over a
-blocking one, then resumed over fresh time to the first train step.
+blocking one, resumed over fresh time to the first train step, then a whole restart's time from a trainer
+rank's death to the next step over a per-role restart's, with spares and (last) without.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from loopline.bench.sync import BENCH_MODELS
 from loopline.checkpoint.faults import PAUSE_DIR_ENV, PAUSE_ENV
 
+T = TypeVar("T")
 RUN = [
     "sft.steps=0", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
     "grpo.eval_every=0", "data.task.num_train=200", "data.task.num_eval=4", "eval.num_prompts=4",
@@ -104,6 +122,216 @@ def bench_restart(
     return {"fresh_s": statistics.median(fresh), "resumed_s": statistics.median(resumed)}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# A trainer rank killed: per-role restart against a whole restart
+# ---------------------------------------------------------------------------------------------------------
+
+KILL_RAY = [
+    "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
+    "runtime.call_timeout_s=60", "runtime.max_restarts=1",
+]  # fmt: skip
+KILL_CASES = {  # how the run restarts: the trainer group alone, the same from spares, every role
+    "role": ["runtime.restart_scope=role"],
+    "standby": ["runtime.restart_scope=role", "runtime.trainer_standby=true"],
+    "all": ["runtime.restart_scope=all"],
+}
+KILL_PHASES = ("detect_s", "restart_s", "first_step_s", "time_to_next_step_s")
+KILL_CHECKS = ("trainer_ranks_replaced", "engine_kept", "spares_promoted", "ledger_exactly_once")
+_RANK_LINE = "trainer ranks restarted in "  # runtime.roles prints where a per-role restart's time went
+_ROLES_LINE = "roles stopped in "  # and commands a whole restart's
+
+
+def _ray_processes(title: str) -> list[int]:
+    """Pids of this process's descendants whose process title (a Ray worker's: ray::ActorWorker is a trainer rank,
+    ray::ActorWorker.__init__ one being built) starts with `title`, oldest first, for a Ray this process started."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):  # the process ended meanwhile
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                tree.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            todo.append(child)
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                proc = Path("/proc") / str(child)
+                name = (proc / "cmdline").read_bytes().split(b"\0")[0].strip()
+                if name.startswith(title.encode()):
+                    started = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[19])  # clock ticks
+                    found.append((started, child))
+    return [pid for _, pid in sorted(found)]
+
+
+def _wait_released(deadline: float) -> None:
+    """Wait (until `deadline`) until every CPU of the Ray this process joined is free again: the next run needs
+    the bundles a killed run held."""
+    import ray
+
+    while ray.available_resources().get("CPU", 0.0) < ray.cluster_resources().get("CPU", 0.0):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the killed run's Ray actors and placement groups were not released")
+        time.sleep(0.1)
+
+
+def _newest(checkpoints: Path) -> str:
+    """The name of the newest whole GRPO checkpoint in `checkpoints` ("" if none)."""
+    return max((p.name for p in checkpoints.glob("grpo-*")), default="")
+
+
+def _built(title: str, count: int) -> bool:
+    """`count` processes titled `title` (Ray actors of that class), none of them still in its constructor."""
+    return len(_ray_processes(title)) == count and not _ray_processes(f"{title}.__init__")
+
+
+@contextlib.contextmanager
+def _ray_address() -> Iterator[str]:
+    """The address of the Ray this process has joined, or of a local one-node cluster started here for the bench."""
+    import ray
+
+    if ray.is_initialized():
+        yield ray.get_runtime_context().gcs_address
+        return
+    from loopline.runtime.cluster import local_multinode_cluster
+
+    # a CPU each for 2 trainer ranks, 1 engine, 1 env worker
+    with local_multinode_cluster([], head_cpus=4, object_store_mb=300) as cluster:
+        yield cluster.address
+
+
+class _Lines:
+    """A process's output lines as they arrive, each with its arrival time (time.monotonic)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.lines: list[tuple[float, str]] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, text: str, after: float) -> tuple[float, str] | None:
+        """(arrival, line) of the first line holding `text` that arrived after `after`."""
+        return next(((t, line) for t, line in self.lines if t > after and text in line), None)
+
+    def tail(self) -> str:
+        return "\n".join(line for _, line in self.lines[-40:])
+
+
+def _recovered_row(run: Path) -> dict[str, Any] | None:
+    """The metrics row of the first step trained after the restart (it carries recover_actor_s), once written."""
+    try:
+        text = (run / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return None
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):  # a line half-written
+            row = json.loads(line)
+            if "recover_actor_s" in row:
+                return row
+    return None
+
+
+def _exactly_once(run: Path, step: int) -> bool:
+    """The ledger of a run killed after GRPO step `step`: steps 1..step (or one more), no sample trained twice."""
+    from loopline.checkpoint.ledger import LEDGER_FILE, repeats
+
+    lines = (run / LEDGER_FILE).read_text().splitlines()
+    if lines and not lines[-1].endswith("}"):
+        lines.pop()  # half-written when the run was killed
+    ledger = [json.loads(line) for line in lines if line.strip()]
+    steps = [r["step"] for r in ledger if r["phase"] == "grpo"]
+    return steps in (list(range(1, step + 1)), list(range(1, step + 2))) and not repeats(ledger)
+
+
+def _kill_a_trainer_rank(
+    run: Path, case: str, address: str, kill_step: int, extra: list[str], timeout_s: float
+) -> dict[str, float]:
+    """One `loopline train` run on ray, a trainer rank SIGKILLed right after the first checkpoint past GRPO step
+    `kill_step` and its spares' start, restarted as KILL_CASES[case] says: seconds from the kill to each mark,
+    and which processes are new."""
+    checkpoints = run / "checkpoints"
+    cmd = [
+        sys.executable, "-m", "loopline.cli", "train", *RUN, *extra, *KILL_RAY, *KILL_CASES[case],
+        f"grpo.steps={kill_step + 100}", "checkpoint_every=1", f"runtime.cluster.address={address}", f"out_dir={run}",
+    ]  # fmt: skip
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = _Lines(proc.stdout)
+    deadline = time.monotonic() + timeout_s
+
+    def wait_for(what: str, ready: Callable[[], Any]) -> Any:
+        while not (value := ready()):
+            if proc.poll() is not None:
+                time.sleep(0.2)  # the reader thread takes the last lines
+                raise RuntimeError(f"loopline train ended (rc {proc.returncode}) {what}:\n{out.tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"loopline train: not {what} within {timeout_s:.0f}s:\n{out.tail()}")
+            time.sleep(0.01)
+        return value
+
+    try:
+        wait_for(
+            f"at the checkpoint of GRPO step {kill_step}", (checkpoints / f"grpo-{kill_step:06d}").is_dir
+        )
+        actors = 4 if case == "standby" else 2  # ranks and spares; the spares start after the ranks
+        wait_for("with its trainer ranks (and spares) built", lambda: _built("ray::ActorWorker", actors))
+        saved = _newest(checkpoints)
+        wait_for("at a new checkpoint", lambda: _newest(checkpoints) != saved)  # kill just after it
+        trainers = _ray_processes("ray::ActorWorker")
+        ranks, spares = trainers[:2], trainers[2:]
+        engines = _ray_processes("ray::EngineWorker")
+        os.kill(ranks[-1], signal.SIGKILL)
+        killed = time.monotonic()
+        row = wait_for("trained after the restart", lambda: _recovered_row(run))
+        stepped = time.monotonic()
+        new_ranks, new_engines = _ray_processes("ray::ActorWorker"), _ray_processes("ray::EngineWorker")
+    finally:
+        proc.kill()  # done with it: Ray stops its actors and placement groups (its job ended)
+        proc.wait(30)
+        _wait_released(time.monotonic() + 60)
+    seen, recovered = out.first("role 'actor' rank", killed), out.first("recovered in ", killed)
+    if seen is None or recovered is None:
+        raise RuntimeError(f"loopline train did not print the failure and the recovery:\n{out.tail()}")
+    result = {
+        "detect_s": seen[0] - killed,
+        "restart_s": recovered[0] - seen[0],
+        "first_step_s": stepped - recovered[0],
+        "time_to_next_step_s": stepped - killed,
+        "recover_actor_s": float(row["recover_actor_s"]),  # as the run logged it: caught -> checkpoint loaded
+        "trainer_ranks_replaced": float(len(ranks) == 2 and not set(ranks) & set(new_ranks)),
+        "engine_kept": float(bool(engines) and new_engines == engines),
+        "spares_promoted": float(len(spares) == 2 and new_ranks[:2] == spares),
+        "ledger_exactly_once": float(_exactly_once(run, int(row["step"]))),
+    }
+    for text, names in (
+        (_RANK_LINE, ("trainer_restart_s", "new_actors_s", "world_joined_s", "sync_reopened_s")),
+        (_ROLES_LINE, ("roles_stopped_s", "roles_started_s")),
+    ):
+        found = out.first(text, killed)  # "... in 2.10s (new actors 1.50s, world joined 0.40s, ...)"
+        if found is not None:
+            seconds = [float(w.rstrip("s,)")) for w in found[1].replace("(", " ").split() if w[0].isdigit()]
+            result.update(zip(names, seconds))
+    return result
+
+
+def bench_kill(
+    tmp: Path, model: str, kill_step: int, repeats: int, timeout_s: float, cases: list[str]
+) -> dict[str, dict[str, list[float]]]:
+    """Per repeat, one run per case of KILL_CASES (in `cases`' order), each with a trainer rank killed: timings."""
+    out: dict[str, dict[str, list[float]]] = {case: {} for case in cases}
+    with _ray_address() as address:
+        for i in range(repeats):
+            for case in out:
+                got = _kill_a_trainer_rank(
+                    tmp / f"kill-{case}-{i}", case, address, kill_step, _model_args(model), timeout_s
+                )
+                for k, v in got.items():
+                    out[case].setdefault(k, []).append(v)
+    return out
+
+
 def bench_save(tmp: Path, model_name: str, repeats: int) -> dict[str, float]:
     """Blocking and async checkpoint saves of `model_name` with its AdamW state, as the train loop saves."""
     from loopline.checkpoint.config import CheckpointConfig
@@ -166,7 +394,7 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.name.startswith(".t"))
 
 
-def _timed(label: str, fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+def _timed(label: str, fn: Callable[[], T]) -> T:
     t0 = time.perf_counter()
     result = fn()
     print(f"{label}.bench_wall_s: {time.perf_counter() - t0:.1f}", flush=True)
@@ -183,7 +411,25 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs/saves per case (median reported)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is given up")
     parser.add_argument("--skip-restart", action="store_true", help="only the save bench")
+    parser.add_argument(
+        "--kill-only", action="store_true", help="only the killed trainer rank (per-role vs whole restart)"
+    )
+    parser.add_argument(
+        "--kill-step", type=int, default=1, help="kill after a checkpoint past this GRPO step"
+    )
+    parser.add_argument(
+        "--kill-cases",
+        default=",".join(KILL_CASES),
+        help=f"comma list of {list(KILL_CASES)}: how runs restart",
+    )
     args = parser.parse_args(argv)
+    cases = [c.strip() for c in args.kill_cases.split(",") if c.strip()]
+    if not cases or set(cases) - set(KILL_CASES):
+        parser.error(f"--kill-cases: give some of {list(KILL_CASES)}, got {args.kill_cases!r}")
+    if args.kill_only and args.skip_restart:
+        parser.error("--kill-only and --skip-restart leave nothing to run")
+    if args.kill_only:
+        args.models = ""
     torch.set_num_threads(1)  # as the runs (threads=1): the writer thread and the step share the cores
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     print(f"cpus: {os.cpu_count()}")
@@ -200,8 +446,8 @@ def main(argv: list[str]) -> int:
             print(f"save.{name}.async.until_latest_s: {r['async_total']:.4f}")
             print(f"save.{name}.train_step_s: {r['step']:.4f}")
             print(f"save.{name}.train_step_during_async_write_s: {r['step_async']:.4f}")
-        restart = None
-        if not args.skip_restart:
+        restart, kill = None, None
+        if not args.skip_restart and not args.kill_only:
             restart = _timed(
                 "restart",
                 lambda: bench_restart(tmp, args.restart_model, args.resume_step, args.repeats, args.timeout),
@@ -209,6 +455,23 @@ def main(argv: list[str]) -> int:
             print(f"restart.model: {args.restart_model}")
             print(f"restart.fresh.time_to_first_step_s: {restart['fresh_s']:.2f}")
             print(f"restart.resumed.time_to_first_step_s: {restart['resumed_s']:.2f}")
+        if not args.skip_restart:
+            kill = _timed(
+                "kill",
+                lambda: bench_kill(
+                    tmp, args.restart_model, args.kill_step, args.repeats, args.timeout, cases
+                ),
+            )
+            print(f"kill.model: {args.restart_model}")
+            for case, got in kill.items():
+                for name, values in got.items():
+                    if name in KILL_PHASES:
+                        runs = ",".join(f"{v:.2f}" for v in values)
+                        print(f"kill.{case}.{name}: {statistics.median(values):.2f}  (runs {runs})")
+                    elif name in KILL_CHECKS:
+                        print(f"kill.{case}.{name}: {int(min(values))}")  # 1: in every run
+                    else:
+                        print(f"kill.{case}.{name}: {statistics.median(values):.2f}")
     last = saves[models[-1]] if models else None
     if last is not None:
         print(f"headline.model: {models[-1]}")
@@ -217,4 +480,10 @@ def main(argv: list[str]) -> int:
         print(
             f"headline.resumed_over_fresh_time_to_first_step: {restart['resumed_s'] / restart['fresh_s']:.3f}"
         )
+    if kill is not None and "all" in kill:
+        to_step = {case: statistics.median(got["time_to_next_step_s"]) for case, got in kill.items()}
+        if "standby" in to_step:
+            print(f"headline.whole_over_standby_restart: {to_step['all'] / to_step['standby']:.3f}")
+        if "role" in to_step:
+            print(f"headline.whole_over_per_role_restart: {to_step['all'] / to_step['role']:.3f}")
     return 0

@@ -72,6 +72,7 @@ class Outcome(Generic[R]):
     attempts: int  # 1 unless workers died or timed out on this task
     worker: str  # name of the worker that produced it ("" if none did)
     failures: tuple[str, ...] = ()  # why each earlier attempt was lost, oldest first
+    recovered_s: float = 0.0  # from the loss of its first attempt to this outcome (0 when none was lost)
 
     @property
     def ok(self) -> bool:
@@ -104,6 +105,7 @@ class _Task:
     attempt: int = 1
     started: float = 0.0
     failures: tuple[str, ...] = ()
+    lost_at: float = 0.0  # time.monotonic() when its first attempt was lost (0: none was)
 
     @property
     def token(self) -> tuple[Hashable, int]:
@@ -305,8 +307,9 @@ class WorkerPool(Generic[T, R]):
                 worker.task = None
                 error = None if ok else value
                 value = value if ok else None
+                recovered = time.monotonic() - task.lost_at if task.lost_at else 0.0
                 finished.append(
-                    Outcome(task.sample_id, value, error, task.attempt, worker.name, task.failures)
+                    Outcome(task.sample_id, value, error, task.attempt, worker.name, task.failures, recovered)
                 )
             # else: a stale reply, for a task already given up on
         return finished
@@ -345,7 +348,10 @@ class WorkerPool(Generic[T, R]):
         if task.attempt >= self.config.max_attempts:
             error = f"{why}; gave up after {task.attempt} attempts"
             return [Outcome(task.sample_id, None, error, task.attempt, "", failures)]
-        queue.appendleft(_Task(task.sample_id, task.item, task.attempt + 1, failures=failures))
+        lost_at = task.lost_at or time.monotonic()
+        queue.appendleft(
+            _Task(task.sample_id, task.item, task.attempt + 1, failures=failures, lost_at=lost_at)
+        )
         return []
 
     def _describe(self, worker: _Worker) -> str:

@@ -33,6 +33,25 @@ class RuntimeConfig(Section):
         "trainer_tp) mesh; each group of trainer_tp ranks splits the decoder layers (the model's HF TP plan) "
         "and shares one data slice.",
     )
+    trainer_pp: int = Field(
+        1,
+        gt=0,
+        description="Pipeline-parallel size of the actor (ray): trainer_ranks form a (trainer_pp, "
+        "trainer_ranks/(trainer_pp*trainer_tp), trainer_tp) mesh; each of trainer_pp stages holds a contiguous "
+        "run of decoder layers (the first the embeddings, the last the norm and head).",
+    )
+    trainer_pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = Field(
+        "1f1b",
+        description="Pipeline schedule (trainer_pp > 1): gpipe (all forwards, then all backwards), 1f1b (one "
+        "forward, one backward: fewer activations held), interleaved (1f1b over trainer_pp_virtual stages per "
+        "rank: a smaller bubble).",
+    )
+    trainer_pp_virtual: int = Field(
+        1,
+        gt=0,
+        description="Stages per pipeline rank: 1 with gpipe and 1f1b, at least 2 with interleaved; the model's "
+        "layers must divide by trainer_pp * trainer_pp_virtual.",
+    )
     engines: int = Field(
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
@@ -65,6 +84,19 @@ class RuntimeConfig(Section):
         description="When a call on a worker group fails (ray: a rank died, or a collective broke with it), "
         "restart the roles from the last checkpoint, at most this many times.",
     )
+    restart_scope: Literal["role", "all"] = Field(
+        "role",
+        description="What such a restart replaces. role: the failed role's group alone where it can be (ray: a "
+        "trainer rank's death restarts the trainer ranks; engines and env workers keep running), else every "
+        "role; all: every role, always (stop the workers, start them again, load the checkpoint).",
+    )
+    trainer_standby: bool = Field(
+        False,
+        description="A spare for every trainer rank (ray, pools without GPUs): a second actor in the rank's bundle, "
+        "built but idle, holding none of its resources; a per-role restart promotes the spares instead of "
+        "starting processes (the torch import is paid already), then starts new ones. Costs a process and a "
+        "model copy per rank.",
+    )
     max_engine_replacements: int = Field(
         3,
         ge=0,
@@ -86,6 +118,39 @@ class RuntimeConfig(Section):
         if self.trainer_ranks % self.trainer_tp:
             raise ValueError(
                 f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_tp={self.trainer_tp}"
+            )
+        if self.trainer_ranks % (self.trainer_pp * self.trainer_tp):
+            raise ValueError(
+                f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_pp * trainer_tp = "
+                f"{self.trainer_pp} * {self.trainer_tp}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pp_schedule_fits(self) -> RuntimeConfig:
+        v, schedule = self.trainer_pp_virtual, self.trainer_pp_schedule
+        if schedule == "interleaved" and (self.trainer_pp < 2 or v < 2):
+            raise ValueError(
+                f"trainer_pp_schedule=interleaved needs trainer_pp >= 2 and trainer_pp_virtual >= 2 (stages per "
+                f"rank), got trainer_pp={self.trainer_pp}, trainer_pp_virtual={v}; or use gpipe or 1f1b"
+            )
+        if schedule != "interleaved" and v != 1:
+            raise ValueError(
+                f"trainer_pp_virtual={v} needs trainer_pp_schedule=interleaved ({schedule} holds one stage per rank)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _standby_fits(self) -> RuntimeConfig:
+        if not self.trainer_standby:
+            return self
+        if self.backend != "ray":
+            raise ValueError("trainer_standby=true needs backend=ray (spares are Ray actors)")
+        pool = next((p for p in self.pools().pools if p.name == self.pools().roles.get("actor")), None)
+        if pool is not None and pool.resources.get("GPU", 0.0) > 0:
+            raise ValueError(
+                f"trainer_standby=true: the actor's pool '{pool.name}' has GPUs, which a spare (holding none of "
+                "its bundle's resources) cannot see; use trainer_standby=false there"
             )
         return self
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ class Roles:
     scorer: Scorer
     shutdown: Callable[[], None]
     critic: Critic | None = None  # PPO's critic (grpo.advantage=gae)
-    # ray: new actors for every trainer rank, their world and the weight sync rebuilt; the other roles run on
+    # ray: new actors (or spares) for the trainer ranks, their world and the weight sync rebuilt; the rest run on
     restart_trainer: Callable[[], None] | None = None
 
 
@@ -153,7 +154,16 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s}
         with ThreadPoolExecutor(len(workers)) as threads:
             starting = [
-                threads.submit(WorkerGroup, cls, n, role=role, pool=where[role], init_args=args, **options)
+                threads.submit(
+                    WorkerGroup,
+                    cls,
+                    n,
+                    role=role,
+                    pool=where[role],
+                    init_args=args,
+                    standby=role == "actor" and rt.trainer_standby,
+                    **options,
+                )
                 for role, (cls, n, args) in workers.items()
             ]
         groups.extend(f.result() for f in starting if f.exception() is None)
@@ -173,12 +183,24 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         raise
 
     def restart_trainer() -> None:
-        """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle, the new ranks
-        form a new world, and the engines open the weight sync against its new store. The caller loads the
-        checkpoint into it; engines, env workers, the critic and the reference keep running."""
-        trainer.restart_ranks(list(range(trainer.world_size)))
+        """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle (by its spare with
+        runtime.trainer_standby), the new ranks form a new world, and the engines open the weight sync against its
+        new store. The caller loads the checkpoint into it; engines, env workers, the critic and the reference keep
+        running. Prints where the time went."""
+        t0 = time.perf_counter()
+        trainer.restart_ranks(list(range(trainer.world_size)))  # new processes import torch; spares have
+        t1 = time.perf_counter()
+        # the new world, the model sharded over it, rank 0 serving the sync's store
         sync.serve(*trainer.call("join", trainer.call("rendezvous")[0])[0])
-        sync.open()
+        t2 = time.perf_counter()
+        sync.open()  # the engines reconnect
+        t3 = time.perf_counter()
+        trainer.start_spares()  # runtime.trainer_standby: new spares build in the background from here
+        print(
+            f"trainer ranks restarted in {t3 - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
+            f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
+            flush=True,
+        )
 
     return Roles(
         ActorRole(trainer, model, reference, rt.trainer_tp),

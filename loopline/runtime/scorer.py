@@ -69,6 +69,7 @@ class ScorerRole:
         self.chunks_per_worker = chunks_per_worker
         self._retries = 0  # chunks scored again since take_stats()
         self._lost = 0  # pool.workers_lost at the last take_stats()
+        self._recovered = 0.0  # longest time to recover a lost chunk since take_stats() (0: none was lost)
         fn = fn or functools.partial(run_task, env)
         limits = {"num_workers": workers, "task_timeout_s": task_timeout_s, "max_attempts": max_attempts}
         if pool is None:
@@ -111,6 +112,12 @@ class ScorerRole:
         # one outcome per chunk (keyed by its offset), whatever happened to the workers
         outcomes = cast("dict[int, Any]", self.pool.map(chunks))
         self._retries += sum(o.attempts - 1 for o in outcomes.values())
+        recovered = max((o.recovered_s for o in outcomes.values() if o.ok), default=0.0)
+        if recovered:
+            print(
+                f"recovered in {recovered:.1f}s from a failure of role 'env' (its chunk done by another worker)"
+            )
+            self._recovered = max(self._recovered, recovered)
         failed = sorted(i for i, o in outcomes.items() if not o.ok)
         if failed:
             more = f" (and {len(failed) - 1} more chunks)" if len(failed) > 1 else ""
@@ -138,7 +145,9 @@ class ScorerRole:
             "env_workers_replaced": float(lost - self._lost),
             "env_workers": float(self.pool.num_workers),
         }
-        self._retries, self._lost = 0, lost
+        if self._recovered:
+            stats["recover_env_s"] = self._recovered
+        self._retries, self._lost, self._recovered = 0, lost, 0.0
         return stats
 
     def close(self) -> None:

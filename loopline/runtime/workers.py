@@ -12,6 +12,9 @@ that did not finish in time (WorkerTimeoutError), a rank whose process is gone (
 On ray a running group can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
 starts more ranks in bundles the caller found, `remove_ranks` stops the last ones; `settle` collects every
 outcome of a call, so a caller can recover from some failures (the roles decide which; engine.RolloutRole).
+With `standby`, every rank has a spare: a second actor of the same class, arguments and environment in the
+rank's bundle, built (its imports paid) but never called and taking none of the bundle's resources, which a
+restart promotes instead of starting a process (`start_spares` then starts new ones in the background).
 
 Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor
 again with the same arguments and environment); local calls run in the caller's thread, so the local
@@ -109,6 +112,7 @@ class WorkerGroup:
         env_vars: dict[str, str] | None = None,
         max_restarts: int = 0,
         timeout_s: float | None = None,
+        standby: bool = False,
     ) -> None:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
@@ -116,6 +120,8 @@ class WorkerGroup:
         env_vars: extra environment for every rank (RANK, WORLD_SIZE, ... take precedence).
         max_restarts: passed to Ray's actor options (ray backend only).
         timeout_s: default limit for construction and for every call; None = no limit.
+        standby: (ray) a spare for every rank, started once the ranks are ready; a restart promotes it. Spares
+        take no resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
         """
         if backend not in ("local", "ray"):
             raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
@@ -125,11 +131,12 @@ class WorkerGroup:
         self.timeout_s = timeout_s
         self._ranks: list[Any] = []  # local: [the worker object]; ray: one actor handle per rank
         self._places: list[tuple[Pool, int]] = []  # ray: (pool, bundle index) of each rank
+        self._standby: dict[int, Any] | None = {} if standby else None  # ray: rank -> its spare's actor
         init_kwargs, env_vars = dict(init_kwargs or {}), dict(env_vars or {})
         if backend == "local":
-            if num_ranks != 1 or pool is not None:
+            if num_ranks != 1 or pool is not None or standby:
                 raise ValueError(
-                    f"role '{role}': the local backend runs one rank in this process, without a pool"
+                    f"role '{role}': the local backend runs one rank in this process, without a pool or spare"
                 )
             # One rank in this very process: its environment is this process's environment.
             os.environ.update({**env_vars, **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
@@ -162,6 +169,11 @@ class WorkerGroup:
                 f"role '{role}': {n} ranks but pool '{pool.name}' has {pool.num_bundles} bundles"
             )
         _check_role(role, pool)
+        if self._standby is not None and pool.rank_resources().get("GPU", 0.0) > 0:
+            raise ValueError(
+                f"role '{role}': spare ranks take no resources, so they cannot see the GPUs of pool "
+                f"'{pool.name}'; standby needs a pool without GPUs"
+            )
         # Rendezvous address: rank 0's node and a port free there (asked on that node, which may be remote).
         where = in_bundle(pool.placement_group, 0)
         probe = ray.remote(num_cpus=0, scheduling_strategy=where)(_master_address).remote()
@@ -173,25 +185,38 @@ class WorkerGroup:
             for i in range(n):
                 self._ranks.append(self._start_rank(i, nodes))
             self._wait_ready(range(n))
+            self.start_spares()
         except BaseException:
             self.shutdown()  # no half-started group left behind
             raise
 
-    def _start_rank(self, i: int, nodes: list[str]) -> Any:
-        """Start the actor of rank i in its place (pool, bundle); `nodes` holds the node of every rank's bundle."""
+    def _start_rank(self, i: int, nodes: list[str], spare: bool = False) -> Any:
+        """Start the actor of rank i in its place (pool, bundle); `nodes` holds the node of every rank's bundle.
+        spare: the rank's spare, taking none of the bundle's resources (only its place)."""
         pool, bundle = self._places[i]
         init_args, init_kwargs, env_vars, max_restarts = self._spawn
         addr, port = self._master
         local = _rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
+        if spare:  # the threads Ray gives the rank it replaces (a spare holds no CPUs)
+            local["OMP_NUM_THREADS"] = str(max(1, int(pool.rank_resources().get("CPU", 1.0))))
         return start_actor(
             self.cls,
             init_args,
             init_kwargs,
-            resources=pool.rank_resources(),
+            resources={} if spare else pool.rank_resources(),
             bundle=(pool.placement_group, bundle),
             env_vars={**env_vars, **local},
             max_restarts=max_restarts,
         )
+
+    def start_spares(self) -> None:
+        """With standby, start a spare for every rank that has none, without waiting for it (ray)."""
+        if self._standby is None or not self._ranks:
+            return
+        nodes = self._nodes()
+        for i in range(self.world_size):
+            if i not in self._standby:
+                self._standby[i] = self._start_rank(i, nodes, spare=True)
 
     def _wait_ready(self, ranks: range | list[int]) -> None:
         self.wait([RankFuture(i, "__init__", self._ranks[i].__ray_ready__.remote()) for i in ranks])
@@ -214,16 +239,25 @@ class WorkerGroup:
         self.restart_ranks([rank])
 
     def restart_ranks(self, ranks: list[int]) -> None:
-        """restart_rank for each of `ranks`, the new actors starting side by side."""
+        """restart_rank for each of `ranks`, the new actors starting side by side; with standby, each rank's
+        spare takes its place (start_spares starts new ones: after the restart, so as not to slow it down)."""
         self._ray_only("restart_rank")
         for rank in ranks:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
         kill(*(self._ranks[r] for r in ranks))
         nodes = self._nodes()
+        spares = self._standby if self._standby is not None else {}
         for rank in ranks:
-            self._ranks[rank] = self._start_rank(rank, nodes)
-        self._wait_ready(ranks)
+            # the spare gets no resources back: the killed rank's share of the bundle stays free for the next spare
+            self._ranks[rank] = spares.pop(rank) if rank in spares else self._start_rank(rank, nodes)
+        try:
+            self._wait_ready(ranks)
+        except WorkerDiedError:  # a spare that died meanwhile: fresh actors instead
+            kill(*(self._ranks[r] for r in ranks))
+            for rank in ranks:
+                self._ranks[rank] = self._start_rank(rank, nodes)
+            self._wait_ready(ranks)
 
     def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
         """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;
@@ -239,8 +273,9 @@ class WorkerGroup:
             for i in range(first, self.world_size):
                 self._ranks.append(self._start_rank(i, nodes))
             self._wait_ready(range(first, self.world_size))
+            self.start_spares()
         except BaseException:
-            kill(*self._ranks[first:])
+            kill(*self._ranks[first:], *self._drop_spares(first))
             del self._ranks[first:], self._places[first:]
             self.world_size = first
             raise
@@ -252,11 +287,17 @@ class WorkerGroup:
             raise ValueError(
                 f"role '{self.role}': cannot keep {keep} of {self.world_size} ranks (1 at least)"
             )
-        kill(*self._ranks[keep:])
+        kill(*self._ranks[keep:], *self._drop_spares(keep))
         removed = self._places[keep:]
         del self._ranks[keep:], self._places[keep:]
         self.world_size = keep
         return removed
+
+    def _drop_spares(self, first: int) -> list[Any]:
+        """The spares of ranks `first` on, forgotten (the caller kills them)."""
+        if self._standby is None:
+            return []
+        return [self._standby.pop(r) for r in sorted(self._standby) if r >= first]
 
     def local(self) -> Any:
         """The worker object of the one rank in this process (local backend), for checks and tests."""
@@ -398,7 +439,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Stop every rank (Ray actors are killed, without restart); safe to call twice."""
         if self.backend == "ray":
-            kill(*self._ranks)
+            kill(*self._ranks, *self._drop_spares(0))
         self._ranks = []
 
     def __enter__(self) -> WorkerGroup:

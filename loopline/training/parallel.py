@@ -287,17 +287,27 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float) -> torch
     in quadrature. One group (no TP) is exactly torch's clip_grad_norm_.
     """
     params = [p for p in parameters if p.grad is not None]
-    groups = mesh_groups(params)
+    total = total_grad_norm(params)
+    clip_grads_with_norm(params, max_norm, total)
+    return total
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The global L2 norm of the parameters' gradients (a plain tensor): each mesh group's norm reduced over its
+    own mesh (a sharded piece counted once, a TP-replicated one once), the groups' norms summed in quadrature."""
     norms = []
-    for group in groups:
+    for group in mesh_groups(p for p in parameters if p.grad is not None):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group if p.grad is not None], 2.0)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    total = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
-    for group in groups:
+    return norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def clip_grads_with_norm(parameters: Iterable[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale the parameters' gradients by max_norm / total when total exceeds max_norm (per mesh group)."""
+    for group in mesh_groups(p for p in parameters if p.grad is not None):
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
-    return total
 
 
 def _options(sharded: bool) -> StateDictOptions:

@@ -152,6 +152,10 @@ def test_sigkill_mid_batch_loses_nothing_and_counts_nothing_twice() -> None:
         died_on = {pid for pid in killed_pids for failure in o.failures if f"(pid {pid}) died" in failure}
         assert len(died_on) == len(o.failures)  # each failure names a killed worker, a different one
         assert o.value[1] not in died_on  # the retry ran on another worker
+    # how long each lost task took to recover: from the loss of its first attempt to its answer
+    assert all(0 < o.recovered_s < 60 for o in retried) and all(
+        o.recovered_s == 0 for o in outcomes if o.attempts == 1
+    )
 
 
 def test_hung_task_is_killed_retried_then_reported() -> None:

@@ -1,4 +1,5 @@
-"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank.
+"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank; and the same death with spare
+ranks (runtime.trainer_standby), against a run never interrupted.
 
 `loopline train` in a process of its own that joins the session's Ray (tests/conftest.py) by address (2 FSDP2
 trainer ranks, 1 engine, 1 env worker) with runtime.max_restarts=1. Once GRPO step 1 is logged, the test
@@ -68,6 +69,18 @@ def _descendants_titled(root: int, title: str) -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def _trainer_processes() -> list[int]:
+    """The session Ray's trainer-rank processes (ray::ActorWorker), oldest first."""
+
+    def started(pid: int) -> int:  # clock ticks after boot; a process that ended sorts last
+        try:
+            return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19])
+        except (OSError, IndexError, ValueError):
+            return 2**63
+
+    return sorted(_descendants_titled(os.getpid(), "ray::ActorWorker"), key=started)
 
 
 def _grpo_steps(run: Path) -> list[int]:
@@ -154,3 +167,49 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
     w6 = load_file(run / "checkpoints" / "grpo-000006" / "model" / "model.safetensors")
     step = max(float((w6[k] - w5[k]).abs().max()) for k in w5)
     assert 0 < step < 3e-3, step  # one AdamW step on from the 2-rank weights (not from a fresh init)
+
+
+def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterrupted_run(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """runtime.trainer_standby: the dead group's places go to spares built ahead (no new process is started), and
+    the run, resumed from its last checkpoint, ends with the weights of a run never interrupted, bit for bit."""
+    import ray
+    import torch
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    address = ray.get_runtime_context().gcs_address
+    same = [*ARGS, *RAY, "deterministic=true", "grpo.steps=4", f"runtime.cluster.address={address}"]
+    runs = {name: tmp_path / name for name in ("plain", "killed")}
+    plain = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "train", *same, f"out_dir={runs['plain']}"],
+        env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "loopline.cli", "train", *same, "runtime.trainer_standby=true",
+            f"out_dir={runs['killed']}",
+        ],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while 1 not in _grpo_steps(runs["killed"]):
+            assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
+            time.sleep(0.05)
+        # the oldest: a rank (the spares start once the ranks are ready; they may still be importing torch, then
+        # the restart waits for them)
+        os.kill(_trainer_processes()[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, out[-4000:]
+    assert "trainer ranks restarted in " in out and "recovered in " in out
+    assert not repeats(read_ledger(runs["killed"]))
+    final = "checkpoints/grpo-000004/model/model.safetensors"
+    want, got = load_file(runs["plain"] / final), load_file(runs["killed"] / final)
+    assert all(torch.equal(want[k], got[k]) for k in want)

@@ -161,6 +161,8 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
     # one score per completion, in order, the same as in this process: the lost chunk was scored again
     assert scores.tolist() == _in_this_process(texts, rows)
     assert sum(scores.tolist()) == 9  # i % 7 == i % 3 for i < 48: 0, 1, 2, 21, 22, 23, 42, 43, 44
+    recovered = stats.pop("recover_env_s")  # from the worker's death to its chunk scored on another
+    assert 0 < recovered < 60, recovered
     assert stats == {"score_retries": 1.0, "env_workers_replaced": 1.0, "env_workers": 2.0}
     assert killed[0] not in after and len(after - before) == 1  # the dead worker was replaced
 

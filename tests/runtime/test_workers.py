@@ -58,6 +58,9 @@ class Probe:
             time.sleep(seconds_on_rank_1)
         return "awake"
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def exit_on_rank(self, rank: int) -> str:
         if os.environ["RANK"] == str(rank):
             os._exit(1)  # the process dies, as on an OOM kill or a segfault
@@ -264,3 +267,40 @@ def test_a_running_group_replaces_adds_and_removes_ranks(cluster: dict[str, str]
         remove_pools(extra)
     with pytest.raises(ValueError, match="the local backend runs one fixed rank"):
         WorkerGroup(Accumulator, role="critic", init_args=(1.0,)).add_ranks([])
+
+
+def test_spares_take_the_places_of_restarted_ranks(cluster: dict[str, str]) -> None:
+    """standby: each rank has a spare in its bundle, built, holding none of the bundle's resources (a bundle of
+    {trainer: 1} has none left beside its rank); restart_ranks promotes them (their processes answer as the ranks,
+    with the ranks' environment, on the ranks' node), start_spares starts new ones, shutdown stops them all."""
+    pools = _place([("trainer", 2, {"trainer": 1})], {"actor": "trainer"})
+    try:
+        with WorkerGroup(
+            Probe, 2, backend="ray", role="actor", pool=pools["actor"], timeout_s=LIMIT_S, standby=True
+        ) as group:
+            ranks = group.call("pid")
+            spares = [group._standby[r] for r in (0, 1)]  # started once the ranks were ready
+            spare_pids = ray.get([s.pid.remote() for s in spares], timeout=LIMIT_S)
+            assert not set(spare_pids) & set(ranks)
+            group.restart_ranks([0, 1])
+            assert group.call("pid") == spare_pids  # no process started: the spares are the ranks now
+            where = group.call("where")
+            assert [w["RANK"] for w in where] == ["0", "1"] and {w["node"] for w in where} == {
+                cluster["trainer"]
+            }
+            assert group._standby == {}
+            group.start_spares()
+            new = ray.get([group._standby[r].pid.remote() for r in (0, 1)], timeout=LIMIT_S)
+            assert not set(new) & {*ranks, *spare_pids}
+            group.restart_ranks([1])  # one rank: its spare alone is promoted
+            assert group.call("pid") == [spare_pids[0], new[1]] and list(group._standby) == [0]
+            kept = group._standby[0]
+        deadline = time.monotonic() + LIMIT_S
+        with pytest.raises(
+            ray.exceptions.RayActorError
+        ):  # shutdown stopped the spare too (ray.kill is async)
+            while time.monotonic() < deadline:
+                ray.get(kept.pid.remote(), timeout=LIMIT_S)
+                time.sleep(0.1)
+    finally:
+        remove_pools(pools)
