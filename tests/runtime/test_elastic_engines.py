@@ -198,7 +198,7 @@ def test_a_local_runs_env_workers_scale_through_loopline_scale(tmp_path: Path) -
         ctx.close()
 
 
-@pytest.mark.parametrize("partial", ["none", "recompute_kv"])
+@pytest.mark.parametrize("partial", ["recompute_kv"])  # "none" too when changing this path (24 s more)
 def test_engines_killed_during_an_async_run_are_replaced_and_the_bound_holds(
     ray_cluster, tmp_path: Path, capsys, partial: str
 ) -> None:
