@@ -9,15 +9,20 @@ fresh local Ray, all three with grpo.behaviour_correction=tis (the same loss: on
 samples/s counts the steps after the first (the first has nothing to overlap with) from each row's time_step,
 so Ray's start and the final eval are outside it. The workload (--workload): `agent` is the calculator agent
 (multi-turn episodes of tool calls and answers, so generation and env steps are a large share of a step, as in
-agentic RL), `addition` the default job's task (short answers: the trainer's share dominates, so overlap gains
-little there). The response lengths of each run are printed, to show the tail.
+agentic RL), `longtail` a task whose answer lengths have a long tail, as reasoning lengths do in RL on real models
+(`longtail_rows`: half the answers take 10 tokens or fewer, one in eleven over 60, the longest 250: a synchronous step
+waits for its longest sequence; trained packed, so the trainer pays for real tokens only), `addition` the default job's task (short answers: the trainer's share dominates, so overlap
+gains little there). The response lengths of each run are printed, to show the tail.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
+import string
 import subprocess
 import sys
 import tempfile
@@ -34,9 +39,58 @@ WORKLOADS = {
         "agent", "sft.steps=600", "sft.stop_at_accuracy=0.5", "sft.check_every=10",
         "grpo.eval_every=0", "env.calculator.num_eval=512", "eval.num_prompts=512",
     ],
+    # the long-tail task (files written per seed, see workload_args); SFT stopped early to leave RL room
+    "longtail": [
+        "train", "data.source=jsonl", "sft.steps=150", "sft.stop_at_accuracy=null", "sft.eval_every=0",
+        "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.micro_batch_size=64", "grpo.eval_every=0",
+        "grpo.sampling.max_new_tokens=256", "eval.sampling.max_new_tokens=256", "eval.num_prompts=256", "threads=1",
+        "model.packing=true",
+    ],
     # the default job's task and settings
     "addition": ["train", "grpo.eval_every=0", "eval.num_prompts=1000"],
 }  # fmt: skip
+LONGTAIL_CHARS = string.ascii_lowercase + string.ascii_uppercase + string.digits
+LONGTAIL_MAX = 250  # the longest answer (tokens)
+
+
+def longtail_rows(seed: int, num_train: int = 4000, num_eval: int = 256) -> tuple[list[dict], list[dict]]:
+    """Rows of the long-tail task: 'k*5=' asks for the 5 characters from k on ('klmno', cycling through a-z A-Z
+    0-9). The count n follows a Pareto tail (x_min 4, alpha 1, capped at LONGTAIL_MAX): median 10 tokens, mean 25, 9% over
+    60, 2% at the cap (seeds 0-2).
+    Held-out (start, n) pairs are distinct and never among the training rows (which may repeat)."""
+    rng = random.Random(f"longtail-{seed}")
+    size = len(LONGTAIL_CHARS)
+
+    def draw() -> tuple[int, int]:
+        return rng.randrange(size), min(LONGTAIL_MAX, int(4 / (1 - rng.random())))
+
+    def row(start: int, n: int) -> dict:
+        text = "".join(LONGTAIL_CHARS[(start + i) % size] for i in range(n))
+        return {"prompt": f"{LONGTAIL_CHARS[start]}*{n}=", "answer": text, "completion": text + "\n"}
+
+    held_out: set[tuple[int, int]] = set()
+    while len(held_out) < num_eval:
+        held_out.add(draw())
+    train: list[tuple[int, int]] = []
+    while len(train) < num_train:
+        pair = draw()
+        if pair not in held_out:
+            train.append(pair)
+    return [row(*p) for p in train], [row(*p) for p in sorted(held_out)]
+
+
+def workload_args(name: str, tmp: Path, seed: int) -> list[str]:
+    """WORKLOADS[name] with the seed's data files written under tmp where the workload needs them."""
+    if name != "longtail":
+        return WORKLOADS[name]
+    paths = []
+    for split, rows in zip(("train", "eval"), longtail_rows(seed)):
+        path = tmp / f"longtail-{seed}-{split}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths.append(path)
+    return [*WORKLOADS[name], f"data.train_path={paths[0]}", f"data.eval_path={paths[1]}"]
+
+
 # mode -> (grpo.max_staleness, grpo.partial_rollouts)
 MODES = {"sync": (0, "none"), "k1": (1, "none"), "k2": (2, "none"), "k2_partial": (2, "recompute_kv")}
 
@@ -135,7 +189,6 @@ def main(argv: list[str]) -> int:
             f"--modes must start with sync and name at least one async mode of {', '.join(MODES)}"
             + (f" (unknown: {', '.join(unknown)})" if unknown else "")
         )
-    workload = WORKLOADS[args.workload]
     print(f"cpus: {os.cpu_count()}")
     print(f"workload: {args.workload}")
     with tempfile.TemporaryDirectory(prefix="loopline-bench-async-") as tmp_dir:
@@ -143,6 +196,7 @@ def main(argv: list[str]) -> int:
         tmp.mkdir(parents=True, exist_ok=True)
         results = {}
         for seed in seeds:
+            workload = workload_args(args.workload, tmp, seed)
             results[seed] = run_seed(tmp, workload, seed, args.steps, args.timeout, modes)
             for mode, r in results[seed].items():
                 for key, value in r.items():

@@ -6,8 +6,8 @@ trainer ranks, 1 engine, 1 env worker) with runtime.max_restarts=1. Once GRPO st
 SIGKILLs one trainer rank: a real Ray actor process, found among the session Ray's processes (descendants of
 this one) by its process title (ray::ActorWorker). The run must
 restart its trainer group alone from the newest checkpoint by itself (new trainer rank processes, the same engine
-process), print the time it took to recover, and finish with every step logged once and every sample trained
-once (the ledger). Then the run's checkpoint,
+process), print the time it took to recover, and finish with every step logged once, every sample trained
+once (the ledger) and the weights of the same run never interrupted, bit for bit (deterministic=true). Then the run's checkpoint,
 written as two ranks' DCP shards, resumes on the local backend (one rank): DCP reshards the weights and
 the optimizer state, and the run continues from there (in this process: the local backend needs no Ray). Checkpoints are saved asynchronously here, so
 the kill may also land in a rank's background write: such a checkpoint never becomes latest.
@@ -32,9 +32,10 @@ pytestmark = pytest.mark.slow
 
 ARGS = [
     "sft.steps=1", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.eval_every=0",
-    "grpo.steps=3", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
+    "grpo.steps=5", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
     "grpo.entropy_coef=0.01", "grpo.eval_every=0", "data.task.num_train=20", "data.task.num_eval=4",
     "eval.num_prompts=4", "checkpoint_every=1", "progress=false", "tensorboard=false", "threads=1",
+    "deterministic=true",
 ]  # fmt: skip
 RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
@@ -42,6 +43,7 @@ RAY = [
     "checkpoint.async_save=true",  # each rank writes its shards in a thread while training goes on
 ]  # fmt: skip
 RUN_TIMEOUT_S = 400
+FINAL = "checkpoints/grpo-000005/model/model.safetensors"
 
 
 def _children() -> dict[int, list[int]]:
@@ -90,8 +92,33 @@ def _grpo_steps(run: Path) -> list[int]:
         return []
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' job on the session's Ray, never interrupted: a restarted run must end with its weights."""
+    import ray
+
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
+         f"out_dir={run}"],
+        env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
+
+    want, got = load_file(a / FINAL), load_file(b / FINAL)
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
-    ray_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import ray
 
@@ -106,7 +133,6 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
             "train",
             *ARGS,
             *RAY,
-            "grpo.steps=5",  # steps 2-5 after the restart: time to see which processes it replaced
             f"runtime.cluster.address={address}",
             f"out_dir={run}",
         ],
@@ -151,6 +177,7 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
     ledger = read_ledger(run)
     assert [(r["phase"], r["step"]) for r in ledger] == [("sft", 1)] + [("grpo", s) for s in range(1, 6)]
     assert not repeats(ledger)
+    assert _same_weights(run, uninterrupted)
     final = run / "checkpoints" / "grpo-000005"
     assert sorted(p.name for p in (final / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
@@ -170,33 +197,25 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
 
 
 def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterrupted_run(
-    ray_cluster, tmp_path: Path
+    uninterrupted: Path, tmp_path: Path
 ) -> None:
     """runtime.trainer_standby: the dead group's places go to spares built ahead (no new process is started), and
     the run, resumed from its last checkpoint, ends with the weights of a run never interrupted, bit for bit."""
     import ray
-    import torch
-    from safetensors.torch import load_file
 
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     address = ray.get_runtime_context().gcs_address
-    same = [*ARGS, *RAY, "deterministic=true", "grpo.steps=3", f"runtime.cluster.address={address}"]
-    runs = {name: tmp_path / name for name in ("plain", "killed")}
-    plain = subprocess.run(
-        [sys.executable, "-m", "loopline.cli", "train", *same, f"out_dir={runs['plain']}"],
-        env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-    )  # fmt: skip
-    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    run = tmp_path / "killed"
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "loopline.cli", "train", *same, "runtime.trainer_standby=true",
-            f"out_dir={runs['killed']}",
+            sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
+            "runtime.trainer_standby=true", f"out_dir={run}",
         ],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
-        while 1 not in _grpo_steps(runs["killed"]):
+        while 1 not in _grpo_steps(run):
             assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
             time.sleep(0.05)
         # the oldest: a rank (the spares start once the ranks are ready; they may still be importing torch, then
@@ -209,7 +228,5 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
             proc.wait(30)
     assert proc.returncode == 0, out[-4000:]
     assert "trainer ranks restarted in " in out and "recovered in " in out
-    assert not repeats(read_ledger(runs["killed"]))
-    final = "checkpoints/grpo-000003/model/model.safetensors"
-    want, got = load_file(runs["plain"] / final), load_file(runs["killed"] / final)
-    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert not repeats(read_ledger(run))
+    assert _same_weights(run, uninterrupted)
