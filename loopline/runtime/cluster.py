@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -73,10 +75,10 @@ def start_ray(cfg: ClusterConfig | None = None) -> bool:
     if ray.is_initialized():
         return False
     if cfg.address:
-        ray.init(address=cfg.address, namespace=cfg.namespace)
+        _init(address=cfg.address, namespace=cfg.namespace)
         return True
     with _loopback():  # once started, Ray keeps the node address it was given
-        ray.init(
+        _init(
             # "local" always starts a new Ray: a stale /tmp/ray/ray_current_cluster is not followed.
             address="local",
             num_cpus=cfg.num_cpus or None,
@@ -87,6 +89,18 @@ def start_ray(cfg: ClusterConfig | None = None) -> bool:
             namespace=cfg.namespace,
         )
     return True
+
+
+def _init(**kwargs: Any) -> None:
+    """ray.init, keeping the SIGTERM handler this process had: ray.init installs one that exits at once (status
+    15), which would end a preempted run without the checkpoint its own handler writes (loops.stop)."""
+    import ray
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGTERM) if main else None
+    ray.init(**kwargs)
+    if callable(previous):
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager

@@ -230,3 +230,37 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
     assert "trainer ranks restarted in " in out and "recovered in " in out
     assert not repeats(read_ledger(run))
     assert _same_weights(run, uninterrupted)
+
+
+def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluster, tmp_path: Path) -> None:
+    """ray.init replaces the process's SIGTERM handler with one that exits at once (status 15, no checkpoint);
+    loopline keeps its own, so a Ray run that is preempted (Kubernetes sends SIGTERM) ends its step with a
+    checkpoint and exits 143, as a local run does (tests/test_resume_safety.py)."""
+    import ray
+
+    run = tmp_path / "run"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    address = ray.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
+         f"out_dir={run}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while 1 not in _grpo_steps(run):
+            assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    assert "SIGTERM: finishing this step" in err and "Traceback" not in err
+    stopped = (run / "checkpoints" / "latest").read_text().strip()
+    step = int(stopped.split("-")[1])
+    assert stopped.startswith("grpo-") and 1 <= step < 5 and _grpo_steps(run)[-1] == step
+    assert f"stopped by SIGTERM after grpo step {step}: checkpoint {run / 'checkpoints' / stopped}" in out
+    assert not repeats(read_ledger(run))
