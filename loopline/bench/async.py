@@ -9,10 +9,11 @@ fresh local Ray, all three with grpo.behaviour_correction=tis (the same loss: on
 samples/s counts the steps after the first (the first has nothing to overlap with) from each row's time_step,
 so Ray's start and the final eval are outside it. The workload (--workload): `agent` is the calculator agent
 (multi-turn episodes of tool calls and answers, so generation and env steps are a large share of a step, as in
-agentic RL), `longtail` a task whose answer lengths have a long tail, as reasoning lengths do in RL on real models
-(`longtail_rows`: half the answers take 10 tokens or fewer, one in eleven over 60, the longest 250: a synchronous step
-waits for its longest sequence; trained packed, so the trainer pays for real tokens only), `addition` the default job's task (short answers: the trainer's share dominates, so overlap
-gains little there). The response lengths of each run are printed, to show the tail.
+agentic RL); `longtail` a task whose answer lengths have a long tail, as reasoning lengths do in RL on real
+models (`longtail_rows`: half the answers take 10 tokens or fewer, one in eleven more than 60, the longest 250,
+so a synchronous step waits for its longest sequence; trained packed, so the trainer pays for real tokens only);
+`addition` the default job's task (short answers: the trainer's share dominates, so overlap gains little there).
+The response lengths of each run are printed, to show the tail.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ WORKLOADS = {
     "longtail": [
         "train", "data.source=jsonl", "sft.steps=150", "sft.stop_at_accuracy=null", "sft.eval_every=0",
         "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.micro_batch_size=64", "grpo.eval_every=0",
-        "grpo.sampling.max_new_tokens=256", "eval.sampling.max_new_tokens=256", "eval.num_prompts=256", "threads=1",
-        "model.packing=true",
+        "grpo.sampling.max_new_tokens=256", "eval.sampling.max_new_tokens=256", "eval.num_prompts=512", "threads=1",
+        "model.packing=true", "grpo.optim.lr=1e-4",
     ],
     # the default job's task and settings
     "addition": ["train", "grpo.eval_every=0", "eval.num_prompts=1000"],
@@ -53,7 +54,7 @@ LONGTAIL_CHARS = string.ascii_lowercase + string.ascii_uppercase + string.digits
 LONGTAIL_MAX = 250  # the longest answer (tokens)
 
 
-def longtail_rows(seed: int, num_train: int = 4000, num_eval: int = 256) -> tuple[list[dict], list[dict]]:
+def longtail_rows(seed: int, num_train: int = 4000, num_eval: int = 512) -> tuple[list[dict], list[dict]]:
     """Rows of the long-tail task: 'k*5=' asks for the 5 characters from k on ('klmno', cycling through a-z A-Z
     0-9). The count n follows a Pareto tail (x_min 4, alpha 1, capped at LONGTAIL_MAX): median 10 tokens, mean 25, 9% over
     60, 2% at the cap (seeds 0-2).

@@ -57,7 +57,7 @@ def test_the_long_tail_workload_has_a_long_tail_and_a_disjoint_held_out_split(tm
             chars[(chars.index(a) + 1) % len(chars)] == b for a, b in zip(r["answer"], r["answer"][1:])
         )
     prompts = [r["prompt"] for r in held_out]
-    assert len(set(prompts)) == len(prompts) == 256 and not set(prompts) & {r["prompt"] for r in train}
+    assert len(set(prompts)) == len(prompts) == 512 and not set(prompts) & {r["prompt"] for r in train}
     assert bench.longtail_rows(seed=1) != (train, held_out)
     # the command line points at the seed's files, which hold those rows
     args = bench.workload_args("longtail", tmp_path, seed=0)
