@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -196,38 +197,47 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
     assert 0 < step < 3e-3, step  # one AdamW step on from the 2-rank weights (not from a fresh init)
 
 
-def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterrupted_run(
-    uninterrupted: Path, tmp_path: Path
-) -> None:
-    """runtime.trainer_standby: the dead group's places go to spares built ahead (no new process is started), and
-    the run, resumed from its last checkpoint, ends with the weights of a run never interrupted, bit for bit."""
+def _act_at_step_1(
+    run: Path, extra: list[str], act: Callable[[subprocess.Popen], None]
+) -> tuple[int, str, str]:
+    """Start the tests' job on the session's Ray (with `extra`), call `act` on it once GRPO step 1 is logged, then
+    wait for it to end: (exit status, stdout, stderr)."""
     import ray
 
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     address = ray.get_runtime_context().gcs_address
-    run = tmp_path / "killed"
     proc = subprocess.Popen(
-        [
-            sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
-            "runtime.trainer_standby=true", f"out_dir={run}",
-        ],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}", *extra,
+         f"out_dir={run}"],
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while 1 not in _grpo_steps(run):
             assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
             time.sleep(0.05)
-        # the oldest: a rank (the spares start once the ranks are ready; they may still be importing torch, then
-        # the restart waits for them)
-        os.kill(_trainer_processes()[0], signal.SIGKILL)
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        act(proc)
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert proc.returncode == 0, out[-4000:]
-    assert "trainer ranks restarted in " in out and "recovered in " in out
+    return proc.returncode, out, err
+
+
+def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterrupted_run(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    """runtime.trainer_standby: the dead group's places go to spares built ahead (no new process is started), and
+    the run, resumed from its last checkpoint, ends with the weights of a run never interrupted, bit for bit."""
+    run = tmp_path / "killed"
+    # the oldest trainer process: a rank (the spares start once the ranks are ready; they may still be importing
+    # torch, then the restart waits for them)
+    status, out, err = _act_at_step_1(
+        run, ["runtime.trainer_standby=true"], lambda _: os.kill(_trainer_processes()[0], signal.SIGKILL)
+    )
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "trainer ranks restarted in " in out + err and "recovered in " in out + err
     assert not repeats(read_ledger(run))
     assert _same_weights(run, uninterrupted)
 
@@ -236,28 +246,9 @@ def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluste
     """ray.init replaces the process's SIGTERM handler with one that exits at once (status 15, no checkpoint);
     loopline keeps its own, so a Ray run that is preempted (Kubernetes sends SIGTERM) ends its step with a
     checkpoint and exits 143, as a local run does (tests/test_resume_safety.py)."""
-    import ray
-
     run = tmp_path / "run"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    address = ray.get_runtime_context().gcs_address
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
-         f"out_dir={run}"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while 1 not in _grpo_steps(run):
-            assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
-    assert proc.returncode == 143, out[-2000:] + err[-3000:]
+    status, out, err = _act_at_step_1(run, [], lambda proc: proc.send_signal(signal.SIGTERM))
+    assert status == 143, out[-2000:] + err[-3000:]
     assert "SIGTERM: finishing this step" in err and "Traceback" not in err
     stopped = (run / "checkpoints" / "latest").read_text().strip()
     step = int(stopped.split("-")[1])
