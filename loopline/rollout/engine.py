@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import inspect
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,6 +11,8 @@ from typing import Protocol, cast
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from loopline.models.cache import cache_argument, cache_of
 
 
 @dataclass(frozen=True)
@@ -199,11 +200,6 @@ def _preallocated_cache(capacity: int) -> DynamicCache:
     return cache
 
 
-def _cache_of(out: object) -> object:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
 @dataclass
 class _Running:
     """The sequences an engine computes together: one row each, in the cache and in every tensor here."""
@@ -287,9 +283,7 @@ class TorchEngine:
             self.generator = torch.Generator(device=device).manual_seed(seed)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         # transformers 5.x renamed `past_key_values` to `cache`; accept either release line
-        self._cache_arg = (
-            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        )
+        self._cache_arg = cache_argument(model) or "past_key_values"
         self._pieces: list[str] | None = None  # each token's own text, for the stop matchers' trigger tables
         self._stoppers: dict[tuple[str, ...], _StopMatcher] = {}
 
@@ -378,7 +372,7 @@ class TorchEngine:
             use_cache=True,
             **{self._cache_arg: cache},
         )
-        return _cache_of(out), out.logits[:, -1, :], attention, positions
+        return cache_of(out), out.logits[:, -1, :], attention, positions
 
     def _prefill(self, prompts: list[list[int]], first: int, n: int, headroom: int) -> _Running:
         """Prompts first, first + 1, ... prefilled in one forward (left-padded), each row then repeated for its n
@@ -515,7 +509,7 @@ class TorchEngine:
                 use_cache=True,
                 **{self._cache_arg: batch.cache},
             )
-            batch.cache, batch.logits = _cache_of(out), out.logits[:, -1, :]
+            batch.cache, batch.logits = cache_of(out), out.logits[:, -1, :]
             batch.next_pos = batch.next_pos + 1
 
         self.model.train(was_training)

@@ -30,6 +30,7 @@ from loopline.training.parallel import (
     load_full_optimizer_state,
     mesh_groups,
 )
+from loopline.training.prefix import shared_prompt_logits, shared_prompts
 
 
 def build_optimizer(
@@ -158,10 +159,16 @@ def _response_logits(
     model: PreTrainedModel, batch: TokenBatch, packed: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """The float32 logits that predict the response tokens, those tokens, and what lays a value per token out
-    as (B, C). Padded: (B, C, V) logits, position t predicting token t + 1. Packed: (N, V) for the N real
-    response tokens only, each read at the token before it in its packed row."""
+    as (B, C). Padded: (B, C, V) logits, position t predicting token t + 1, each distinct prompt forwarded once
+    when rows share one (a GRPO group). Packed: (N, V) for the N real response tokens only, each read at the
+    token before it in its packed row."""
     p = batch.prompt_len
     targets = batch.input_ids[:, p:]  # (B, C)
+    shared = None if packed else shared_prompts(batch)
+    if shared is not None:
+        logits = shared_prompt_logits(model, batch, shared)
+        if logits is not None:
+            return logits.float(), targets, lambda values: values
     if not packed:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(

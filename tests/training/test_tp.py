@@ -48,11 +48,14 @@ def _model() -> torch.nn.Module:
     return build_tiny_model(SMALL, build_byte_tokenizer(), seed=0)
 
 
-def _global_batch() -> RolloutBatch:
-    """8 rows: prompts of 2-6 tokens, responses of 0-7; behaviour and reference log-probs perturbed."""
+def _global_batch(grouped: bool) -> RolloutBatch:
+    """8 rows: prompts of 2-6 tokens, responses of 0-7; behaviour and reference log-probs perturbed. grouped: rows
+    in twos share a prompt (a GRPO group, forwarded once), as an RL batch's do; an SFT batch's prompts differ."""
     g = torch.Generator().manual_seed(3)
     p_lens, r_lens = [3, 6, 2, 4, 5, 2, 3, 6], [7, 6, 4, 7, 1, 0, 2, 5]
     prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in p_lens]
+    if grouped:
+        prompts = [prompts[i - i % 2] for i in range(8)]
     responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in r_lens]
     tokens = collate(prompts, responses, pad_id=0)
     with torch.no_grad():
@@ -65,6 +68,10 @@ def _global_batch() -> RolloutBatch:
     )  # fmt: skip
 
 
+def _batches() -> dict[str, RolloutBatch]:
+    return {"rl": _global_batch(grouped=True), "sft": _global_batch(grouped=False)}
+
+
 def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Whole gradients by name (a collective on DTensor gradients: every rank calls it in the same order)."""
     out = {}
@@ -74,30 +81,30 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _run(trainer: PolicyTrainer, batch: RolloutBatch, case: str | None, grads: list) -> dict:
+def _run(trainer: PolicyTrainer, batches: dict[str, RolloutBatch], case: str | None, grads: list) -> dict:
     """Two policy_steps under loss_agg `case` (one sft_step if None), micro-batches of 3 rows; stats per step."""
     hook = trainer.optimizer.register_step_pre_hook(lambda *_: grads.append(_full_grads(trainer.model)))
     if case is None:
-        stats = [trainer.sft_step(batch, 3)]
+        stats = [trainer.sft_step(batches["sft"], 3)]
     else:
         cfg = GRPOConfig(
             loss_agg=case, micro_batch_size=3, kl_coef=0.05, entropy_coef=0.01,
             sampling=SamplingConfig(max_new_tokens=7),
         )  # fmt: skip
         trainer.loss, trainer.micro_batch_size = grpo_loss(cfg), 3  # the RL phase's objective, set once
-        stats = [trainer.policy_step(batch, cfg.kl_coef) for _ in range(2)]
+        stats = [trainer.policy_step(batches["rl"], cfg.kl_coef) for _ in range(2)]
     hook.remove()
     return {key: [getattr(s, key) for s in stats] for key in ("loss", "grad_norm", "extra")}
 
 
-def _rank_main(rank: int, world: int, tp: int, batch: RolloutBatch, out: str) -> None:
+def _rank_main(rank: int, world: int, tp: int, batches: dict[str, RolloutBatch], out: str) -> None:
     """One rank of a (world // tp, tp) mesh: its dp rank's rows; rank 0 saves whole results."""
     from loopline.data.batches import split_rows
     from loopline.training.parallel import dp_tp_mesh, full_model_state, load_full_model_state, parallelize
 
     mesh = dp_tp_mesh(world, tp)
     dp_rank, dp = mesh.get_local_rank("dp"), mesh["dp"].size()
-    mine = split_rows(batch, len(batch) // dp)[dp_rank]
+    mine = {kind: split_rows(b, len(b) // dp)[dp_rank] for kind, b in batches.items()}
     results: dict = {"seconds": {}}
 
     # each rank holds exactly the planner's box of every parameter (FSDP2 dim-0 chunks inside TP chunks)
@@ -135,26 +142,26 @@ def _rank_main(rank: int, world: int, tp: int, batch: RolloutBatch, out: str) ->
         torch.save(results, Path(out) / "ranks.pt")
 
 
-def _single(batch: RolloutBatch) -> dict:
+def _single(batches: dict[str, RolloutBatch]) -> dict:
     """The reference: one plain rank on the whole batch, per case."""
     single = {}
     for case in CASES:
         model = _model()
         grads: list = []
         trainer = PolicyTrainer(model, OPTIM, total_steps=10)
-        stats = _run(trainer, copy.deepcopy(batch), case, grads)
+        stats = _run(trainer, copy.deepcopy(batches), case, grads)
         single[str(case)] = {"stats": stats, "grads": grads, "weights": model.state_dict()}
     return single
 
 
 @pytest.fixture(scope="module")
 def single() -> dict:
-    return _single(_global_batch())
+    return _single(_batches())
 
 
 def _tp_world(tmp: Path, world: int, tp: int) -> dict:
     start = time.perf_counter()
-    run_world(_rank_main, world, args=(tp, _global_batch(), str(tmp)), timeout_s=240)
+    run_world(_rank_main, world, args=(tp, _batches(), str(tmp)), timeout_s=240)
     results = torch.load(tmp / "ranks.pt", weights_only=False)
     print(f"dp={world // tp} x tp={tp}: world {time.perf_counter() - start:.1f}s, steps {results['seconds']}")
     return results

@@ -1,0 +1,70 @@
+"""Forwards that compute each distinct prompt of a batch once: the rows of a GRPO group share their prompt's KV
+cache instead of recomputing it group_size times, as the engine shares it when it samples.
+
+The prompt forward runs on one row per distinct prompt; its cache is then indexed out to every row (an indexing
+op, so the gradient of each row's loss flows back into the one shared prompt computation) and the responses run
+on top of it. Attention, positions and masks are those of the padded forward, so the log-probs are the padded
+path's up to float reordering; the backward through the prompt is done once per prompt, not once per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from loopline.data.batches import TokenBatch
+from loopline.models.cache import cache_argument, cache_of
+
+
+@dataclass(frozen=True)
+class SharedPrompts:
+    """Which rows of a batch carry the same prompt (same tokens, same left padding)."""
+
+    rows: torch.Tensor  # (U,) one batch row per distinct prompt
+    inverse: torch.Tensor  # (B,) the distinct prompt of each row, an index into `rows`
+
+
+def shared_prompts(batch: TokenBatch) -> SharedPrompts | None:
+    """The batch's distinct prompts, or None when every row has its own (sharing would save nothing)."""
+    p = batch.prompt_len
+    mask = batch.attention_mask[:, :p]
+    key = torch.cat([batch.input_ids[:, :p] * mask, mask], dim=1)  # what padding holds does not matter
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if len(distinct) == len(batch):
+        return None
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=len(distinct))
+    return SharedPrompts(rows=order[torch.cumsum(counts, 0) - counts], inverse=inverse)
+
+
+def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedPrompts) -> torch.Tensor | None:
+    """Logits (B, C, V) predicting each row's C response tokens (position t predicts token t + 1, as the padded
+    forward's [:, P-1:-1]), each distinct prompt forwarded once. None when the model takes or returns no KV cache.
+    """
+    argument = cache_argument(model)
+    if argument is None:
+        return None
+    p = batch.prompt_len
+    positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    prompt = model(
+        input_ids=batch.input_ids[shared.rows, :p],
+        attention_mask=batch.attention_mask[shared.rows, :p],
+        position_ids=positions[shared.rows, :p],
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache = cache_of(prompt)
+    if cache is None:
+        return None
+    cache.batch_select_indices(shared.inverse)  # every row gets its prompt's keys and values
+    responses = model(
+        input_ids=batch.input_ids[:, p:],
+        attention_mask=batch.attention_mask,
+        position_ids=positions[:, p:],
+        use_cache=True,
+        **{argument: cache},
+    ).logits
+    first = prompt.logits[:, -1][shared.inverse]  # the last prompt token predicts the first response token
+    return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)
