@@ -1,12 +1,13 @@
-"""`loopline bench pack`: the trainer's GRPO step over packed sequences (model.packing) against the padded one.
+"""`loopline bench pack`: the trainer's GRPO step over packed sequences (model.packing) and with each group's
+prompt forwarded once (model.share_prompts) against the plain padded one (every row its own forward).
 
 A GRPO-shaped batch (64 prompts x 8 samples by default, prompts from the built-in task) with responses of random
 tokens whose lengths have a long tail (geometric with mean --mean-length, cut at --max-new: most short, a few
 long, as an RL rollout's are), and the same batch at the default job's shape (1 to 8 response tokens). Each
 case runs PolicyTrainer.policy_step (forward, GRPO loss, backward, optimizer step, micro-batches of
---micro-batch rows) padded and packed, alternating, --repeats times on copies of one model; tokens/s counts the
-batch's response tokens. Before timing, the packed log-probs are checked against the padded ones. Ends with
-the headline ratio on the long tail.
+--micro-batch rows) padded, shared and packed, alternating, --repeats times on copies of one model; tokens/s
+counts the batch's response tokens. Before timing, the shared and packed log-probs are checked against the
+padded ones. Ends with the headline ratio, packed over padded on the long tail.
 """
 
 from __future__ import annotations
@@ -41,10 +42,15 @@ def _batch(tokenizer, prompts: int, samples: int, lengths: list[int], seed: int)
     )  # fmt: skip
 
 
+LABELS = ("padded", "shared", "packed")  # every row its own forward; a group's prompt forwarded once; packed
+
+
 def _case(name: str, model, batch: RolloutBatch, micro: int, repeats: int) -> float:
-    """Time policy steps padded and packed on `batch`; print the figures; return packed / padded tokens/s."""
+    """Time policy steps padded, shared and packed on `batch`; print the figures; return packed / padded
+    tokens/s."""
     with torch.no_grad():
-        padded, _ = response_logprobs(model, batch)
+        padded, _ = response_logprobs(model, batch, share_prompts=False)
+        shared, _ = response_logprobs(model, batch)
         packed, _ = response_logprobs(model, batch, packed=True)
     mask = batch.response_mask.bool()
     cfg = GRPOConfig(micro_batch_size=micro)
@@ -57,8 +63,9 @@ def _case(name: str, model, batch: RolloutBatch, micro: int, repeats: int) -> fl
             loss=grpo_loss(cfg),
             micro_batch_size=micro,
             packed=label == "packed",
+            share_prompts=label == "shared",
         )  # fmt: skip
-        for label in ("padded", "packed")
+        for label in LABELS
     }
     for trainer in trainers.values():  # warm-up: the first step allocates the optimizer state
         trainer.policy_step(batch, 0.0)
@@ -76,9 +83,11 @@ def _case(name: str, model, batch: RolloutBatch, micro: int, repeats: int) -> fl
     print(f"{name}_real_tokens: {int(batch.attention_mask.sum())}")
     print(f"{name}_response_tokens: {tokens}")
     print(f"{name}_logprob_max_abs_diff: {float((packed - padded)[mask].abs().max()):.2e}")
+    print(f"{name}_shared_logprob_max_abs_diff: {float((shared - padded)[mask].abs().max()):.2e}")
     for label in trainers:
         print(f"{name}_{label}_step_ms: {1000 * statistics.median(seconds[label]):.1f}")
         print(f"{name}_{label}_tokens_per_s: {rate[label]:.0f}")
+    print(f"{name}_shared_over_padded_tokens_per_s: {rate['shared'] / rate['padded']:.2f}")
     ratio = rate["packed"] / rate["padded"]
     print(f"{name}_packed_over_padded_tokens_per_s: {ratio:.2f}")
     return ratio

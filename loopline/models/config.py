@@ -63,3 +63,9 @@ class ModelConfig(Section):
         "log-probs. Faster when response lengths vary; the first packed forward checks the model keeps "
         "sequences apart.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "
+        "group) attend to its KV cache: the padded log-probs up to float reordering, and group_size times less "
+        "prompt compute in training and scoring. false = every row its own full forward.",
+    )

@@ -116,22 +116,27 @@ class ActorWorker:
         """New optimizer over this rank's shards (restored from the resumed checkpoint's); an RL phase's objective."""
         group = self.mesh["dp"].get_group() if self.mesh is not None else None
         self.trainer = PolicyTrainer(
-            self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing
-        )
+            self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
+            self.cfg.model.share_prompts,
+        )  # fmt: skip
         if resume is not None:
             load_shards(resume.dcp, self.model, self.trainer, group=self.checkpoint_group)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
-        return frozen_logprobs(self.model, to_device(batch, self.device), self.cfg.model.packing).cpu()
+        model = self.cfg.model
+        return frozen_logprobs(
+            self.model, to_device(batch, self.device), model.packing, model.share_prompts
+        ).cpu()
 
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows' response log-probs (b, C) from one forward without gradients: at T=1 (the loss's
         behaviour policy) and at `temperature` (what the engine reports when it samples at it)."""
         with torch.no_grad():
             trained, sampled = behaviour_logprobs(
-                self.model, to_device(batch, self.device), temperature, self.cfg.model.packing
-            )
+                self.model, to_device(batch, self.device), temperature, self.cfg.model.packing,
+                self.cfg.model.share_prompts,
+            )  # fmt: skip
         return trained.cpu(), sampled.cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
@@ -147,7 +152,10 @@ class ActorWorker:
         """Summed response log-prob of each of this rank's rows, (b,), in eval mode without gradients."""
         self.model.eval()
         with torch.no_grad():
-            return summed_logprobs(self.model, to_device(batch, self.device), self.cfg.model.packing).cpu()
+            model = self.cfg.model
+            return summed_logprobs(
+                self.model, to_device(batch, self.device), model.packing, model.share_prompts
+            ).cpu()
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""

@@ -47,12 +47,14 @@ def even_slices(batch: B, ranks: int) -> list[B]:
     return split_rows(batch, len(batch) // ranks)
 
 
-def frozen_logprobs(model: PreTrainedModel | None, batch: TokenBatch, packed: bool = False) -> torch.Tensor:
+def frozen_logprobs(
+    model: PreTrainedModel | None, batch: TokenBatch, packed: bool = False, share_prompts: bool = True
+) -> torch.Tensor:
     """The response tokens' log-probs under `model`, without gradients; `model` None: no reference was started."""
     if model is None:
         raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
     with torch.no_grad():
-        return response_logprobs(model, batch, packed=packed)[0]
+        return response_logprobs(model, batch, packed=packed, share_prompts=share_prompts)[0]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -77,8 +77,9 @@ class ReferenceWorker:
         if self.model is None:
             return frozen_logprobs(None, batch)  # raises: no reference was started
         return frozen_logprobs(
-            self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing
-        ).cpu()
+            self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing,
+            self.cfg.model.share_prompts,
+        ).cpu()  # fmt: skip
 
     def save(self, path: str, blocking: bool) -> None:
         """Write this rank's shards of the reference to `path` with DCP."""

@@ -125,29 +125,40 @@ DPO_LOSSES: dict[str, Callable[..., PreferenceLossOutput]] = {
 }
 
 
-def sequence_logprobs(model: PreTrainedModel, batch: TokenBatch, packed: bool = False) -> torch.Tensor:
+def sequence_logprobs(
+    model: PreTrainedModel, batch: TokenBatch, packed: bool = False, share_prompts: bool = True
+) -> torch.Tensor:
     """Summed log-prob of each row's response tokens under `model`, (B,)."""
-    logp, _ = response_logprobs(model, batch, packed=packed)
+    logp, _ = response_logprobs(model, batch, packed=packed, share_prompts=share_prompts)
     return (logp * batch.response_mask).sum(dim=1)
 
 
 def response_logprobs(
-    model: PreTrainedModel, batch: TokenBatch, with_entropy: bool = False, packed: bool = False
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    with_entropy: bool = False,
+    packed: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked.
-    packed: one forward over the real tokens only (model.packing); 0 on padding."""
-    logits, targets, lay_out = _response_logits(model, batch, packed)
+    packed: one forward over the real tokens only (model.packing); 0 on padding. share_prompts: padded rows
+    with the same prompt share one forward of it (model.share_prompts)."""
+    logits, targets, lay_out = _response_logits(model, batch, packed, share_prompts)
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = lay_out(entropy_from_logits(logits)) if with_entropy else None
     return lay_out(logp), entropy
 
 
 def behaviour_logprobs(
-    model: PreTrainedModel, batch: TokenBatch, temperature: float, packed: bool = False
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    temperature: float,
+    packed: bool = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Response-token log-probs (B, C) from one forward pass: as trained (T=1, the GRPO ratio's denominator)
     and as sampled (logits / temperature, what an engine reports; T=1 when greedy)."""
-    logits, targets, lay_out = _response_logits(model, batch, packed)
+    logits, targets, lay_out = _response_logits(model, batch, packed, share_prompts)
     targets = targets.unsqueeze(-1)
     trained = lay_out(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1))
     if temperature in (0.0, 1.0):
@@ -156,15 +167,15 @@ def behaviour_logprobs(
 
 
 def _response_logits(
-    model: PreTrainedModel, batch: TokenBatch, packed: bool
+    model: PreTrainedModel, batch: TokenBatch, packed: bool, share_prompts: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
     """The float32 logits that predict the response tokens, those tokens, and what lays a value per token out
     as (B, C). Padded: (B, C, V) logits, position t predicting token t + 1, each distinct prompt forwarded once
-    when rows share one (a GRPO group). Packed: (N, V) for the N real response tokens only, each read at the
+    when rows share one (a GRPO group) and share_prompts. Packed: (N, V) for the N real response tokens only, each read at the
     token before it in its packed row."""
     p = batch.prompt_len
     targets = batch.input_ids[:, p:]  # (B, C)
-    shared = None if packed else shared_prompts(batch)
+    shared = shared_prompts(batch) if share_prompts and not packed else None
     if shared is not None:
         logits = shared_prompt_logits(model, batch, shared)
         if logits is not None:
@@ -282,12 +293,14 @@ class PolicyTrainer:
         loss: PolicyLoss | None = None,
         micro_batch_size: int | None = None,
         packed: bool = False,
+        share_prompts: bool = True,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
         which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
-        (model.packing)."""
+        (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts)."""
         self.model = model
         self.packed = packed
+        self.share_prompts = share_prompts
         self.cfg = optim
         self.group = group
         self.loss = loss
@@ -315,7 +328,9 @@ class PolicyTrainer:
         totals = self._totals(batch)
         total = 0.0
         for micro in split_rows(batch, micro_batch_size):
-            logp, _ = response_logprobs(self.model, micro, packed=self.packed)
+            logp, _ = response_logprobs(
+                self.model, micro, packed=self.packed, share_prompts=self.share_prompts
+            )
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
             (loss * _share(micro, totals, "token_mean")).backward()
@@ -347,7 +362,9 @@ class PolicyTrainer:
         for micro in split_rows(batch, micro_batch_size):
             share = _share(micro, totals, loss_fn.agg)
             token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
-            logp, entropy = response_logprobs(self.model, micro, with_entropy=True, packed=self.packed)
+            logp, entropy = response_logprobs(
+                self.model, micro, with_entropy=True, packed=self.packed, share_prompts=self.share_prompts
+            )
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
             old = micro.old_logprobs if micro.old_logprobs is not None else logp.detach()
@@ -380,10 +397,12 @@ class PolicyTrainer:
         _, rows = self._totals(pairs.chosen)  # pairs over every rank: each rank's share of the global mean
         for micro in pairs.micro_batches(cfg.micro_batch_size):
             share = len(micro) / rows  # every loss is a mean over pairs
-            chosen_tokens, _ = response_logprobs(self.model, micro.chosen, packed=self.packed)  # (b, C)
+            chosen_tokens, _ = response_logprobs(
+                self.model, micro.chosen, packed=self.packed, share_prompts=self.share_prompts
+            )  # (b, C)
             mask = micro.chosen.response_mask
             chosen = (chosen_tokens * mask).sum(dim=1)  # (b,)
-            rejected = sequence_logprobs(self.model, micro.rejected, self.packed)  # (b,)
+            rejected = sequence_logprobs(self.model, micro.rejected, self.packed, self.share_prompts)  # (b,)
             out = dpo_loss(chosen, rejected, micro.ref_chosen, micro.ref_rejected, micro, cfg)
             # RPO: the chosen completion's NLL (per-token mean, then mean over pairs) anchors its likelihood
             nll = (-chosen / mask.sum(dim=1).clamp(min=1.0)).mean()

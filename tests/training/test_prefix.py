@@ -149,3 +149,19 @@ def test_a_model_without_a_cache_falls_back_to_the_padded_forward(small_model):
             atol=1e-5,
             rtol=0,
         )
+
+
+def test_share_prompts_false_forwards_every_row_whole(small_model):
+    """model.share_prompts=false: one padded forward of the whole rows, the same log-probs."""
+    batch = _grouped_batch(3)
+    calls: list[tuple[int, int]] = []
+    hook = small_model.register_forward_pre_hook(
+        lambda _, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    with torch.no_grad():
+        whole, _ = response_logprobs(small_model, batch, share_prompts=False)
+        shared, _ = response_logprobs(small_model, batch)
+    hook.remove()
+    assert calls[0] == tuple(batch.input_ids.shape) and len(calls) == 3  # then the two shared forwards
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(shared[mask], whole[mask], atol=1e-5, rtol=0)
