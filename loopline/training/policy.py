@@ -30,7 +30,7 @@ from loopline.training.parallel import (
     load_full_optimizer_state,
     mesh_groups,
 )
-from loopline.training.prefix import shared_prompt_logits, shared_prompts
+from loopline.training.prefix import sharded_parameters, shared_prompt_logits, shared_prompts
 
 
 def build_optimizer(
@@ -175,7 +175,8 @@ def _response_logits(
     token before it in its packed row."""
     p = batch.prompt_len
     targets = batch.input_ids[:, p:]  # (B, C)
-    shared = shared_prompts(batch) if share_prompts and not packed else None
+    # a sharded model's ranks must all make the same forwards: it shares on every slice, distinct prompts or not
+    shared = shared_prompts(batch, always=sharded_parameters(model)) if share_prompts and not packed else None
     if shared is not None:
         logits = shared_prompt_logits(model, batch, shared)
         if logits is not None:

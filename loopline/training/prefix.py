@@ -5,6 +5,9 @@ The prompt forward runs on one row per distinct prompt; its cache is then indexe
 op, so the gradient of each row's loss flows back into the one shared prompt computation) and the responses run
 on top of it. Attention, positions and masks are those of the padded forward, so the log-probs are the padded
 path's up to float reordering; the backward through the prompt is done once per prompt, not once per row.
+
+A sharded model (FSDP2 or TP: DTensor parameters) gathers or reduces in every forward, so all its ranks must make
+the same forwards: it always takes this path (two forwards), even on a slice whose prompts are all distinct.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from loopline.data.batches import TokenBatch
 from loopline.models.cache import cache_argument, cache_of
@@ -26,14 +30,18 @@ class SharedPrompts:
     inverse: torch.Tensor  # (B,) the distinct prompt of each row, an index into `rows`
 
 
-def shared_prompts(batch: TokenBatch) -> SharedPrompts | None:
-    """The batch's distinct prompts, or None when every row has its own (sharing would save nothing)."""
+def shared_prompts(batch: TokenBatch, always: bool = False) -> SharedPrompts | None:
+    """The batch's distinct prompts, or None when every row has its own (sharing would save nothing) unless
+    `always` (then every row is its own prompt's)."""
     p = batch.prompt_len
     mask = batch.attention_mask[:, :p]
     key = torch.cat([batch.input_ids[:, :p] * mask, mask], dim=1)  # what padding holds does not matter
     distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
     if len(distinct) == len(batch):
-        return None
+        if not always:
+            return None
+        rows = torch.arange(len(batch), device=key.device)
+        return SharedPrompts(rows=rows, inverse=rows)
     order = torch.argsort(inverse, stable=True)
     counts = torch.bincount(inverse, minlength=len(distinct))
     return SharedPrompts(rows=order[torch.cumsum(counts, 0) - counts], inverse=inverse)
@@ -68,3 +76,8 @@ def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedProm
     ).logits
     first = prompt.logits[:, -1][shared.inverse]  # the last prompt token predicts the first response token
     return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)
+
+
+def sharded_parameters(model: nn.Module) -> bool:
+    """Whether `model`'s forwards are collectives over its ranks (FSDP2 or tensor-parallel parameters)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())

@@ -45,12 +45,14 @@ def _model() -> torch.nn.Module:
 
 
 def _global_batch() -> RolloutBatch:
-    """8 rows in groups of two sharing a prompt of 2-5 tokens (forwarded once per group), responses of 0-7 (the
-    ranks get 24 and 8 response tokens)."""
+    """8 rows, prompts of 2-6 tokens (the first four in groups of two, each forwarded once), responses of 0-7
+    (the ranks get 24 and 8 response tokens)."""
     g = torch.Generator().manual_seed(3)
     p_lens, r_lens = [3, 6, 2, 4, 5, 2, 3, 6], [7, 6, 4, 7, 1, 0, 2, 5]
     prompts = [torch.randint(3, 259, (n,), generator=g).tolist() for n in p_lens]
-    prompts = [prompts[i - i % 2] for i in range(8)]  # GRPO-style groups
+    # rows 0-3 (rank 0) in groups of two, rows 4-7 (rank 1) distinct: the ranks' slices differ in what they
+    # share, and must still make the same forwards (FSDP2 gathers in each)
+    prompts = [prompts[i - i % 2] if i < 4 else prompts[i] for i in range(8)]
     responses = [torch.randint(3, 259, (n,), generator=g).tolist() for n in r_lens]
     tokens = collate(prompts, responses, pad_id=0)
     with torch.no_grad():
