@@ -33,6 +33,7 @@ from loopline.loops.context import (
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
+from loopline.runtime.roles import RESTARTABLE
 from loopline.runtime.workers import WorkerError
 from loopline.training.lora import merged_state_dict
 
@@ -134,14 +135,14 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 def _attempts(
     cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
 ) -> tuple[RunContext, RunState]:
-    """`train` until it ends, restarting after a worker failure from the last checkpoint: the trainer group alone
-    when a trainer rank failed and runtime.restart_scope is role (ray: engines and env workers keep running), else
-    every role; the last context and the final state."""
+    """`train` until it ends, restarting after a worker failure from the last checkpoint: the failed role's group
+    alone when a trainer, critic or reference rank failed and runtime.restart_scope is role (ray: the other roles,
+    engines and env workers keep running), else every role; the last context and the final state."""
     failed: tuple[float, str] | None = None  # when the last failure was caught, and its role
     ctx = build_context(cfg)
     ctx.stop = stop
-    # ray: the engines' generators as they start, for a restart of the trainer group alone (below)
-    engine_rng = ctx.rollout.rng_states() if ctx.restart_trainer is not None else []
+    # ray: the engines' generators as they start, for a restart of one group alone (below)
+    engine_rng = ctx.rollout.rng_states() if ctx.restart_group is not None else []
     try:
         for attempt in range(cfg.runtime.max_restarts + 1):
             try:
@@ -154,13 +155,14 @@ def _attempts(
                 restarts = cfg.runtime.max_restarts
                 resume, failed, changes = True, (caught, e.role), None
                 print(e, flush=True)  # now: the restart takes seconds
-                if cfg.runtime.restart_scope == "role" and _restart_trainer(ctx, e):
+                if cfg.runtime.restart_scope == "role" and _restart_group(ctx, e):
                     # the engines ran on: their generators go back to their start, as new engines' would be (a
                     # GRPO checkpoint then restores its own; one of SFT holds none, and GRPO starts from these)
                     ctx.rollout.set_rng_states(engine_rng, reseed=cfg.seed)
+                    group = "trainer" if e.role == "actor" else e.role
                     print(
-                        f"restarted the trainer group; resuming from the last checkpoint (restart "
-                        f"{attempt + 1} of {restarts}; engines and env workers kept running)"
+                        f"restarted the {group} group; resuming from the last checkpoint (restart "
+                        f"{attempt + 1} of {restarts}; the other roles, engines and env workers kept running)"
                     )
                     continue
                 print(f"restarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
@@ -177,15 +179,15 @@ def _attempts(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-def _restart_trainer(ctx: RunContext, failure: WorkerError) -> bool:
-    """After a trainer rank's failure on ray, replace the trainer ranks alone; False when that does not apply or
-    fails (then every role restarts)."""
-    if ctx.restart_trainer is None or failure.role != "actor":
+def _restart_group(ctx: RunContext, failure: WorkerError) -> bool:
+    """After a trainer, critic or reference rank's failure on ray, replace that role's ranks alone; False when that
+    does not apply or fails (then every role restarts)."""
+    if ctx.restart_group is None or failure.role not in RESTARTABLE:
         return False
     try:
-        ctx.restart_trainer()
+        ctx.restart_group(failure.role)
     except WorkerError as e:
-        print(f"restarting the trainer group failed ({e}): restarting every role")
+        print(f"restarting the {failure.role} group failed ({e}): restarting every role")
         return False
     return True
 

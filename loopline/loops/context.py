@@ -68,7 +68,7 @@ class RunContext:
     val_rows: list[PromptRow] = field(default_factory=list)
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
     trace: Trace = field(default_factory=Trace)  # the RL loop's stages as spans (trace.json in run_dir)
-    restart_trainer: Callable[[], None] | None = None  # ray: replace the trainer ranks alone (roles.Roles)
+    restart_group: Callable[[str], None] | None = None  # ray: replace one role's ranks alone (roles.Roles)
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""
@@ -127,7 +127,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
         roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic, val_rows=val_rows,
-        restart_trainer=roles.restart_trainer,
+        restart_group=roles.restart_group,
     )  # fmt: skip
 
 

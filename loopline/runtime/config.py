@@ -87,8 +87,9 @@ class RuntimeConfig(Section):
     restart_scope: Literal["role", "all"] = Field(
         "role",
         description="What such a restart replaces. role: the failed role's group alone where it can be (ray: a "
-        "trainer rank's death restarts the trainer ranks; engines and env workers keep running), else every "
-        "role; all: every role, always (stop the workers, start them again, load the checkpoint).",
+        "trainer, reference or critic rank's death restarts that role's ranks; the other roles, engines and env "
+        "workers keep running), else every role; all: every role, always (stop the workers, start them again, "
+        "load the checkpoint).",
     )
     trainer_standby: bool = Field(
         False,

@@ -50,8 +50,13 @@ class Roles:
     scorer: Scorer
     shutdown: Callable[[], None]
     critic: Critic | None = None  # PPO's critic (grpo.advantage=gae)
-    # ray: new actors (or spares) for the trainer ranks, their world and the weight sync rebuilt; the rest run on
-    restart_trainer: Callable[[], None] | None = None
+    # ray: new actors for one role's ranks ("actor": spares too, and the weight sync rebuilt); the rest run on
+    restart_group: Callable[[str], None] | None = None
+
+
+# The roles whose ranks a ray run can replace alone (runtime.restart_scope=role); engines and env workers are
+# replaced by their own pools without a restart.
+RESTARTABLE = ("actor", "critic", "ref")
 
 
 def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
@@ -182,6 +187,25 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         shutdown()
         raise
 
+    def restart_group(role: str) -> None:
+        """A rank of `role` died (or its world broke): that role's ranks are replaced, the rest keep running; the
+        caller loads the checkpoint. Prints where the time went."""
+        if role == "actor":
+            restart_trainer()
+            return
+        group = {"critic": critic, "ref": reference}[role]
+        if group is None:
+            raise ValueError(f"this run has no {role!r} group to restart")
+        t0 = time.perf_counter()
+        group.group.restart_ranks(list(range(group.group.world_size)))
+        t1 = time.perf_counter()
+        group.group.call("join", group.group.call("rendezvous")[0])  # a new world of their own
+        print(
+            f"{role} ranks restarted in {time.perf_counter() - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
+            f"{time.perf_counter() - t1:.2f}s)",
+            flush=True,
+        )
+
     def restart_trainer() -> None:
         """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle (by its spare with
         runtime.trainer_standby), the new ranks form a new world, and the engines open the weight sync against its
@@ -208,5 +232,5 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         scorer,
         shutdown,
         critic,
-        restart_trainer,
+        restart_group,
     )

@@ -1,5 +1,5 @@
-"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank; and the same death with spare
-ranks (runtime.trainer_standby), against a run never interrupted.
+"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank; the same death with spare
+ranks (runtime.trainer_standby); and a reference rank's death; each against a run never interrupted.
 
 `loopline train` in a process of its own that joins the session's Ray (tests/conftest.py) by address (2 FSDP2
 trainer ranks, 1 engine, 1 env worker) with runtime.max_restarts=1. Once GRPO step 1 is logged, the test
@@ -86,11 +86,15 @@ def _trainer_processes() -> list[int]:
     return sorted(_descendants_titled(os.getpid(), "ray::ActorWorker"), key=started)
 
 
-def _grpo_steps(run: Path) -> list[int]:
+def _rows(run: Path) -> list[dict]:
     try:
-        return [r["step"] for r in read_metrics(run) if r.get("phase") == "grpo"]
+        return read_metrics(run)
     except (FileNotFoundError, ValueError):  # not written yet, or a line half-written
         return []
+
+
+def _grpo_steps(run: Path) -> list[int]:
+    return [r["step"] for r in _rows(run) if r.get("phase") == "grpo"]
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +244,36 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
     assert "trainer ranks restarted in " in out + err and "recovered in " in out + err
     assert not repeats(read_ledger(run))
     assert _same_weights(run, uninterrupted)
+
+
+def test_a_killed_reference_rank_restarts_the_reference_group_alone(ray_cluster, tmp_path: Path) -> None:
+    """grpo.kl_coef > 0 runs a reference group of its own (2 ranks, their own world). A reference rank's death
+    replaces the reference's ranks alone (the trainer ranks keep their processes while the run goes on); the run
+    resumes from its last checkpoint and ends with every step logged once and every sample trained once. (Not
+    compared with an uninterrupted run with the reference: that would cost the suite another Ray run.)"""
+    run = tmp_path / "killed"
+    kept: dict[str, list[int]] = {}
+
+    def kill_a_reference_rank(_: subprocess.Popen) -> None:
+        kept["trainers"] = _trainer_processes()
+        os.kill(_descendants_titled(os.getpid(), "ray::ReferenceWorker")[0], signal.SIGKILL)
+        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
+        while not any("recover_ref_s" in r for r in _rows(run)):  # the first step trained after the restart
+            assert time.monotonic() < deadline, "no step trained after the reference's restart"
+            time.sleep(0.05)
+        kept["after"] = _trainer_processes()  # the run is still going: its trainer ranks are alive
+
+    status, out, err = _act_at_step_1(run, ["grpo.kl_coef=0.05"], kill_a_reference_rank)
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "ref ranks restarted in " in out + err and "trainer ranks restarted" not in out + err
+    assert "restarted the ref group; resuming from the last checkpoint (restart 1 of 1" in out
+    assert "from a failure of role 'ref'" in out
+    assert len(kept["trainers"]) == 2 and kept["trainers"] == kept["after"]
+    assert _grpo_steps(run) == [0, 1, 2, 3, 4, 5] and (run / FINAL).is_file()  # each once
+    assert not repeats(read_ledger(run))
+    assert all(
+        r["kl"] > 0 for r in _rows(run) if r.get("phase") == "grpo" and r["step"] > 1
+    )  # the KL term ran
 
 
 def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluster, tmp_path: Path) -> None:
