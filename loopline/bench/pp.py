@@ -120,7 +120,11 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace, out: 
         seconds.append(time.perf_counter() - start)
     peak_mib = (_rss_kib("VmHWM") - base) / 1024
     state = full_model_state(trainer.model) if mode == "fsdp" else full_pipeline_state(stages, mesh)
-    result = {"seconds": seconds[1:], "peak_mib": peak_mib, "state": state}
+    result = {
+        "seconds": seconds[1:],
+        "peak_mib": peak_mib,
+        "state": state if rank == 0 else {},
+    }  # rank 0's is read
     torch.save(result, Path(out) / f"{mode}{rank}.pt")
 
 

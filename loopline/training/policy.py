@@ -27,10 +27,11 @@ from loopline.training.parallel import (
     all_reduce_sum,
     clip_grad_norm,
     full_optimizer_state,
+    is_sharded,
     load_full_optimizer_state,
     mesh_groups,
 )
-from loopline.training.prefix import sharded_parameters, shared_prompt_logits, shared_prompts
+from loopline.training.prefix import shared_prompt_logits, shared_prompts
 
 
 def build_optimizer(
@@ -176,7 +177,7 @@ def _response_logits(
     p = batch.prompt_len
     targets = batch.input_ids[:, p:]  # (B, C)
     # a sharded model's ranks must all make the same forwards: it shares on every slice, distinct prompts or not
-    shared = shared_prompts(batch, always=sharded_parameters(model)) if share_prompts and not packed else None
+    shared = shared_prompts(batch, always=is_sharded(model)) if share_prompts and not packed else None
     if shared is not None:
         logits = shared_prompt_logits(model, batch, shared)
         if logits is not None:

@@ -6,7 +6,7 @@ op, so the gradient of each row's loss flows back into the one shared prompt com
 on top of it. Attention, positions and masks are those of the padded forward, so the log-probs are the padded
 path's up to float reordering; the backward through the prompt is done once per prompt, not once per row.
 
-A sharded model (FSDP2 or TP: DTensor parameters) gathers or reduces in every forward, so all its ranks must make
+A sharded model (FSDP2, TP inside it) gathers or reduces in every forward, so all its ranks must make
 the same forwards: it always takes this path (two forwards), even on a slice whose prompts are all distinct.
 """
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from loopline.data.batches import TokenBatch
 from loopline.models.cache import cache_argument, cache_of
@@ -76,8 +75,3 @@ def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedProm
     ).logits
     first = prompt.logits[:, -1][shared.inverse]  # the last prompt token predicts the first response token
     return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)
-
-
-def sharded_parameters(model: nn.Module) -> bool:
-    """Whether `model`'s forwards are collectives over its ranks (FSDP2 or tensor-parallel parameters)."""
-    return any(isinstance(p, DTensor) for p in model.parameters())

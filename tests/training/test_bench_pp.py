@@ -28,7 +28,8 @@ def test_bench_pp_runs_both_worlds_to_the_same_weights(capsys):
         peaks = values[f"{mode}_peak_mib_per_rank"].split()
         assert len(peaks) == 2 and all(float(p) >= 0 for p in peaks)
     ratio = float(values["pp_step_ms"]) / float(values["fsdp_step_ms"])
-    assert lines[-1] == f"pp_over_fsdp_step_time: {ratio:.2f}"
+    assert lines[-1].startswith("pp_over_fsdp_step_time: ")
+    assert abs(float(lines[-1].split(": ")[1]) - ratio) <= 0.011  # from the printed (rounded) step times
 
 
 @pytest.mark.parametrize(
