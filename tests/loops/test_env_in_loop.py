@@ -179,8 +179,8 @@ def test_the_code_task_runs_its_tests_on_the_env_workers_through_a_killed_one(
 ) -> None:
     """env.name=code with the built-in task, on the local backend and on Ray (2 FSDP2 trainer ranks, 1 engine, 2
     env worker actors): SFT, then GRPO whose rewards are the completions' tests run in the sandbox on the env
-    workers. One worker is SIGKILLed as step 1's completions go out to be scored; its chunk is scored again on
-    another, and the step trains once."""
+    workers. One worker is SIGKILLed as step 1's completions go out to be scored; its chunk (if it was handed one)
+    is scored again on another, the worker is replaced, and the step trains once."""
     if backend == "ray":
         request.getfixturevalue("ray_cluster")
     ranks = 2 if backend == "ray" else 1
@@ -213,7 +213,9 @@ def test_the_code_task_runs_its_tests_on_the_env_workers_through_a_killed_one(
     assert state.step == 2 and workers_now == 2 and rewards == [1.0, 0.0]
     grpo = [r for r in read_metrics(ctx.run_dir) if r["phase"] == "grpo" and "reward_mean" in r]
     assert [r["step"] for r in grpo] == [1, 2]
-    assert grpo[0]["score_retries"] >= 1 and sum(r["env_workers_replaced"] for r in grpo) == 1
+    # the killed worker's chunk is scored again (score_retries 1), or, if the pool saw the death before handing it
+    # a chunk (the SIGKILL landed first: seen under load), never sent there; either way it is replaced once
+    assert grpo[0]["score_retries"] <= 1 and sum(r["env_workers_replaced"] for r in grpo) == 1
     ledger = [r for r in read_ledger(ctx.run_dir) if r["phase"] == "grpo"]
     assert [r["step"] for r in ledger] == [1, 2] and not repeats(ledger)
     assert all(len(r["samples"]) == 8 for r in ledger)
