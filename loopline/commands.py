@@ -128,6 +128,12 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     minutes = (time.perf_counter() - t0) / 60
     print(f"held-out accuracy after SFT (before RL): {_pct(before)}")
     print(f"held-out accuracy after RL:              {_pct(after)}")
+    # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
+    if state.done:
+        print(
+            f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
+            f"{state.step} of at most {cfg.grpo.steps} (validation {state.val_accuracy:.1%})"
+        )
     print(f"run directory: {ctx.run_dir}  (curves: {plots[0].name}, wall time {minutes:.1f} min)")
     return 0
 

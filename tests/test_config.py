@@ -127,6 +127,6 @@ def test_describe_lists_every_leaf_with_value_and_description():
     lines = describe(load_config(overrides=["grpo.steps=3"]))
     keys = {line.split(" = ")[0] for line in lines}
     assert {"grpo.steps", "grpo.optim.lr", "model.tiny.hidden_size", "eval.sampling.temperature"} <= keys
-    assert "grpo.steps = 3  # RL steps (one rollout + update each)." in lines
+    assert "grpo.steps = 3  # RL steps (one rollout + update each; at most, with stop_at_accuracy)." in lines
     # every leaf field has a description
     assert all(not line.endswith("# ") for line in lines), [line for line in lines if line.endswith("# ")]

@@ -38,17 +38,17 @@ WORKLOADS = {
     # `loopline agent`: the example's settings, SFT stopped at a validation accuracy that leaves RL room
     "agent": [
         "agent", "sft.steps=600", "sft.stop_at_accuracy=0.5", "sft.check_every=10",
-        "grpo.eval_every=0", "env.calculator.num_eval=512", "eval.num_prompts=512",
+        "grpo.eval_every=0", "grpo.stop_at_accuracy=null", "env.calculator.num_eval=512", "eval.num_prompts=512",
     ],
     # the long-tail task (files written per seed, see workload_args); SFT stopped early to leave RL room
     "longtail": [
         "train", "data.source=jsonl", "sft.steps=150", "sft.stop_at_accuracy=null", "sft.eval_every=0",
         "grpo.prompts_per_step=32", "grpo.group_size=8", "grpo.micro_batch_size=64", "grpo.eval_every=0",
-        "grpo.sampling.max_new_tokens=256", "eval.sampling.max_new_tokens=256", "eval.num_prompts=512", "threads=1",
+        "grpo.sampling.max_new_tokens=256", "grpo.stop_at_accuracy=null", "eval.sampling.max_new_tokens=256", "eval.num_prompts=512", "threads=1",
         "model.packing=true", "grpo.optim.lr=1e-4",
     ],
     # the default job's task and settings
-    "addition": ["train", "grpo.eval_every=0", "eval.num_prompts=1000"],
+    "addition": ["train", "grpo.eval_every=0", "grpo.stop_at_accuracy=null", "eval.num_prompts=1000"],
 }  # fmt: skip
 LONGTAIL_CHARS = string.ascii_lowercase + string.ascii_uppercase + string.digits
 LONGTAIL_MAX = 250  # the longest answer (tokens)

@@ -53,7 +53,7 @@ from loopline.checkpoint.faults import PAUSE_DIR_ENV, PAUSE_ENV
 T = TypeVar("T")
 RUN = [
     "sft.steps=0", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
-    "grpo.eval_every=0", "data.task.num_train=200", "data.task.num_eval=4", "eval.num_prompts=4",
+    "grpo.eval_every=0", "grpo.stop_at_accuracy=null", "data.task.num_train=200", "data.task.num_eval=4", "eval.num_prompts=4",
     "progress=false", "tensorboard=false", "threads=1",
 ]  # fmt: skip
 

@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
 
     with tempfile.TemporaryDirectory(prefix="loopline-bench-step-") as out:
         overrides = [
-            "sft.steps=0", f"grpo.steps={args.steps}", "grpo.eval_every=0", "checkpoint_every=0",
+            "sft.steps=0", f"grpo.steps={args.steps}", "grpo.eval_every=0", "grpo.stop_at_accuracy=null", "checkpoint_every=0",
             "progress=false", "tensorboard=false", f"out_dir={out}", *args.overrides,
         ]  # fmt: skip
         clock = ComputeClock()

@@ -63,8 +63,8 @@ class RunState:
     step: int = 0  # optimizer steps completed in this phase
     sampler: dict[str, int] = field(default_factory=dict)
     policy_version: int = 0  # the version of the weights the engines hold (RL: one per step)
-    done: bool = False  # the phase ended before its last step (SFT reached sft.stop_at_accuracy)
-    val_accuracy: float = 0.0  # SFT's last validation check (near the target, it checks every step)
+    done: bool = False  # the phase ended before its last step (it reached sft/grpo.stop_at_accuracy)
+    val_accuracy: float = 0.0  # the phase's last validation check (SFT: every step near the target)
 
 
 @dataclass

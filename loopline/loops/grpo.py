@@ -367,8 +367,8 @@ def _start_critic(
 
 
 def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None = None) -> RunState:
-    """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps; returns the final state. resume: the
-    parts of the checkpoint `state` was read from."""
+    """Run the GRPO family from `state` (phase 'grpo') to cfg.grpo.steps, or to the first validation check at
+    cfg.grpo.stop_at_accuracy; returns the final state. resume: the parts of the checkpoint `state` was read from."""
     cfg = ctx.cfg.grpo
     params = sampling_params(cfg.sampling)
     sampler = Sampler(len(ctx.train_rows), seed=ctx.cfg.seed + 1)
@@ -425,9 +425,14 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
     engine_rng, pending = loop.engine_rng, list(loop.buffer)  # as of the last sync: what a checkpoint holds
     bar = tqdm(total=cfg.steps, initial=state.step, desc="grpo", disable=not ctx.cfg.progress, leave=False)
     try:
-        while state.step < cfg.steps:
+        while state.step < cfg.steps and not state.done:
             row, engine_rng, pending = _grpo_step(ctx, state, stream, estimate, critic, kl_control, need_old)
-            last = state.step == cfg.steps
+            if cfg.stop_at_accuracy is not None and ctx.val_rows and state.step % cfg.check_every == 0:
+                with stream.engines(), ctx.watchdog.stage("eval"):
+                    state.val_accuracy = row["val_accuracy"] = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
+                # a fixed skill level, whatever step float noise puts it at (as SFT's stopping rule)
+                state.done = state.val_accuracy >= cfg.stop_at_accuracy
+            last = state.step == cfg.steps or state.done
             if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
                 with stream.engines(), ctx.watchdog.stage("eval"):
                     t0 = time.perf_counter()

@@ -81,7 +81,20 @@ class SFTConfig(Section):
 class GRPOConfig(Section):
     """Group-relative policy optimisation."""
 
-    steps: int = Field(150, ge=0, description="RL steps (one rollout + update each).")
+    steps: int = Field(
+        300, ge=0, description="RL steps (one rollout + update each; at most, with stop_at_accuracy)."
+    )
+    stop_at_accuracy: float | None = Field(
+        0.70,
+        ge=0.0,
+        le=1.0,
+        description="End RL at the first check where greedy accuracy on the validation split (data.task.num_val, "
+        "built-in task; file datasets have none, so RL runs all steps) reaches this; null = run all steps. "
+        "Makes the end a fixed skill level, not a fixed step count whose result moves with float noise.",
+    )
+    check_every: int = Field(
+        5, gt=0, description="Steps between validation checks (stop_at_accuracy), each on the whole split."
+    )
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")

@@ -1,4 +1,5 @@
-"""sft.stop_at_accuracy: SFT ends at a fixed skill level on the validation split, and a resume keeps it ended."""
+"""sft/grpo.stop_at_accuracy: a phase ends at a fixed skill level on the validation split, and a resume keeps it
+ended."""
 
 from __future__ import annotations
 
@@ -100,3 +101,40 @@ def test_past_half_the_target_sft_steps_at_near_target_lr(tmp_path, monkeypatch)
     )
     lrs = [r["lr"] for r in _rows(run) if r["phase"] == "sft" and r["step"] > 0]
     assert lrs == pytest.approx([1e-3] * 3 + [2.5e-4] * 9)
+
+
+# grpo.stop_at_accuracy: RL ends the same way, at a validation check every grpo.check_every steps
+
+RL = [
+    "sft.steps=0", "grpo.steps=6", "grpo.check_every=2", "grpo.eval_every=0", "grpo.prompts_per_step=4",
+    "grpo.group_size=2", "grpo.micro_batch_size=8", "grpo.sampling.max_new_tokens=8",
+    "data.task.num_train=200", "data.task.num_eval=16", "data.task.num_val=16", "eval.num_prompts=16",
+    "checkpoint_every=0", "progress=false", "tensorboard=false",
+]  # fmt: skip
+
+
+def test_grpo_stops_at_the_first_check_that_reaches_the_target_and_resume_keeps_it_stopped(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", f"out_dir={run}", "grpo.stop_at_accuracy=0.0", *RL]) == 0
+    grpo = [r for r in _rows(run) if r["phase"] == "grpo" and r["step"] > 0]
+    assert [r["step"] for r in grpo] == [1, 2]  # the first check (step 2) reaches 0%
+    assert "val_accuracy" in grpo[-1] and "eval_accuracy" in grpo[-1]  # the phase's last step is evaluated
+    assert "val_accuracy" not in grpo[0]
+    state = json.loads(next(run.glob("checkpoints/grpo-*/state.json")).read_text())
+    assert state["step"] == 2 and state["done"] is True
+    out = capsys.readouterr().out  # the report reads the last step trained, not grpo.steps
+    assert "n/a" not in next(line for line in out.splitlines() if "after RL:" in line)
+    assert "RL reached grpo.stop_at_accuracy=0% on the validation split at step 2 of at most 6" in out
+    # a resume of the stopped run trains nothing more
+    assert main(["train", "--resume", f"out_dir={run}"]) == 0
+    assert [r["step"] for r in _rows(run) if r["phase"] == "grpo"] == [0, 1, 2]
+
+
+def test_grpo_runs_every_step_when_the_target_is_not_reached_or_is_null(tmp_path):
+    for target, checked in (("1.0", [2, 4, 6]), ("null", [])):
+        run = tmp_path / target
+        assert main(["train", f"out_dir={run}", f"grpo.stop_at_accuracy={target}", *RL]) == 0
+        grpo = [r for r in _rows(run) if r["phase"] == "grpo" and r["step"] > 0]
+        assert [r["step"] for r in grpo] == list(range(1, 7))
+        assert [r["step"] for r in grpo if "val_accuracy" in r] == checked
+        assert all(r["val_accuracy"] < 1.0 for r in grpo if "val_accuracy" in r)
