@@ -295,7 +295,7 @@ def _benchmarks() -> list[str]:
 # lr 3e-5, since Adam's first steps move every weight by ~lr whatever its (sparse) gradient.
 AGENT = [
     "env.name=calculator", "out_dir=runs/agent", "threads=1",
-    "sft.steps=400", "sft.batch_size=32", "sft.micro_batch_size=32", "sft.eval_every=0", "sft.stop_at_accuracy=null",
+    "sft.steps=600", "sft.batch_size=32", "sft.micro_batch_size=32", "sft.eval_every=0", "sft.stop_at_accuracy=0.4",
     "sft.optim.lr=1e-3", "sft.optim.schedule=constant", "sft.optim.warmup_steps=10",
     "grpo.steps=40", "grpo.stop_at_accuracy=null", "grpo.prompts_per_step=8", "grpo.group_size=8", "grpo.micro_batch_size=32",
     "grpo.eval_every=10", "grpo.optim.lr=3e-5", "grpo.optim.warmup_steps=0", "grpo.optim.schedule=constant",
