@@ -237,7 +237,7 @@ def test_overwrite_deletes_the_old_run(run, capsys):
 
 SIGNAL_ARGS = [
     *[a for a in TINY if not a.startswith(("grpo.steps=", "checkpoint_every="))],
-    "grpo.steps=6", "checkpoint_every=0", "deterministic=true",
+    "grpo.stop_at_accuracy=null", "grpo.steps=6", "checkpoint_every=0", "deterministic=true",
 ]  # fmt: skip  # checkpoint_every=0: saves at each phase's end only, so a mid-GRPO checkpoint is the signal's
 RUN_TIMEOUT_S = 300
 FINAL = "grpo-000006"

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 TINY = [
     "sft.steps=3", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
-    "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=2", "grpo.eval_every=0",
+    "grpo.stop_at_accuracy=null", "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=2", "grpo.eval_every=0",
     "data.task.num_train=200", "data.task.num_eval=20", "eval.num_prompts=8",
     "checkpoint_every=1", "tensorboard=false", "threads=1", "deterministic=true",
 ]  # fmt: skip

@@ -277,7 +277,7 @@ def test_max_staleness_needs_ray_and_a_behaviour_correction() -> None:
 
 ARGS = [
     "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
-    "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
+    "grpo.stop_at_accuracy=null", "grpo.steps=5", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=16",
     "grpo.eval_every=0", "grpo.optim.lr=1e-2", "grpo.optim.warmup_steps=0", "grpo.behaviour_correction=tis",
     "grpo.entropy_coef=0.01", "grpo.sampling.max_new_tokens=32",  # a rollout long enough to overlap
     "data.task.num_train=40", "data.task.num_eval=4", "eval.num_prompts=4", "checkpoint_every=2",
@@ -359,7 +359,7 @@ def test_partial_rollouts_on_ray_stay_within_the_bound_and_resume_exactly_once(
     address = f"runtime.cluster.address={ray.get_runtime_context().gcs_address}"
     args = [
         *ARGS, address, "grpo.max_staleness=2", "grpo.partial_rollouts=recompute_kv", "runtime.engine_max_rows=4",
-        "grpo.steps=6", "deterministic=false",
+        "grpo.stop_at_accuracy=null", "grpo.steps=6", "deterministic=false",
     ]  # fmt: skip
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "loopline.cli", "train", *args, f"out_dir={run}"]

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 ARGS = [
     "sft.steps=4", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.eval_every=2",
-    "grpo.steps=6", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=8",
+    "grpo.stop_at_accuracy=null", "grpo.steps=6", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=8",
     "grpo.eval_every=3", "grpo.entropy_coef=0.01", "data.task.num_train=12", "data.task.num_eval=8",
     "eval.num_prompts=8", "checkpoint_every=2", "progress=false", "tensorboard=false", "threads=1", "deterministic=true",
 ]  # fmt: skip

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 # The built-in default job on a tiny budget.
 TINY = [
     "sft.steps=3", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
-    "grpo.steps=3", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.eval_every=0",
+    "grpo.steps=3", "grpo.stop_at_accuracy=null", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.eval_every=0",
     "data.task.num_train=200", "data.task.num_eval=20", "eval.num_prompts=20",
     "checkpoint_every=2", "progress=false", "tensorboard=false", "threads=1",
 ]  # fmt: skip

@@ -31,7 +31,7 @@ from loopline.metrics.logger import read_metrics
 from loopline.runtime.placement import PlacementError
 
 ARGS = [
-    "grpo.steps=3", "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.micro_batch_size=6",
+    "grpo.stop_at_accuracy=null", "grpo.steps=3", "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.micro_batch_size=6",
     "grpo.entropy_coef=0.01", "grpo.eval_every=0", "grpo.sampling.max_new_tokens=8",
     "data.task.num_train=20", "data.task.num_eval=2", "eval.num_prompts=2", "checkpoint_every=0",
     "progress=false", "tensorboard=false", "threads=1",

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 ARGS = [
     "sft.steps=1", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.eval_every=0",
-    "grpo.steps=5", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
+    "grpo.stop_at_accuracy=null", "grpo.steps=5", "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.micro_batch_size=2",
     "grpo.entropy_coef=0.01", "grpo.eval_every=0", "data.task.num_train=20", "data.task.num_eval=4",
     "eval.num_prompts=4", "checkpoint_every=1", "progress=false", "tensorboard=false", "threads=1",
     "deterministic=true",
