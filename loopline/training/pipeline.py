@@ -119,11 +119,18 @@ def _micro_share(mask: torch.Tensor, totals: tuple[float, float], agg: str) -> f
 
 # ---------------------------------------------------------------- stages
 
+RENAMED = (("cache", "past_key_values"),)  # (new, old) keyword names of transformers' mask functions
+
 
 def _call_with_supported(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call `fn` with those of `kwargs` its signature names (transformers renamed these across versions)."""
+    """Call `fn` with those of `kwargs` its signature names (transformers renamed these across versions); of a
+    renamed argument whose old name is still accepted (and warned about), only the new name."""
     params = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+    chosen = {k: v for k, v in kwargs.items() if k in params}
+    for new, old in RENAMED:
+        if new in chosen:
+            chosen.pop(old, None)
+    return fn(**chosen)
 
 
 def _masks(config: Any, h: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
