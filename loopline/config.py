@@ -175,13 +175,6 @@ class RunConfig(Section):
                 f"runtime.trainer_pp_virtual ({rt.trainer_pp} * {rt.trainer_pp_virtual}): each stage holds an "
                 "equal run of layers"
             )
-        if rt.trainer_pp > 1:
-            # training.pipeline has the pipelined steps (tested over gloo); the actor, weight sync and
-            # checkpoints do not use them yet
-            raise ValueError(
-                f"runtime.trainer_pp={rt.trainer_pp}: pipeline parallelism is not built into the trainer role "
-                "yet (loopline train/sft/dpo/rm); use trainer_pp=1 with trainer_tp and FSDP2"
-            )
         return self
 
 

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from loopline.checkpoint.faults import pause_point
 
 if TYPE_CHECKING:
+    from loopline.training.pipeline import PipelineTrainer
     from loopline.training.policy import PolicyTrainer
 
 
@@ -44,11 +46,19 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def shard_state(model: nn.Module, trainer: PolicyTrainer | None) -> dict[str, Any]:
-    """What DCP saves: this rank's model shards and, with a trainer, its optimizer state and LR schedule."""
+# Optimizer state keyed by parameter name throughout ("state.<name>.exp_avg", "param_groups.<name>.lr"): pipeline
+# ranks hold different parameters, and a nested state's param_groups lists would collide between them.
+_OPTIM = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def shard_state(model: nn.Module, trainer: PolicyTrainer | PipelineTrainer | None) -> dict[str, Any]:
+    """What DCP saves: this rank's model shards and, with a trainer, its optimizer state and LR schedule.
+
+    `model` names the parameters as the whole model does (a pipelined rank passes its `StageParts`), so a
+    checkpoint loads into any pp, dp and tp."""
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if trainer is not None:
-        state["optim"] = get_optimizer_state_dict(model, trainer.optimizer)
+        state["optim"] = get_optimizer_state_dict(model, trainer.optimizer, options=_OPTIM)
         state["scheduler"] = trainer.scheduler.state_dict()
     return state
 
@@ -56,20 +66,42 @@ def shard_state(model: nn.Module, trainer: PolicyTrainer | None) -> dict[str, An
 def load_shards(
     path: str | Path,
     model: nn.Module,
-    trainer: PolicyTrainer | None = None,
+    trainer: PolicyTrainer | PipelineTrainer | None = None,
     group: dist.ProcessGroup | None = None,
+    optim_aliases: Mapping[str, str] | None = None,
 ) -> None:
     """Load a DCP checkpoint into `model` (this rank's shards) and, when given, `trainer`'s optimizer and LR schedule.
 
     `group`: the trainer ranks' process group (None on the local backend); every rank of it must call this.
+    `optim_aliases`: parameter name -> the name whose optimizer state it reads (a pipeline's last stage holds a
+    copy of tied embeddings as lm_head.weight; an unpipelined checkpoint has their state under the embeddings').
     """
     state = shard_state(model, trainer)  # the layout to load into: DCP reshards to it
+    aliases = dict(optim_aliases or {})
+    if trainer is not None:
+        state["optim"] = _renamed(state["optim"], aliases)
     with _quiet():
         dcp.load(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
     set_model_state_dict(model, state["model"])
     if trainer is not None:
-        set_optimizer_state_dict(model, trainer.optimizer, state["optim"])
+        optim = _renamed(state["optim"], {v: k for k, v in aliases.items()})
+        set_optimizer_state_dict(model, trainer.optimizer, optim, options=_OPTIM)
         trainer.scheduler.load_state_dict(state["scheduler"])
+
+
+def _renamed(optim: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
+    """A flattened optimizer state ("state.<param>.<key>", "param_groups.<param>.<key>") with params renamed."""
+    if not names:
+        return optim
+    out = {}
+    for key, value in optim.items():
+        head, _, rest = key.partition(".")
+        for old, new in names.items():
+            if rest.startswith(old + "."):
+                key = f"{head}.{new}{rest[len(old) :]}"
+                break
+        out[key] = value
+    return out
 
 
 def tied_aliases(model: nn.Module) -> set[str]:

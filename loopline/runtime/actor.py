@@ -1,7 +1,9 @@
 """The actor role: the policy trainer, as a WorkerGroup of `ActorWorker`s driven by `ActorRole`.
 
 On ray every rank is an FSDP2 rank in its own process, holding its shards, the optimizer state of those shards
-and a PolicyTrainer; every call splits the batch into equal row slices, one per data-parallel rank. Locally
+and a PolicyTrainer; every call splits the batch into equal row slices, one per data-parallel rank. With
+runtime.trainer_pp > 1 the ranks form a (pp, dp, tp) mesh: each holds its pipeline stages (training.pipeline),
+named as in the whole model, and a PipelineTrainer; the ranks of a pipeline share their dp rank's slice. Locally
 the group is one rank in this process, given the driver's model: it trains that model in place, unsharded.
 
 Checkpoints: every trainer rank writes its own model and optimizer shards with torch.distributed.checkpoint
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields, replace
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -25,7 +27,7 @@ from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
-from loopline.runtime.engine_sync import sync_plan
+from loopline.runtime.engine_sync import plan_params, sync_plan
 from loopline.runtime.ranks import (
     even_slices,
     frozen_logprobs,
@@ -49,6 +51,9 @@ from loopline.training.policy import (
 )
 from loopline.training.policy import sequence_logprobs as summed_logprobs
 
+if TYPE_CHECKING:
+    from loopline.training.pipeline import PipelineTrainer
+
 B = TypeVar("B", bound=TokenBatch)
 
 
@@ -66,7 +71,11 @@ class ActorWorker:
         self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.plan: Any = None  # the weight-sync TransferPlan of the last sync
-        self.trainer: PolicyTrainer | None = None
+        self.trainer: PolicyTrainer | PipelineTrainer | None = None
+        self.stages: list[Any] = []  # this rank's pipeline stages (runtime.trainer_pp > 1), once joined
+        self.sync_params: Any = (
+            None  # the whole model's parameters as the sync planner reads them, once joined
+        )
         self.writer = ShardWriter()
         self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
         self.reward: RewardTrainer | None = (
@@ -86,16 +95,44 @@ class ActorWorker:
         timeout_s = self.cfg.runtime.call_timeout_s
         device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
         tp = self.cfg.runtime.trainer_tp
-        self.mesh = dp_tp_mesh(self.ranks, tp, device.type)  # (dp, tp); tp=1 is FSDP2 over all the ranks
-        # TP inside each group of tp ranks, FSDP2 across; in place: the same module
-        self.model = cast(PreTrainedModel, parallelize(self.model, self.mesh))
-        self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
+        self.sync_params = plan_params(self.model, tp)  # of the whole model: what the engines hold
+        if self.cfg.runtime.trainer_pp > 1:
+            self.layout = self._split_into_stages(device.type)
+        else:
+            self.mesh = dp_tp_mesh(self.ranks, tp, device.type)  # (dp, tp); tp=1 is FSDP2 over all the ranks
+            # TP inside each group of tp ranks, FSDP2 across; in place: the same module
+            self.model = cast(PreTrainedModel, parallelize(self.model, self.mesh))
+            self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
         self.checkpoint_group = checkpoint_group(self.ranks, timeout_s)
         if self.rank != 0:
             return None
         self.sync = SyncGroup.serve(node_address(), timeout_s)
         return self.sync.address, self.layout
+
+    def _split_into_stages(self, device_type: str) -> Any:
+        """Pipeline: a (pp, dp, tp) mesh; this rank keeps its stages of the model (TP, then FSDP2 inside each)
+        and drops the rest. self.model becomes their StageParts, named as the whole model. Returns the layout."""
+        from loopline.runtime.resharding import TrainerLayout
+        from loopline.training.pipeline import (
+            StageParts,
+            parallelize_stages,
+            pp_mesh,
+            split_model,
+            stage_layers,
+        )
+
+        rt = self.cfg.runtime
+        pp, tp, virtual = rt.trainer_pp, rt.trainer_tp, rt.trainer_pp_virtual
+        self.mesh = pp_mesh(self.ranks, pp, tp, device_type)
+        num_layers = len(self.model.model.layers)
+        stages = split_model(self.model, self.mesh.get_coordinate()[0], pp, virtual)
+        self.stages = parallelize_stages(stages, self.mesh)
+        self.model = cast(PreTrainedModel, StageParts(self.stages))  # the other stages' layers are freed
+        layer_stages = tuple(
+            s % pp for s, run in enumerate(stage_layers(num_layers, pp * virtual)) for _ in run
+        )
+        return TrainerLayout(fsdp=self.ranks // (pp * tp), tp=tp, pp=pp, layer_stages=layer_stages)
 
     def open_sync(self, address: tuple[str, int], generation: int, engines: int) -> None:
         """Open generation `generation` of the weight-sync group: these trainer ranks and `engines` engines."""
@@ -114,16 +151,25 @@ class ActorWorker:
         micro_batch_size: int | None = None,
     ) -> None:
         """New optimizer over this rank's shards (restored from the resumed checkpoint's); an RL phase's objective."""
-        group = self.mesh["dp"].get_group() if self.mesh is not None else None
-        self.trainer = PolicyTrainer(
-            self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-            self.cfg.model.share_prompts,
-        )  # fmt: skip
+        if self.stages:  # micro-batches: the phase's, else the RL ones (for log-probs during SFT)
+            from loopline.training.pipeline import PipelineTrainer
+
+            mbs = micro_batch_size or self.cfg.grpo.micro_batch_size
+            schedule = self.cfg.runtime.trainer_pp_schedule
+            self.trainer = PipelineTrainer(self.stages, self.mesh, optim, total_steps, schedule, loss, mbs)
+        else:
+            group = self.mesh["dp"].get_group() if self.mesh is not None else None
+            self.trainer = PolicyTrainer(
+                self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
+                self.cfg.model.share_prompts,
+            )  # fmt: skip
         if resume is not None:
-            load_shards(resume.dcp, self.model, self.trainer, group=self.checkpoint_group)
+            self.load_state(resume.dcp)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
+        if self.stages:
+            return _pipeline(self.trainer).logprobs(batch)
         model = self.cfg.model
         return frozen_logprobs(
             self.model, to_device(batch, self.device), model.packing, model.share_prompts
@@ -132,6 +178,8 @@ class ActorWorker:
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows' response log-probs (b, C) from one forward without gradients: at T=1 (the loss's
         behaviour policy) and at `temperature` (what the engine reports when it samples at it)."""
+        if self.stages:
+            return _pipeline(self.trainer).behaviour_logprobs(batch, temperature)
         with torch.no_grad():
             trained, sampled = behaviour_logprobs(
                 self.model, to_device(batch, self.device), temperature, self.cfg.model.packing,
@@ -150,6 +198,7 @@ class ActorWorker:
 
     def sequence_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Summed response log-prob of each of this rank's rows, (b,), in eval mode without gradients."""
+        _not_pipelined(self.stages, "DPO")
         self.model.eval()
         with torch.no_grad():
             model = self.cfg.model
@@ -159,7 +208,8 @@ class ActorWorker:
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
-        return _started(self.trainer).dpo_step(_pairs_to(pairs, self.device), cfg)
+        _not_pipelined(self.stages, "DPO")
+        return cast(PolicyTrainer, _started(self.trainer)).dpo_step(_pairs_to(pairs, self.device), cfg)
 
     def start_reward(
         self, weights: Mapping[str, torch.Tensor], cfg: RewardModelConfig, total_steps: int
@@ -167,6 +217,7 @@ class ActorWorker:
         """A reward model with the whole `weights` (ScalarModel.from_policy of the current policy) and its optimizer.
         The local rank copies its own policy's body (as the weights say); sharded ranks build one from the model
         config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards)."""
+        _not_pipelined(self.stages, "a reward model")
         if self.mesh is None:
             model = ScalarModel.from_policy(self.model, self.cfg.model.packing)  # where the policy is
             model.load_state_dict(weights)
@@ -199,8 +250,8 @@ class ActorWorker:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
         from loopline.runtime.weight_sync import local_shards
 
-        self.plan = sync_plan(self.plan, self.model, self.layout, targets)
-        self.sync.sync(self.plan, local_shards(self.model), None)
+        self.plan = sync_plan(self.plan, self.sync_params, self.layout, targets)
+        self.sync.sync(self.plan, local_shards(self.model), None)  # pipelined: only its stages' names
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """This rank's tensors as the in-process sync's source shards (one unsharded rank: whole, live), LoRA
@@ -210,31 +261,39 @@ class ActorWorker:
     def weights(self) -> dict[str, torch.Tensor] | None:
         """Whole weights on rank 0 (None elsewhere); every rank must take part. Unlike state(), this leaves a
         fresh optimizer alone (gathering its state would initialise it)."""
-        from loopline.training.parallel import full_model_state
-
-        weights = full_model_state(self.model)
+        weights = self._whole_weights()
         return weights if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict] | None:
-        """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part."""
-        from loopline.training.parallel import full_model_state
-
-        weights = full_model_state(self.model)
-        trainer = self.trainer.state_dict() if self.trainer else {}
+        """Whole weights and trainer state on rank 0 (None elsewhere); every rank must take part. A pipelined
+        trainer gives no trainer state here (its checkpoints hold it)."""
+        weights = self._whole_weights()
+        trainer = self.trainer.state_dict() if isinstance(self.trainer, PolicyTrainer) else {}
         return (weights, trainer) if self.rank == 0 else None
 
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights by name on rank 0 (empty elsewhere): a collective over the trainer ranks."""
+        from loopline.training.parallel import full_model_state
+        from loopline.training.pipeline import full_pipeline_state
+
+        return full_pipeline_state(self.stages, self.mesh) if self.stages else full_model_state(self.model)
+
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Load whole weights; this rank keeps its shards of them."""
+        """Load whole weights; this rank keeps its shards of them (pipelined: of its stages' parameters)."""
         from loopline.training.parallel import load_full_model_state
 
+        if self.stages:
+            weights = {name: weights[name] for name in self.model.state_dict()}
         load_full_model_state(self.model, weights)
 
     def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
         """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (with LoRA, adapters folded in)."""
-        from loopline.training.parallel import full_model_state
-
         sharded = self.mesh is not None
-        weights = full_model_state(self.model) if hf_dir and sharded else {}  # a collective: every rank joins
+        weights = self._whole_weights() if hf_dir and sharded else {}  # a collective: every rank joins
+        if (
+            self.stages and self.stages[0].tied
+        ):  # the head is the embeddings: saved once, as transformers does
+            weights.pop("lm_head.weight", None)
         state = shard_state(self.model, self.trainer)
         if hf_dir and not sharded:  # one unsharded rank: the model part of its state is the whole weights
             weights = merged_state_dict(self.model) if has_lora(self.model) else state["model"]
@@ -246,13 +305,25 @@ class ActorWorker:
 
     def load_state(self, path: str) -> None:
         """Read this rank's shards of the weights (and optimizer, once a phase started): DCP reshards."""
-        load_shards(path, self.model, self.trainer, group=self.checkpoint_group)
+        aliases = cast(dict, self.model.optim_aliases) if self.stages else None  # of the StageParts
+        load_shards(path, self.model, self.trainer, group=self.checkpoint_group, optim_aliases=aliases)
 
 
-def _started(trainer: PolicyTrainer | None) -> PolicyTrainer:
+def _started(trainer: PolicyTrainer | PipelineTrainer | None) -> PolicyTrainer | PipelineTrainer:
     if trainer is None:
         raise RuntimeError("call start_phase() before training steps")
     return trainer
+
+
+def _pipeline(trainer: PolicyTrainer | PipelineTrainer | None) -> PipelineTrainer:
+    if trainer is None or isinstance(trainer, PolicyTrainer):
+        raise RuntimeError("call start_phase() before log-probs on a pipelined trainer")
+    return trainer
+
+
+def _not_pipelined(stages: list[Any], what: str) -> None:
+    if stages:
+        raise ValueError(f"{what} does not run through the pipeline yet: use runtime.trainer_pp=1")
 
 
 def _reward(trainer: RewardTrainer | None) -> RewardTrainer:
@@ -291,17 +362,29 @@ class ActorRole:
     a role of its own (reference.ReferenceRole) that this class drives."""
 
     def __init__(
-        self, group: WorkerGroup, model: PreTrainedModel, reference: ReferenceRole | None = None, tp: int = 1
+        self,
+        group: WorkerGroup,
+        model: PreTrainedModel,
+        reference: ReferenceRole | None = None,
+        tp: int = 1,
+        pp: int = 1,
     ) -> None:
         """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills."""
         self.group = group
         self.model = model
         self.reference = reference
         self.tp = tp  # runtime.trainer_tp: ranks i*tp .. i*tp+tp-1 split the model and share slice i
+        self.pp = pp  # runtime.trainer_pp: rank (s*dp + i)*tp + j is stage s of that pipeline
+        self.dp = group.world_size // (tp * pp)
 
     def _slices(self, batch: B) -> list[B]:
-        """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks."""
-        return [s for s in even_slices(batch, self.group.world_size // self.tp) for _ in range(self.tp)]
+        """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks, on
+        every pipeline stage."""
+        return [s for s in even_slices(batch, self.dp) for _ in range(self.tp)] * self.pp
+
+    def _per_dp(self, outs: list) -> list:
+        """One result per dp rank from every rank's (the ranks of a dp rank's pipeline and TP group agree)."""
+        return outs[: self.dp * self.tp : self.tp]
 
     def start_phase(
         self,
@@ -327,11 +410,11 @@ class ActorRole:
         if reference:
             return self._reference().logprobs(batch)
         outs = self.group.call_each("logprobs", [(s,) for s in self._slices(batch)])
-        return torch.cat(outs[:: self.tp])
+        return torch.cat(self._per_dp(outs))
 
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         outs = self.group.call_each("behaviour_logprobs", [(s, temperature) for s in self._slices(batch)])
-        dp = outs[:: self.tp]
+        dp = self._per_dp(outs)
         return torch.cat([t for t, _ in dp]), torch.cat([s for _, s in dp])
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
@@ -345,20 +428,20 @@ class ActorRole:
 
     def _pair_slices(self, pairs: PairBatch) -> list[PairBatch]:
         """One slice per rank, as _slices: equal pair slices over the dp ranks."""
-        dp = self.group.world_size // self.tp
+        dp = self.dp
         if len(pairs) % dp:
             raise ValueError(f"a batch of {len(pairs)} pairs does not split evenly over {dp} trainer ranks")
-        return [s for s in pairs.micro_batches(len(pairs) // dp) for _ in range(self.tp)]
+        return [s for s in pairs.micro_batches(len(pairs) // dp) for _ in range(self.tp)] * self.pp
 
     def _per_row(self, method: str, batch: TokenBatch) -> torch.Tensor:
         """One value per row from every rank's slice: a batch of any size (the last row repeated up to a multiple
         of the dp ranks, the repeats dropped from the result), (B,)."""
-        n, dp = len(batch), self.group.world_size // self.tp
+        n, dp = len(batch), self.dp
         if n % dp:
             index = torch.cat([torch.arange(n), torch.full(((-n) % dp,), n - 1)])
             batch = _take_rows(batch, index)
         outs = self.group.call_each(method, [(s,) for s in self._slices(batch)])
-        return torch.cat(outs[:: self.tp])[:n]
+        return torch.cat(self._per_dp(outs))[:n]
 
     def sequence_logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
         if reference:

@@ -22,11 +22,22 @@ import torch
 from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 
 
-def sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int, ...]) -> Any:
-    """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one."""
+def plan_params(model: torch.nn.Module, tp: int) -> tuple[list[Any], Any]:
+    """What the weight-sync planner reads off a whole model (an engine's, or the trainer's before any pipeline
+    split): its parameters (names, shapes, dtypes) and the dim the trainer's TP (of `tp` ranks) splits each on."""
     from loopline.runtime.resharding import default_tp_dim
-    from loopline.runtime.weight_sync import engines_plan, param_specs
+    from loopline.runtime.weight_sync import param_specs
     from loopline.training.parallel import tp_param_dims
+
+    return param_specs(model), tp_param_dims(model) if tp > 1 else default_tp_dim
+
+
+def sync_plan(
+    plan: Any, model: torch.nn.Module | tuple[list[Any], Any], layout: Any, targets: tuple[int, ...]
+) -> Any:
+    """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one.
+    model: the whole model, or its `plan_params` (a pipelined trainer rank holds only its stages)."""
+    from loopline.runtime.weight_sync import engines_plan
 
     targets = tuple(targets)
     if (
@@ -35,8 +46,8 @@ def sync_plan(plan: Any, model: torch.nn.Module, layout: Any, targets: tuple[int
         and tuple(plan.dst_ranks.reshape(-1)) == tuple(layout.size + i for i in targets)
     ):
         return plan
-    rule = tp_param_dims(model) if layout.tp > 1 else default_tp_dim  # where the trainer's TP split them
-    return engines_plan(param_specs(model), layout, targets, rule)
+    specs, rule = model if isinstance(model, tuple) else plan_params(model, layout.tp)
+    return engines_plan(specs, layout, targets, rule)
 
 
 class InProcessSync:

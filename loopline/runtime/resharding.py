@@ -123,6 +123,9 @@ class TransferPlan:
     dst_ranks: np.ndarray  # (engines, tp) global rank of each engine TP rank
     class_of: tuple[int, ...]  # class index of each parameter
     classes: tuple[ClassPlan, ...]
+    stages: tuple[
+        int, ...
+    ]  # pipeline rank holding each parameter (templates index that rank's (fsdp, tp) mesh)
     _src_index: dict[int, int] = field(repr=False, compare=False)
     _dst_index: dict[int, tuple[int, int]] = field(repr=False, compare=False)
     _into: dict[int, tuple[Transfer, ...]] = field(default_factory=dict, repr=False, compare=False)
@@ -144,8 +147,12 @@ class TransferPlan:
         return engine_shard_box(self.params[p].shape, self.tp_dims[p], self.engines.tp, j)
 
     def src_box(self, p: int, rank: int) -> Box:
-        """Region of parameter `p` held by trainer rank `rank` (global)."""
-        return trainer_shard_box(self.params[p].shape, self.tp_dims[p], self.trainer, self._src_index[rank])
+        """Region of parameter `p` held by trainer rank `rank` (global); empty on another pipeline stage's rank."""
+        shape = self.params[p].shape
+        stage, index = divmod(self._src_index[rank], self.trainer.stage_size)
+        if stage != self.stages[p]:
+            return tuple((0, 0) for _ in shape)
+        return trainer_shard_box(shape, self.tp_dims[p], self.trainer, index)
 
     def transfers(self, params: Sequence[int] | None = None) -> Iterator[Transfer]:
         """All transfers of the given parameter indices (default all), by parameter, engine, template row."""
@@ -160,10 +167,13 @@ class TransferPlan:
         m = self._src_index.get(rank)
         if m is None:
             return []
+        stage, index = divmod(m, self.trainer.stage_size)
         out: list[Transfer] = []
         for p in range(len(self.params)) if params is None else params:
+            if self.stages[p] != stage:
+                continue
             cls = self.classes[self.class_of[p]]
-            rows = np.flatnonzero(cls.src == m)
+            rows = np.flatnonzero(cls.src == index)
             out.extend(self._transfer(p, cls, int(r), e) for e in range(self.engines.engines) for r in rows)
         return out
 
@@ -200,7 +210,7 @@ class TransferPlan:
         lo, hi = cls.lo[r], cls.hi[r]
         so, do = cls.src_origin[r], cls.dst_origin[r]
         return Transfer(
-            src_rank=int(self.src_ranks[cls.src[r]]),
+            src_rank=int(self.src_ranks[self.stages[p] * self.trainer.stage_size + cls.src[r]]),
             dst_rank=int(self.dst_ranks[e, cls.dst_tp[r]]),
             name=self.params[p].name,
             src_slice=tuple(slice(int(a - o), int(b - o)) for a, b, o in zip(lo, hi, so)),
@@ -245,6 +255,7 @@ def plan_transfers(
         dst_ranks=dst_ranks,
         class_of=tuple(class_of),
         classes=tuple(classes),
+        stages=tuple(trainer.stage_of(s.name) for s in specs),
         _src_index={int(r): m for m, r in enumerate(src_ranks)},
         _dst_index={int(r): (e, j) for (e, j), r in np.ndenumerate(dst_ranks)},
     )
@@ -258,7 +269,7 @@ def _source_grid(
     A trainer shard is the product of one interval per dim and its mesh index is the sum of the shares;
     for a TP-replicated parameter the TP share is added later (a choice of replica).
     """
-    n, t = layout.fsdp, layout.tp
+    n, t = layout.fsdp, layout.tp  # of one pipeline rank's mesh: its parameters' shards
     grid = []
     for d, size in enumerate(shape):
         if d == 0 and tp_dim == 0 and t > 1:  # FSDP chunks inside each TP chunk
@@ -382,9 +393,11 @@ def check_plan(plan: TransferPlan, max_problems: int = 20) -> PlanReport:
         elif c not in checked:
             checked[c] = _check_class(plan, cls, spec.name, problem)
 
-    # Bytes: per template row, times the engines and the parameters that share the class.
+    # Bytes: per template row, times the engines and the parameters that share the class on each pipeline rank.
     m_eng, k = plan.engines.engines, plan.engines.tp
-    uses = np.bincount(np.asarray(plan.class_of, dtype=np.int64), minlength=len(plan.classes))
+    pp, per = plan.trainer.pp, plan.trainer.stage_size
+    uses = np.zeros((len(plan.classes), pp), dtype=np.int64)
+    np.add.at(uses, (np.asarray(plan.class_of, dtype=np.int64), np.asarray(plan.stages, dtype=np.int64)), 1)
     n_ids = int(max(plan.src_ranks.max(), plan.dst_ranks.max())) + 1
     tp_of_rank = np.full(n_ids, -1, dtype=np.int64)  # engine TP rank hosted by each global rank, -1: none
     tp_of_rank[plan.dst_ranks.reshape(-1)] = np.tile(np.arange(k), m_eng)
@@ -392,18 +405,20 @@ def check_plan(plan: TransferPlan, max_problems: int = 20) -> PlanReport:
     send = np.zeros(plan.trainer.size, dtype=np.int64)  # by trainer mesh index, to other ranks
     recv_by_tp = np.zeros(k, dtype=np.int64)  # into each engine TP rank, including local rows
     local_at = np.zeros(n_ids, dtype=np.int64)  # local bytes by global rank
-    for c, cls in enumerate(plan.classes):
-        if uses[c] == 0 or len(cls) == 0:
+    for (c, stage), n_params in np.ndenumerate(uses):
+        cls = plan.classes[c]
+        if n_params == 0 or len(cls) == 0:
             continue
-        nb = cls.nbytes * uses[c]
+        nb = cls.nbytes * n_params
+        src = stage * per + cls.src  # trainer mesh index of each row's source on this pipeline rank
         moved += int(nb.sum()) * m_eng
-        np.add.at(send, cls.src, nb * m_eng)
+        np.add.at(send, src, nb * m_eng)
         np.add.at(recv_by_tp, cls.dst_tp, nb)
         # A row is local for at most one engine: the one whose rank (e, dst_tp) is the source's rank.
-        g = plan.src_ranks[cls.src]
+        g = plan.src_ranks[src]
         is_local = tp_of_rank[g] == cls.dst_tp
         local += int(nb[is_local].sum())
-        np.add.at(send, cls.src[is_local], -nb[is_local])
+        np.add.at(send, src[is_local], -nb[is_local])
         np.add.at(local_at, g[is_local], nb[is_local])
     lower = m_eng * sum(
         box_numel(plan.dst_box(p, j)) * s.dtype.itemsize for p, s in enumerate(plan.params) for j in range(k)
@@ -438,11 +453,12 @@ def _check_class(plan: TransferPlan, cls: ClassPlan, name: str, problem: Callabl
         problem(f"'{name}': empty transfer box")
         ok = False
     # Each row inside its source shard, with the right origin (boxes of all trainer shards, recomputed).
-    if len(cls) and (cls.src.min() < 0 or cls.src.max() >= plan.trainer.size):
+    per = plan.trainer.stage_size  # the templates index one pipeline rank's (fsdp, tp) mesh
+    if len(cls) and (cls.src.min() < 0 or cls.src.max() >= per):
         problem(f"'{name}': source mesh index out of range")
         return False
     used = np.unique(cls.src)
-    boxes = np.zeros((plan.trainer.size, nd, 2), dtype=np.int64)
+    boxes = np.zeros((per, nd, 2), dtype=np.int64)
     for m in used:
         boxes[m] = trainer_shard_box(cls.shape, tp_dim, plan.trainer, int(m))
     src_box = boxes[cls.src]  # (T, nd, 2)

@@ -227,7 +227,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         )
 
     return Roles(
-        ActorRole(trainer, model, reference, rt.trainer_tp),
+        ActorRole(trainer, model, reference, rt.trainer_tp, rt.trainer_pp),
         rollout,
         scorer,
         shutdown,

@@ -43,25 +43,51 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class TrainerLayout:
-    """Trainer ranks as a (fsdp, tp) mesh, tp innermost: mesh index `i * tp + j` is FSDP rank i, TP rank j.
+    """Trainer ranks as a (pp, fsdp, tp) mesh, tp innermost: mesh index `(s * fsdp + i) * tp + j` is pipeline
+    stage rank s, FSDP rank i, TP rank j.
 
-    TP splits a parameter on its TP dim first (torch chunk rule), then FSDP2's `fully_shard`
-    splits dim 0 of that TP-local tensor into `fsdp` chunks of ceil(d0 / fsdp) rows; trailing
-    ranks may get fewer rows or none. `ranks` are the global ranks of the mesh indices
-    (default `0 .. fsdp*tp - 1`).
+    A parameter lives on one pipeline rank (`stage_of`). There, TP splits it on its TP dim first (torch chunk
+    rule), then FSDP2's `fully_shard` splits dim 0 of that TP-local tensor into `fsdp` chunks of ceil(d0 / fsdp)
+    rows; trailing ranks may get fewer rows or none. `ranks` are the global ranks of the mesh indices (default
+    `0 .. pp*fsdp*tp - 1`). `layer_stages` (pp > 1): the pipeline rank of each decoder layer.
     """
 
     fsdp: int
     tp: int = 1
     ranks: tuple[int, ...] | None = None
+    pp: int = 1
+    layer_stages: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_layout("trainer", self.fsdp, self.tp, self.ranks)
+        if self.pp < 1:
+            raise ValueError(f"trainer layout needs a positive pp, got {self.pp}")
+        if self.pp > 1 and not self.layer_stages:
+            raise ValueError(
+                "a pipelined trainer layout (pp > 1) needs layer_stages: the stage of each layer"
+            )
+        if any(not 0 <= s < self.pp for s in self.layer_stages):
+            raise ValueError(f"layer_stages {self.layer_stages} name stages outside 0..{self.pp - 1}")
+        _check_layout("trainer", self.fsdp, self.tp, self.ranks, self.pp)
 
     @property
     def size(self) -> int:
         """Number of trainer ranks."""
+        return self.pp * self.fsdp * self.tp
+
+    @property
+    def stage_size(self) -> int:
+        """Trainer ranks per pipeline stage rank: its (fsdp, tp) mesh."""
         return self.fsdp * self.tp
+
+    def stage_of(self, name: str) -> int:
+        """The pipeline rank that holds parameter `name` (Llama/Qwen names, as training.pipeline splits them):
+        a decoder layer's from layer_stages, the input embeddings on the first, the rest (norm, head) on the last."""
+        if self.pp == 1:
+            return 0
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            return self.layer_stages[int(parts[2])]
+        return 0 if parts[:2] == ["model", "embed_tokens"] else self.pp - 1
 
     def global_ranks(self) -> np.ndarray:
         """Global rank of each mesh index, shape (fsdp * tp,)."""
@@ -95,12 +121,14 @@ class EngineLayout:
         return flat.reshape(self.engines, self.tp)
 
 
-def _check_layout(what: str, groups: int, tp: int, ranks: tuple[int, ...] | None) -> None:
+def _check_layout(what: str, groups: int, tp: int, ranks: tuple[int, ...] | None, pp: int = 1) -> None:
     if groups < 1 or tp < 1:
         raise ValueError(f"{what} layout needs positive sizes, got {groups} x tp={tp}")
     if ranks is not None:
-        if len(ranks) != groups * tp:
-            raise ValueError(f"{what} layout has {groups * tp} ranks but {len(ranks)} rank ids were given")
+        if len(ranks) != pp * groups * tp:
+            raise ValueError(
+                f"{what} layout has {pp * groups * tp} ranks but {len(ranks)} rank ids were given"
+            )
         if len(set(ranks)) != len(ranks) or min(ranks) < 0:
             raise ValueError(f"{what} layout rank ids must be distinct and non-negative")
 
@@ -140,7 +168,8 @@ def chunk_bounds(size: int, parts: int) -> np.ndarray:
 
 
 def trainer_shard_box(shape: tuple[int, ...], tp_dim: int | None, layout: TrainerLayout, index: int) -> Box:
-    """The region of a parameter held by trainer mesh index `index` (FSDP rank i, TP rank j)."""
+    """The region of a parameter held by index `index` (FSDP rank i, TP rank j) of the (fsdp, tp) mesh of the
+    pipeline rank that holds it (the whole mesh when pp = 1)."""
     i, j = divmod(index, layout.tp)
     box = [(0, s) for s in shape]
     if tp_dim is not None and layout.tp > 1:

@@ -406,6 +406,8 @@ def _gather_to_root(
         if plan.is_src(rank):
             reqs = []
             for p, spec in enumerate(plan.params):
+                if box_numel(plan.src_box(p, rank)) == 0:  # none of it here (or on another pipeline stage)
+                    continue
                 shard = src_shards[spec.name]
                 if shard.numel():
                     reqs.append(dist.isend(shard.contiguous(), dst=root, tag=p))

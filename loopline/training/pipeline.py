@@ -166,7 +166,8 @@ class StageModule(nn.Module):
 
     forward(x, attention_mask, labels): x is input_ids (B, L) on the first stage, hidden states (B, L, H)
     after it; the last stage returns (B, L, 2) float32: log-prob of labels[:, t] at position t, and the
-    entropy there; the others return hidden states.
+    entropy there (in eval mode also (B, L, 3): the log-prob at `temperature`, what an engine reports when it
+    samples at it); the others return hidden states.
     """
 
     def __init__(self, model: Any, index: int, num_stages: int, layers: range) -> None:
@@ -184,6 +185,7 @@ class StageModule(nn.Module):
         self.layer_types = list(
             getattr(model.config, "layer_types", None) or ["full_attention"] * len(layers)
         )
+        self.temperature = 1.0  # eval's third channel: log-probs as sampled at this temperature
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
@@ -202,7 +204,12 @@ class StageModule(nn.Module):
             return h
         logits = self.lm_head(self.model.norm(h)).float()  # (B, L, V)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return torch.stack([logp, entropy_from_logits(logits)], dim=-1)  # (B, L, 2)
+        channels = [logp, entropy_from_logits(logits)]
+        if not self.training:
+            t = self.temperature
+            tempered = torch.log_softmax(logits / t, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+            channels.append(logp if t in (0.0, 1.0) else tempered)
+        return torch.stack(channels, dim=-1)  # (B, L, 2), or (B, L, 3) in eval
 
 
 def split_model(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageModule]:
@@ -222,6 +229,30 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> li
     check_pp(num_layers, pp, virtual)
     runs = stage_layers(num_layers, pp * virtual)
     return [StageModule(model, s, pp * virtual, runs[s]) for s in rank_stages(pp_rank, pp, virtual)]
+
+
+class StageParts(nn.Module):
+    """This rank's stages as one module named like the whole model (model.embed_tokens, model.layers.N,
+    model.norm, lm_head; only the parts it holds): what checkpoints, whole-weight loads and the weight sync read,
+    so they see the names of pp = 1. The parts are the stages' own modules, not copies."""
+
+    def __init__(self, stages: Sequence[StageModule]) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        layers: dict[str, nn.Module] = {}
+        for stage in stages:
+            if stage.model.embed_tokens is not None:
+                self.model.embed_tokens = stage.model.embed_tokens
+            layers.update(stage.model.layers.items())
+            if stage.model.norm is not None:
+                self.model.norm = stage.model.norm
+            if stage.lm_head is not None:
+                self.lm_head = stage.lm_head
+        self.model.layers = nn.ModuleDict(dict(sorted(layers.items(), key=lambda kv: int(kv[0]))))
+        # a tied head without the embeddings (the last stage, pp > 1) is a copy of them: a checkpoint of an
+        # unpipelined model has its optimizer state under the embeddings' name only
+        copy = stages[0].tied and not hasattr(self.model, "embed_tokens") and hasattr(self, "lm_head")
+        self.optim_aliases = {"lm_head.weight": "model.embed_tokens.weight"} if copy else {}
 
 
 def pp_mesh(num_ranks: int, pp: int, tp: int = 1, device_type: str = "cpu") -> DeviceMesh:
@@ -335,7 +366,7 @@ class PipelineTrainer:
         self.loss, self.micro_batch_size, self.width_bucket = loss, micro_batch_size, width_bucket
         self.modules = nn.ModuleList(self.stages)
         self.optimizer, self.scheduler = build_optimizer(self.modules, optim, total_steps)
-        self._schedules: dict[tuple[int, int, bool], Any] = {}
+        self._schedules: dict[tuple[int, int, int, bool], Any] = {}
         self.max_schedules = MAX_SCHEDULES
         self._micro_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._tied, self._tied_group = self._tie()
@@ -357,11 +388,11 @@ class PipelineTrainer:
         assert len(mine) == 1, "a rank holds one copy of a tied embedding when pp > 1"
         return mine[0], group
 
-    def _schedule(self, n_micro: int, width: int, train: bool) -> Any:
+    def _schedule(self, n_micro: int, mbs: int, width: int, train: bool) -> Any:
         """The schedule for this shape (built on first use: its stages fix their shapes at their first step).
         The newest max_schedules are kept (each holds receive buffers for its micro-batches); every rank of a
         pp group sees the same shapes in the same order, so they build and drop schedules together."""
-        key = (n_micro, width, train)
+        key = (n_micro, mbs, width, train)
         if key in self._schedules:
             self._schedules[key] = self._schedules.pop(key)  # the most recently used last
         else:
@@ -385,15 +416,17 @@ class PipelineTrainer:
     def _run(
         self, batch: B, mbs: int, train: bool, target: Callable[[B], torch.Tensor] | None = None
     ) -> tuple[int, torch.Tensor | None]:
-        """One pass of the schedule over `batch` in micro-batches of `mbs` rows, padded to the step's common
-        shape: (micro-batches run, the last stage's merged output (B', L', 2) on the rank that holds it (eval),
-        else None)."""
-        local = torch.tensor([math.ceil(len(batch) / mbs), batch.input_ids.shape[1]], dtype=torch.int64)
+        """One pass of the schedule over `batch` in micro-batches of at most `mbs` rows, padded to the step's
+        common shape: (micro-batches run, the last stage's merged output (B', L', C) on the rank that holds it
+        (eval), else None). A batch of fewer than pp * mbs rows runs in pp smaller micro-batches."""
+        local = torch.tensor([len(batch), batch.input_ids.shape[1]], dtype=torch.int64)
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.dp_group)  # dp ranks run the same shapes
-        n_micro, width = padded_shape(int(local[0]) * mbs, int(local[1]), mbs, self.pp, self.width_bucket)
+        rows = int(local[0])
+        mbs = min(mbs, max(1, math.ceil(rows / self.pp)))
+        n_micro, width = padded_shape(rows, int(local[1]), mbs, self.pp, self.width_bucket)
         padded = pad_batch(batch, n_micro * mbs, width)
         ids, attn = padded.input_ids.to(self.device), padded.attention_mask.to(self.device)
-        schedule = self._schedule(n_micro, width, train)
+        schedule = self._schedule(n_micro, mbs, width, train)
         kwargs: dict[str, Any] = {"attention_mask": attn, "labels": _next_tokens(ids)}
         if not train:
             with torch.no_grad():
@@ -516,17 +549,28 @@ class PipelineTrainer:
     def logprobs(self, batch: TokenBatch, micro_batch_size: int | None = None) -> torch.Tensor:
         """Response log-probs (B, C) of this rank's rows, without gradients, in micro-batches of micro_batch_size
         rows (default: the trainer's): computed on the last stage and broadcast to every rank of the pp group."""
+        return self.behaviour_logprobs(batch, 1.0, micro_batch_size)[0]
+
+    def behaviour_logprobs(
+        self, batch: TokenBatch, temperature: float, micro_batch_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows' response log-probs (B, C) from one pass without gradients: at T=1 and at
+        `temperature` (as training.policy.behaviour_logprobs), on every rank of the pp group."""
         mbs = micro_batch_size or self.micro_batch_size
         if mbs is None:
             raise ValueError("logprobs needs micro_batch_size (the trainer was built without one)")
         self.modules.eval()
+        for stage in self.stages:
+            stage.temperature = temperature
         _, out = self._run(batch, mbs, train=False)
         rows, width = batch.response_mask.shape
-        logp = torch.zeros(rows, width, dtype=torch.float32, device=self.device)
+        both = torch.zeros(2, rows, width, dtype=torch.float32, device=self.device)
         if self._holds_last():
             assert out is not None
             padded_width = out.shape[1] - batch.input_ids.shape[1] + width  # the padded batch's C
-            logp.copy_(_responses(out, padded_width)[0][:rows, :width])
+            length = out.shape[1]
+            resp = out[:rows, length - padded_width - 1 : length - 1][:, :width]  # as _responses
+            both.copy_(torch.stack([resp[..., 0], resp[..., 2]]))
         last = dist.get_global_rank(self.pp_group, self.pp - 1)
-        dist.broadcast(logp, src=last, group=self.pp_group)
-        return logp.cpu()
+        dist.broadcast(both, src=last, group=self.pp_group)
+        return both[0].cpu(), both[1].cpu()

@@ -220,6 +220,49 @@ def test_in_process_copy_is_bitwise(
             )
 
 
+@pytest.mark.parametrize(
+    ("pp", "fsdp", "trainer_tp", "engine_tp"), [(2, 1, 1, 1), (2, 2, 2, 2), (4, 1, 2, 1)]
+)
+def test_pipeline_stages_send_only_their_own_parameters_and_engines_get_the_whole_model(
+    pp: int, fsdp: int, trainer_tp: int, engine_tp: int
+) -> None:
+    """A (pp, fsdp, tp) trainer: each parameter comes from the ranks of the pipeline stage that holds it (layers by
+    layer_stages, embeddings first, norm and head last), and the engines receive every byte once, bitwise."""
+    specs = llama_specs(layers=4, hidden=8, intermediate=12, heads=2, kv_heads=1, vocab=11, dtype=F32)
+    layer_stages = tuple(i * pp // 4 for i in range(4))
+    trainer = TrainerLayout(fsdp, trainer_tp, pp=pp, layer_stages=layer_stages)
+    plan = plan_transfers(specs, trainer, EngineLayout(2, engine_tp))
+    report = check_plan(plan)
+    assert report.exact, report.problems
+    assert report.bytes_moved == report.lower_bound
+    per = fsdp * trainer_tp
+    want_stage = {"model.embed_tokens.weight": 0, "model.norm.weight": pp - 1, "lm_head.weight": pp - 1}
+    want_stage |= {s.name: layer_stages[int(s.name.split(".")[2])] for s in specs if ".layers." in s.name}
+    for rank in range(trainer.size):
+        sent = {t.name for t in plan.transfers_from(rank)}
+        assert sent <= {n for n, st in want_stage.items() if st == rank // per}, rank
+    gen = torch.Generator().manual_seed(0)
+    full = {s.name: torch.randn(s.shape, generator=gen) for s in specs}
+    shards: dict[int, dict[str, torch.Tensor]] = {
+        r: {} for r in range(trainer.size)
+    }  # only their stage's names
+    for p, s in enumerate(specs):
+        pieces = _trainer_shards_by_torch(full[s.name], plan.tp_dims[p], fsdp, trainer_tp)
+        for m, shard in enumerate(pieces):
+            shards[want_stage[s.name] * per + m][s.name] = shard
+    targets = {int(r): empty_engine_shards(plan, int(r)) for r in plan.dst_ranks.reshape(-1)}
+    assert copy_in_process(plan, shards, targets) == report.lower_bound
+    for (_, j), r in np.ndenumerate(plan.dst_ranks):
+        for p, s in enumerate(specs):
+            d = plan.tp_dims[p]
+            want = _chunk_padded(full[s.name], engine_tp, d)[j] if d is not None else full[s.name]
+            assert torch.equal(targets[int(r)][s.name], want), (r, s.name)
+    with pytest.raises(ValueError, match="layer_stages"):
+        TrainerLayout(2, pp=2)
+    with pytest.raises(ValueError, match="outside 0..1"):
+        TrainerLayout(2, pp=2, layer_stages=(0, 2))
+
+
 def test_in_process_copy_fills_only_the_engine_ranks_given() -> None:
     """The local sync: each engine copies its own part of the plan; a rank the plan has no engine on is refused."""
     specs = [ParamSpec("a.q_proj.weight", (5, 3), F32), ParamSpec("a.o_proj.weight", (3, 5), F32)]
@@ -287,14 +330,15 @@ def test_bad_inputs_raise() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# At scale, without ranks: Llama-70B from 4,096 FSDP ranks to 512 engines at TP=8
+# At scale, without ranks: Llama-70B from 4,096 trainer ranks (FSDP, FSDP x TP, PP x FSDP x TP) to 512 engines at TP=8
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("name", "trainer", "colocated"),
     [("fsdp4096", TrainerLayout(4096), False), ("fsdp4096_colocated", TrainerLayout(4096), True),
-     ("fsdp512xtp8_colocated", TrainerLayout(512, 8), True)],
+     ("fsdp512xtp8_colocated", TrainerLayout(512, 8), True),
+     ("pp8xfsdp64xtp8_colocated", TrainerLayout(64, 8, pp=8, layer_stages=tuple(i // 10 for i in range(80))), True)],
 )  # fmt: skip
 def test_plan_70b_at_scale(name: str, trainer: TrainerLayout, colocated: bool) -> None:
     specs = llama_specs()  # 80 layers, hidden 8192, intermediate 28672, 64/8 heads, vocab 128256, bf16
@@ -316,7 +360,7 @@ def test_plan_70b_at_scale(name: str, trainer: TrainerLayout, colocated: bool) -
     # The lower bound itself: each engine holds one model plus 7 extra copies of the replicated norms.
     norms = sum(s.nbytes for s in specs if len(s.shape) == 1)
     assert report.lower_bound == 512 * (sum(s.nbytes for s in specs) + 7 * norms)
-    assert report.num_transfers > 1_000_000_000  # too many to list: the templates hold ~1e5 rows
+    assert report.num_transfers > 100_000_000  # too many to list: the templates hold ~1e5 rows
     assert plan_s + check_s < 30.0
     if colocated and trainer.tp == 8:
         # Every trainer shard lands in place once; a norm shard i also feeds TP ranks j of engine i (8 copies).

@@ -217,7 +217,7 @@ def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
     assert len(engines[0]) == 1 and torch.equal(engines[0][0], engines[1][0])
     assert steady(read_metrics(run)) == steady(read_metrics(runs["ray"]))
     resumed = read_full_state(a / "dcp")  # the ranks' DCP shards, whole
-    assert resumed["scheduler"]["last_epoch"] == 3 and len(resumed["optim"]["state"]) > 0
+    assert resumed["scheduler"]["last_epoch"] == 3 and any(k.startswith("state.") for k in resumed["optim"])
     # the resumed step measured KL to the saved reference, not to itself
     assert _rows(run, "grpo")[3]["kl"] > 0
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from loopline.bench.sync import run_world
+from loopline.cli import check_run
 from loopline.config import ConfigError, GRPOConfig, OptimConfig, SamplingConfig, TinyModelConfig, load_config
 from loopline.data.batches import RolloutBatch, TokenBatch, collate, split_rows
 from loopline.models.load import build_tiny_model
@@ -419,11 +420,18 @@ def test_runtime_config_accepts_a_fitting_pipeline() -> None:
     assert (rt.trainer_pp, rt.trainer_pp_virtual) == (2, 2)
 
 
-def test_run_config_checks_the_layers_then_refuses_pp_for_the_trainer_role() -> None:
-    ray = ["runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.trainer_pp=2"]
+def test_run_config_checks_the_layers_and_dpo_and_rm_refuse_a_pipeline(tmp_path: Path) -> None:
+    ray = ["runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.trainer_pp=2", f"out_dir={tmp_path}"]
     with pytest.raises(
         ConfigError, match=r"model.tiny.num_layers \(3\) must be divisible by runtime.trainer_pp"
     ):
         load_config(overrides=[*ray, "model.tiny.num_layers=3"])
-    with pytest.raises(ConfigError, match="pipeline parallelism is not built into the trainer role yet"):
-        load_config(overrides=ray)
+    cfg = load_config(overrides=ray)  # train and sft run the actor through the pipeline
+    check_run(cfg, "train")
+    for command in ("dpo", "rm"):
+        with pytest.raises(ConfigError, match=f"`loopline {command}` does not run through the pipeline yet"):
+            check_run(cfg, command)
+    with pytest.raises(
+        ConfigError, match="backend 'local' runs one rank per role; actor=2 needs backend=ray"
+    ):
+        load_config(overrides=["runtime.trainer_ranks=2", "runtime.trainer_pp=2"])
