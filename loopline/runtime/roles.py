@@ -117,6 +117,10 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         from loopline.training.parallel import check_tp
 
         check_tp(model, rt.trainer_tp)
+    if rt.trainer_pp > 1:  # a model of another layout, or layers that do not divide into the stages
+        from loopline.training.pipeline import check_split
+
+        check_split(model, rt.trainer_pp, rt.trainer_pp_virtual)
     placement = rt.pools()
     started = start_ray(_local_cluster(rt.cluster, placement))
     groups: list[WorkerGroup] = []

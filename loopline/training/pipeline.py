@@ -212,12 +212,8 @@ class StageModule(nn.Module):
         return torch.stack(channels, dim=-1)  # (B, L, 2), or (B, L, 3) in eval
 
 
-def split_model(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageModule]:
-    """The stages pipeline rank `pp_rank` holds (`rank_stages`) of `model`, an HF Llama/Qwen2-layout causal LM.
-
-    The stages take their parts of `model` (no copy); each keeps its layers under their original names.
-    Raises ValueError for another layout or layers that do not divide by pp * virtual.
-    """
+def check_split(model: nn.Module, pp: int, virtual: int = 1) -> int:
+    """Raise ValueError unless `model` (Llama/Qwen2 layout) splits into pp * virtual stages; its layer count."""
     base = getattr(model, "model", None)
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if base is None or not all(hasattr(base, n) for n in needed) or not hasattr(model, "lm_head"):
@@ -225,8 +221,17 @@ def split_model(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> li
             f"{type(model).__name__} is not an HF decoder-only LM with model.{{{','.join(needed)}}} and "
             "lm_head: train it with trainer_pp=1"
         )
-    num_layers = len(base.layers)
-    check_pp(num_layers, pp, virtual)
+    check_pp(len(base.layers), pp, virtual)
+    return len(base.layers)
+
+
+def split_model(model: nn.Module, pp_rank: int, pp: int, virtual: int = 1) -> list[StageModule]:
+    """The stages pipeline rank `pp_rank` holds (`rank_stages`) of `model`, an HF Llama/Qwen2-layout causal LM.
+
+    The stages take their parts of `model` (no copy); each keeps its layers under their original names.
+    Raises ValueError for another layout or layers that do not divide by pp * virtual.
+    """
+    num_layers = check_split(model, pp, virtual)
     runs = stage_layers(num_layers, pp * virtual)
     return [StageModule(model, s, pp * virtual, runs[s]) for s in rank_stages(pp_rank, pp, virtual)]
 
