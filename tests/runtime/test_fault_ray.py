@@ -15,6 +15,7 @@ the kill may also land in a rank's background write: such a checkpoint never bec
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -246,34 +247,55 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
     assert _same_weights(run, uninterrupted)
 
 
-def test_a_killed_reference_rank_restarts_the_reference_group_alone(ray_cluster, tmp_path: Path) -> None:
-    """grpo.kl_coef > 0 runs a reference group of its own (2 ranks, their own world). A reference rank's death
-    replaces the reference's ranks alone (the trainer ranks keep their processes while the run goes on); the run
-    resumes from its last checkpoint and ends with every step logged once and every sample trained once. (Not
-    compared with an uninterrupted run with the reference: that would cost the suite another Ray run.)"""
+def test_killed_reference_then_critic_ranks_restart_their_groups_alone(
+    ray_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PPO with grpo.kl_coef > 0 runs a reference group and a critic group of their own (2 ranks each, their own
+    worlds). A reference rank is killed, then, once a step has trained after its restart, a critic rank: each
+    death replaces that role's ranks alone (the trainer ranks keep their processes while the run goes on), the run
+    resumes from its last checkpoint each time and ends with every step logged once and every sample trained once.
+    (Not compared with an uninterrupted run: that would cost the suite another Ray run.)"""
     run = tmp_path / "killed"
     kept: dict[str, list[int]] = {}
 
-    def kill_a_reference_rank(_: subprocess.Popen) -> None:
+    def wait_for_a_step_after(role: str) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
+        while not any(
+            f"recover_{role}_s" in r for r in _rows(run)
+        ):  # the first step trained after the restart
+            assert time.monotonic() < deadline, f"no step trained after the {role} restart"
+            time.sleep(0.05)
+
+    def kill_a_reference_then_a_critic_rank(_: subprocess.Popen) -> None:
         kept["trainers"] = _trainer_processes()
         os.kill(_descendants_titled(os.getpid(), "ray::ReferenceWorker")[0], signal.SIGKILL)
-        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
-        while not any("recover_ref_s" in r for r in _rows(run)):  # the first step trained after the restart
-            assert time.monotonic() < deadline, "no step trained after the reference's restart"
-            time.sleep(0.05)
+        wait_for_a_step_after("ref")
+        kept["critics"] = _descendants_titled(os.getpid(), "ray::CriticWorker")
+        os.kill(kept["critics"][-1], signal.SIGKILL)
+        wait_for_a_step_after("critic")
         kept["after"] = _trainer_processes()  # the run is still going: its trainer ranks are alive
+        kept["new_critics"] = _descendants_titled(os.getpid(), "ray::CriticWorker")
 
-    status, out, err = _act_at_step_1(run, ["grpo.kl_coef=0.05"], kill_a_reference_rank)
+    ppo = ["grpo.kl_coef=0.05", "grpo.advantage=gae", "grpo.steps=7", "runtime.max_restarts=2"]
+    status, out, err = _act_at_step_1(run, ppo, kill_a_reference_then_a_critic_rank)
     assert status == 0, out[-3000:] + err[-3000:]
-    assert "ref ranks restarted in " in out + err and "trainer ranks restarted" not in out + err
-    assert "restarted the ref group; resuming from the last checkpoint (restart 1 of 1" in out
-    assert "from a failure of role 'ref'" in out
+    assert "ref ranks restarted in " in out + err and "critic ranks restarted in " in out + err
+    assert "trainer ranks restarted" not in out + err
+    assert "restarted the ref group; resuming from the last checkpoint (restart 1 of 2" in out
+    assert "restarted the critic group; resuming from the last checkpoint (restart 2 of 2" in out
+    assert "from a failure of role 'ref'" in out and "from a failure of role 'critic'" in out
+    with capsys.disabled():  # the times to recover, shown with -s
+        print(*(line for line in out.splitlines() if "recovered in " in line or "ranks restarted in" in line))
     assert len(kept["trainers"]) == 2 and kept["trainers"] == kept["after"]
-    assert _grpo_steps(run) == [0, 1, 2, 3, 4, 5] and (run / FINAL).is_file()  # each once
+    assert len(kept["critics"]) == len(kept["new_critics"]) == 2
+    assert not set(kept["critics"]) & set(
+        kept["new_critics"]
+    )  # both critic ranks replaced, not only the dead one
+    assert _grpo_steps(run) == list(range(8))  # each once
+    assert (run / "checkpoints" / "grpo-000007" / "model" / "model.safetensors").is_file()
     assert not repeats(read_ledger(run))
-    assert all(
-        r["kl"] > 0 for r in _rows(run) if r.get("phase") == "grpo" and r["step"] > 1
-    )  # the KL term ran
+    rows = [r for r in _rows(run) if r.get("phase") == "grpo" and r["step"] > 1]
+    assert all(r["kl"] > 0 and math.isfinite(r["value_loss"]) for r in rows)  # the KL term and the critic ran
 
 
 def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluster, tmp_path: Path) -> None:

@@ -426,7 +426,9 @@ def test_a_ray_run_refuses_a_model_whose_layers_do_not_split_before_ray_starts()
     cfg = load_config(overrides=["runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.trainer_pp=2"])
     model = build_tiny_model(TINY.model_copy(update={"num_layers": 3}), build_byte_tokenizer(), seed=0)
     with pytest.raises(ValueError, match="3 decoder layers do not divide by trainer_pp"):
-        build_roles(cfg, model, build_byte_tokenizer())  # a model.path model: the config cannot count its layers
+        build_roles(
+            cfg, model, build_byte_tokenizer()
+        )  # a model.path model: the config cannot count its layers
 
 
 def test_run_config_checks_the_layers_and_dpo_and_rm_refuse_a_pipeline(tmp_path: Path) -> None:
