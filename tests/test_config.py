@@ -51,6 +51,32 @@ def test_bad_value_names_the_key_and_the_rule(override, key, hint):
     assert hint in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides,hint",
+    [
+        (["runtime.trainer_replicas=2"], "trainer_replicas=2 needs backend=ray"),
+        (["runtime.trainer_replicas=0"], "greater than 0"),
+        (
+            ["runtime.backend=ray", "runtime.trainer_ranks=3", "runtime.trainer_replicas=2"],
+            "trainer_ranks=3 must be divisible by trainer_replicas * trainer_tp = 2 * 1",
+        ),
+        (
+            [
+                "runtime.backend=ray",
+                "runtime.trainer_ranks=4",
+                "runtime.trainer_replicas=2",
+                "runtime.trainer_pp=2",
+            ],
+            "replicas of a pipelined trainer are not built",
+        ),
+    ],
+)
+def test_trainer_replicas_that_cannot_be_laid_out_are_refused(overrides, hint):
+    with pytest.raises(ConfigError, match="runtime") as err:
+        load_config(overrides=overrides)
+    assert hint in str(err.value)
+
+
 def test_every_error_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["grpo.stepz=1", "sft.steps=-1"])

@@ -18,13 +18,15 @@
    trained after the recovery (it carries recover_actor_s; then the run is killed), with
    runtime.restart_scope=role (the trainer group restarts alone), the same with runtime.trainer_standby (spare
    ranks, built ahead, take the dead ranks' places) and restart_scope=all (every role restarts from the
-   checkpoint), split into: the kill seen (the failure printed), restarted and checkpoint loaded ("recovered
-   in"), and the first step. Each case also reports whether the trainer ranks' and the engine's processes are
+   checkpoint), and healed from a live replica (runtime.trainer_replicas=2, with and without spares: no checkpoint
+   loaded, no step trained again), split into: the kill seen (the failure printed; for a heal, where it began),
+   restarted and checkpoint loaded ("recovered in") or healed, and the first step. Each case also reports whether the trainer ranks' and the engine's processes are
    new, and whether the spares took the ranks' places.
 
 Prints `name: value` lines, ending with the headline ratios: the loop's wait for an async save over a
 blocking one, resumed over fresh time to the first train step, then a whole restart's time from a trainer
-rank's death to the next step over a per-role restart's, with spares and (last) without.
+rank's death to the next step over a per-role restart's, with spares, over a heal's (spares, then none), and
+(last) over a per-role restart's without spares.
 """
 
 from __future__ import annotations
@@ -130,15 +132,18 @@ KILL_RAY = [
     "runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.engines=1", "runtime.env_workers=1",
     "runtime.call_timeout_s=60", "runtime.max_restarts=1",
 ]  # fmt: skip
-KILL_CASES = {  # how the run restarts: the trainer group alone, the same from spares, every role
+KILL_CASES = {  # how the run recovers: the trainer group alone, the same from spares, every role; healed from a replica
     "role": ["runtime.restart_scope=role"],
     "standby": ["runtime.restart_scope=role", "runtime.trainer_standby=true"],
     "all": ["runtime.restart_scope=all"],
+    "heal": ["runtime.trainer_replicas=2"],
+    "heal_standby": ["runtime.trainer_replicas=2", "runtime.trainer_standby=true"],
 }
 KILL_PHASES = ("detect_s", "restart_s", "first_step_s", "time_to_next_step_s")
-KILL_CHECKS = ("trainer_ranks_replaced", "engine_kept", "spares_promoted", "ledger_exactly_once")
+KILL_CHECKS = ("trainer_ranks_replaced", "engine_kept", "spares_promoted", "ledger_exactly_once", "healed")
 _RANK_LINE = "trainer ranks restarted in "  # runtime.roles prints where a per-role restart's time went
 _ROLES_LINE = "roles stopped in "  # and commands a whole restart's
+_HEAL_LINE = "healed the trainer from a live replica in "  # and ActorRole a heal's
 
 
 def _ray_processes(title: str) -> list[int]:
@@ -220,7 +225,8 @@ class _Lines:
 
 
 def _recovered_row(run: Path) -> dict[str, Any] | None:
-    """The metrics row of the first step trained after the restart (it carries recover_actor_s), once written."""
+    """The metrics row of the first step trained after the restart (it carries recover_actor_s), or of the step
+    a heal let go on (heal_actor_s), once written."""
     try:
         text = (run / "metrics.jsonl").read_text()
     except FileNotFoundError:
@@ -228,7 +234,7 @@ def _recovered_row(run: Path) -> dict[str, Any] | None:
     for line in text.splitlines():
         with contextlib.suppress(ValueError):  # a line half-written
             row = json.loads(line)
-            if "recover_actor_s" in row:
+            if "recover_actor_s" in row or "heal_actor_s" in row:
                 return row
     return None
 
@@ -275,7 +281,8 @@ def _kill_a_trainer_rank(
         wait_for(
             f"at the checkpoint of GRPO step {kill_step}", (checkpoints / f"grpo-{kill_step:06d}").is_dir
         )
-        actors = 4 if case == "standby" else 2  # ranks and spares; the spares start after the ranks
+        standby = "runtime.trainer_standby=true" in KILL_CASES[case]
+        actors = 4 if standby else 2  # ranks and spares; the spares start after the ranks
         wait_for("with its trainer ranks (and spares) built", lambda: _built("ray::ActorWorker", actors))
         saved = _newest(checkpoints)
         wait_for("at a new checkpoint", lambda: _newest(checkpoints) != saved)  # kill just after it
@@ -292,6 +299,12 @@ def _kill_a_trainer_rank(
         proc.wait(30)
         _wait_released(time.monotonic() + 60)
     seen, recovered = out.first("role 'actor' rank", killed), out.first("recovered in ", killed)
+    healed = out.first(_HEAL_LINE, killed)
+    if (
+        healed is not None
+    ):  # no failure printed: it is seen where the heal, which it printed the time of, began
+        recovered = healed
+        seen = (healed[0] - float(row["heal_actor_s"]), healed[1])
     if seen is None or recovered is None:
         raise RuntimeError(f"loopline train did not print the failure and the recovery:\n{out.tail()}")
     result = {
@@ -299,7 +312,9 @@ def _kill_a_trainer_rank(
         "restart_s": recovered[0] - seen[0],
         "first_step_s": stepped - recovered[0],
         "time_to_next_step_s": stepped - killed,
-        "recover_actor_s": float(row["recover_actor_s"]),  # as the run logged it: caught -> checkpoint loaded
+        # as the run logged it: caught -> checkpoint loaded, or the heal's time
+        "recover_actor_s": float(row.get("recover_actor_s", row.get("heal_actor_s", 0.0))),
+        "healed": float(healed is not None),
         "trainer_ranks_replaced": float(len(ranks) == 2 and not set(ranks) & set(new_ranks)),
         "engine_kept": float(bool(engines) and new_engines == engines),
         "spares_promoted": float(len(spares) == 2 and new_ranks[:2] == spares),
@@ -484,6 +499,9 @@ def main(argv: list[str]) -> int:
         to_step = {case: statistics.median(got["time_to_next_step_s"]) for case, got in kill.items()}
         if "standby" in to_step:
             print(f"headline.whole_over_standby_restart: {to_step['all'] / to_step['standby']:.3f}")
+        for case in ("heal_standby", "heal"):
+            if case in to_step:
+                print(f"headline.whole_restart_over_{case}: {to_step['all'] / to_step[case]:.3f}")
         if "role" in to_step:
             print(f"headline.whole_over_per_role_restart: {to_step['all'] / to_step['role']:.3f}")
     return 0

@@ -89,6 +89,56 @@ def load_shards(
         trainer.scheduler.load_state_dict(state["scheduler"])
 
 
+def local_state(model: nn.Module, trainer: PolicyTrainer | PipelineTrainer | None) -> dict[str, Any]:
+    """This rank's `shard_state` as plain tensors (each DTensor's local part), for a rank at the same mesh position
+    of another replica to load (`load_local_state`): a healthy replica's shards, not a checkpoint's."""
+    from torch.distributed.tensor import DTensor
+
+    def local(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: local(v) for k, v in value.items()}
+        return value.to_local().clone() if isinstance(value, DTensor) else value
+
+    return local(shard_state(model, trainer))
+
+
+def load_local_state(
+    model: nn.Module, trainer: PolicyTrainer | PipelineTrainer | None, state: Mapping[str, Any]
+) -> None:
+    """Load a `local_state` taken at this rank's mesh position (same layout, another replica) into `model` and
+    `trainer`: the shapes must match exactly, since nothing is resharded."""
+    from torch.distributed.tensor import DTensor
+
+    target = shard_state(
+        model, trainer
+    )  # this rank's DTensors to fill (a fresh optimizer's state is created)
+
+    def fill(into: dict[str, Any], values: Mapping[str, Any], where: str) -> None:
+        if into.keys() != values.keys():
+            missing, extra = sorted(into.keys() - values.keys()), sorted(values.keys() - into.keys())
+            raise ValueError(
+                f"replica state for {where} does not match this rank's: missing {missing[:3]}, extra {extra[:3]}"
+            )
+        for key, value in values.items():
+            if isinstance(into[key], dict):
+                fill(into[key], value, f"{where}.{key}")
+            elif isinstance(into[key], DTensor):
+                part = into[key].to_local()
+                if part.shape != value.shape:
+                    raise ValueError(
+                        f"replica state {where}.{key}: shape {tuple(value.shape)}, this rank holds {tuple(part.shape)}"
+                    )
+                part.copy_(value)
+            else:
+                into[key] = value.clone() if isinstance(value, torch.Tensor) else value
+
+    fill(target, state, "state")
+    set_model_state_dict(model, target["model"])
+    if trainer is not None:
+        set_optimizer_state_dict(model, trainer.optimizer, target["optim"], options=_OPTIM)
+        trainer.scheduler.load_state_dict(target["scheduler"])
+
+
 def _renamed(optim: dict[str, Any], names: Mapping[str, str]) -> dict[str, Any]:
     """A flattened optimizer state ("state.<param>.<key>", "param_groups.<param>.<key>") with params renamed."""
     if not names:

@@ -7,7 +7,10 @@ test can SIGKILL it at exactly that point: mid-save, right after a save, at a gi
   thread when checkpoint.async_save is on, so the loop keeps training meanwhile);
 - `saved:<checkpoint>`: the checkpoint renamed into place and `latest` updated;
 - `step:<phase>:<step>`: the metrics row of that step logged, before its checkpoint;
-- `stage:<stage>`: at the start of a loop stage (e.g. `stage:score`), to test the watchdog.
+- `stage:<stage>`: at the start of a loop stage (e.g. `stage:score`), to test the watchdog;
+- `policy_step:<rank>:<n>:before` / `:after` (and `sft_step:...`): on trainer rank <rank>, around the n-th optimizer
+  step of the phase (once per run: a rank that replaces it does not stop there again), to lose a rank mid-step.
+Ray workers get these variables from the driver (`fault_env`).
 Unset (the normal case) they cost one dictionary lookup. Set, the first point reached says so on stderr
 (once per process): a variable inherited by accident would otherwise hold a real run forever in silence.
 """
@@ -24,8 +27,15 @@ PAUSE_DIR_ENV = "LOOPLINE_PAUSE_DIR"
 _warned = False
 
 
-def pause_point(name: str) -> None:
-    """Sleep forever here when LOOPLINE_PAUSE_AT names this point (a test then kills the process)."""
+def fault_env() -> dict[str, str]:
+    """This process's test-hook variables, for workers started elsewhere (a Ray actor gets the raylet's environment,
+    not its driver's)."""
+    return {k: os.environ[k] for k in (PAUSE_ENV, PAUSE_DIR_ENV) if k in os.environ}
+
+
+def pause_point(name: str, once: bool = False) -> None:
+    """Sleep forever here when LOOPLINE_PAUSE_AT names this point (a test then kills the process). once: not when
+    the point's marker is there already (a worker that replaces a killed one reaches the same point again)."""
     global _warned
     points = os.environ.get(PAUSE_ENV)
     if not points:
@@ -42,7 +52,10 @@ def pause_point(name: str) -> None:
         return
     marker_dir = os.environ.get(PAUSE_DIR_ENV)
     if marker_dir:
-        Path(marker_dir).mkdir(parents=True, exist_ok=True)
-        (Path(marker_dir) / f"{name.replace(':', '_')}.paused").write_text(str(os.getpid()))
+        marker = Path(marker_dir) / f"{name.replace(':', '_')}.paused"
+        if once and marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(os.getpid()))
     while True:
         time.sleep(3600)

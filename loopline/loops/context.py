@@ -121,6 +121,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
             }
         )
     checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
+    roles.actor.drop_save, roles.actor.note = checkpoints.abandon, logger.note  # what a heal drops and logs
     rt = cfg.runtime
     ranks = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
     watchdog = Watchdog(rt.stage_timeout_s, ranks)
@@ -192,7 +193,8 @@ def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingPar
 
 def sync_engine(ctx: RunContext, version: int) -> None:
     """Push the trainer's weights to the engines (in-process copy locally, the planned transfer on Ray)."""
-    ctx.rollout.update_weights(version)
+    # a trainer rank lost mid-sync (runtime.trainer_replicas > 1): the trainer is healed and the weights sent again
+    ctx.actor.guarded(lambda: ctx.rollout.update_weights(version))
 
 
 def turn_format(ctx: RunContext) -> TurnFormat:

@@ -14,7 +14,9 @@ run has one, is a role of its own (runtime.reference) that ActorRole drives.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -22,7 +24,8 @@ import torch
 from transformers import PreTrainedModel
 
 from loopline.algorithms.policy_loss import PolicyLoss
-from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
+from loopline.checkpoint.dcp import ShardWriter, load_local_state, load_shards, local_state, shard_state
+from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
@@ -39,7 +42,7 @@ from loopline.runtime.ranks import (
     to_device,
 )
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
-from loopline.runtime.workers import WorkerGroup
+from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
 from loopline.training.policy import (
@@ -55,6 +58,11 @@ if TYPE_CHECKING:
     from loopline.training.pipeline import PipelineTrainer
 
 B = TypeVar("B", bound=TokenBatch)
+T = TypeVar("T")
+
+
+class HealError(WorkerError):
+    """A lost trainer rank could not be healed from a replica: no live rank holds its shards at the step."""
 
 
 class ActorWorker:
@@ -68,6 +76,10 @@ class ActorWorker:
         self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
         self.device = model_device(self.model)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined (None: one unsharded rank)
+        self.dp_mesh: Any = None  # its data-parallel ranks (all replicas' shards), 1-D, once joined
+        self.last_stats: Any = (
+            None  # the last train step's stats: a healed group reports a step its peers committed
+        )
         self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.plan: Any = None  # the weight-sync TransferPlan of the last sync
@@ -90,7 +102,13 @@ class ActorWorker:
         hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
         from loopline.runtime.resharding import TrainerLayout
         from loopline.runtime.weight_sync import SyncGroup
-        from loopline.training.parallel import checkpoint_group, dp_tp_mesh, init_distributed, parallelize
+        from loopline.training.parallel import (
+            checkpoint_group,
+            dp_tp_mesh,
+            init_distributed,
+            parallelize,
+            replica_mesh,
+        )
 
         timeout_s = self.cfg.runtime.call_timeout_s
         device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
@@ -99,10 +117,16 @@ class ActorWorker:
         if self.cfg.runtime.trainer_pp > 1:
             self.layout = self._split_into_stages(device.type)
         else:
-            self.mesh = dp_tp_mesh(self.ranks, tp, device.type)  # (dp, tp); tp=1 is FSDP2 over all the ranks
+            replicas = self.cfg.runtime.trainer_replicas
+            if replicas > 1:  # HSDP: (rep, shard, tp), each replica a whole sharded copy
+                self.mesh, self.dp_mesh = replica_mesh(self.ranks, tp, replicas, device.type)
+            else:  # (dp, tp); tp=1 is FSDP2 over all the ranks
+                self.mesh = dp_tp_mesh(self.ranks, tp, device.type)
+                self.dp_mesh = self.mesh["dp"]
             # TP inside each group of tp ranks, FSDP2 across; in place: the same module
             self.model = cast(PreTrainedModel, parallelize(self.model, self.mesh))
-            self.layout = TrainerLayout(fsdp=self.ranks // tp, tp=tp)
+            # the engines get their weights from replica 0's ranks (the others are not in the sync group)
+            self.layout = TrainerLayout(fsdp=self.ranks // (replicas * tp), tp=tp)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's
         self.checkpoint_group = checkpoint_group(self.ranks, timeout_s)
         if self.rank != 0:
@@ -138,9 +162,15 @@ class ActorWorker:
         """Open generation `generation` of the weight-sync group: these trainer ranks and `engines` engines."""
         from loopline.runtime.weight_sync import SyncGroup
 
+        if not self._sends_weights():
+            return
         if self.sync is None:
             self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
-        self.sync.open(generation, self.rank, self.ranks + engines)
+        self.sync.open(generation, self.rank, self.layout.size + engines)
+
+    def _sends_weights(self) -> bool:
+        """Whether this rank is in the weight-sync group: replica 0's ranks are (trainer_replicas > 1)."""
+        return self.rank < self.layout.size
 
     def start_phase(
         self,
@@ -158,7 +188,7 @@ class ActorWorker:
             schedule = self.cfg.runtime.trainer_pp_schedule
             self.trainer = PipelineTrainer(self.stages, self.mesh, optim, total_steps, schedule, loss, mbs)
         else:
-            group = self.mesh["dp"].get_group() if self.mesh is not None else None
+            group = self.dp_mesh.get_group() if self.mesh is not None else None
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
                 self.cfg.model.share_prompts,
@@ -188,10 +218,46 @@ class ActorWorker:
         return trained.cpu(), sampled.cpu()
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
-        return _started(self.trainer).sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
+        trainer = _started(self.trainer)
+        with self._fault_points("sft_step"):
+            self.last_stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
+        return self.last_stats
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
-        return _started(self.trainer).policy_step(to_device(batch, self.device), kl_coef)
+        trainer = _started(self.trainer)
+        with self._fault_points("policy_step"):
+            self.last_stats = trainer.policy_step(to_device(batch, self.device), kl_coef)
+        return self.last_stats
+
+    @contextmanager
+    def _fault_points(self, method: str) -> Iterator[None]:
+        """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it."""
+        point = f"{method}:{self.rank}:{_started(self.trainer).updates + 1}"
+        pause_point(f"{point}:before", once=True)
+        yield
+        pause_point(f"{point}:after", once=True)
+
+    # Healing from a replica (runtime.trainer_replicas > 1): a rank at the same mesh position of another replica
+    # holds the same shards, so a new rank loads a live one's instead of a checkpoint.
+
+    def replica_info(self) -> tuple[int, Any]:
+        """(optimizer steps this phase's trainer took, the last step's stats): what a healing driver compares."""
+        return _started(self.trainer).updates, self.last_stats
+
+    def replica_state(self) -> dict[str, Any]:
+        """This rank's shards of the weights and optimizer state, its LR schedule and step count, as plain tensors."""
+        trainer = _started(self.trainer)
+        return {
+            "shards": local_state(self.model, trainer),
+            "updates": trainer.updates,
+            "stats": self.last_stats,
+        }
+
+    def load_replica(self, state: dict[str, Any]) -> None:
+        """Take a `replica_state` of the same mesh position (another replica's) into this rank's fresh trainer."""
+        trainer = _started(self.trainer)
+        load_local_state(self.model, trainer, state["shards"])
+        trainer.updates, self.last_stats = state["updates"], state["stats"]
 
     # Preference training (loops.preference): DPO steps the policy; the reward model is a ScalarModel of its own
     # on these ranks (the policy's body, copied, + a scalar head), sharded over the dp ranks like the policy.
@@ -228,8 +294,8 @@ class ActorWorker:
         shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
         model = ScalarModel.from_policy(shapes, self.cfg.model.packing).to(self.device)
         model.load_state_dict(weights)
-        model = shard_critic(model, self.mesh["dp"])
-        self.reward = RewardTrainer(model, cfg, total_steps, group=self.mesh["dp"].get_group())
+        model = shard_critic(model, self.dp_mesh)
+        self.reward = RewardTrainer(model, cfg, total_steps, group=self.dp_mesh.get_group())
 
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One Bradley-Terry step of the reward model on this rank's pairs."""
@@ -250,6 +316,8 @@ class ActorWorker:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
         from loopline.runtime.weight_sync import local_shards
 
+        if not self._sends_weights():
+            return
         self.plan = sync_plan(self.plan, self.sync_params, self.layout, targets)
         self.sync.sync(self.plan, local_shards(self.model), None)  # pipelined: only its stages' names
 
@@ -307,6 +375,30 @@ class ActorWorker:
         """Read this rank's shards of the weights (and optimizer, once a phase started): DCP reshards."""
         aliases = cast(dict, self.model.optim_aliases) if self.stages else None  # of the StageParts
         load_shards(path, self.model, self.trainer, group=self.checkpoint_group, optim_aliases=aliases)
+
+
+def heal_sources(
+    live: Mapping[int, int], ranks: int, replicas: int, before: int
+) -> tuple[int, dict[int, int]]:
+    """Where a healed trainer's state comes from: `live` maps each live rank to the optimizer steps it took, of
+    `ranks` in `replicas` replicas (rank r holds the shards of position r % (ranks / replicas)); the group had taken
+    `before` steps when the failed call began. Returns (the steps of the state, position -> the live rank to copy):
+    the most steps any live rank took (before + 1: the step was committed), at every position. ValueError when a
+    position has no live rank at that step, or the ranks disagree beyond one step."""
+    per = ranks // replicas
+    top = max(live.values(), default=-1)
+    if top not in (before, before + 1):
+        raise ValueError(f"the live ranks' steps {dict(live)} are not {before} or {before + 1}")
+    sources = {}
+    for position in range(per):
+        holders = [r for r, steps in sorted(live.items()) if r % per == position and steps == top]
+        if not holders:
+            raise ValueError(
+                f"no live replica holds the shards of trainer rank {position} after step {top} (live ranks' "
+                f"steps: {dict(live)})"
+            )
+        sources[position] = holders[0]
+    return top, sources
 
 
 def _started(trainer: PolicyTrainer | PipelineTrainer | None) -> PolicyTrainer | PipelineTrainer:
@@ -368,14 +460,29 @@ class ActorRole:
         reference: ReferenceRole | None = None,
         tp: int = 1,
         pp: int = 1,
+        replicas: int = 1,
+        restart: Callable[[], None] | None = None,
+        heals: int = 0,
     ) -> None:
-        """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills."""
+        """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills.
+        replicas, restart, heals (ray, runtime.trainer_replicas > 1): `restart` replaces every trainer rank in its
+        bundle in a new world with the weight sync reopened (roles.restart_trainer); a lost rank is healed from a
+        live replica through it, at most `heals` times."""
         self.group = group
         self.model = model
         self.reference = reference
         self.tp = tp  # runtime.trainer_tp: ranks i*tp .. i*tp+tp-1 split the model and share slice i
         self.pp = pp  # runtime.trainer_pp: rank (s*dp + i)*tp + j is stage s of that pipeline
         self.dp = group.world_size // (tp * pp)
+        self.replicas, self.restart, self.heals_left = replicas, restart, heals if restart else 0
+        self.updates = 0  # optimizer steps of the phase, as the ranks count them (PolicyTrainer.updates)
+        self._phase: tuple[Any, ...] | None = (
+            None  # start_phase's arguments, for healed ranks' fresh trainers
+        )
+        # set by the run: the checkpointer's abandon() (a save in flight lost a rank's shards), the logger's note()
+        self.drop_save: Callable[[], None] = lambda: None
+        self.note: Callable[[dict[str, Any]], None] = lambda row: None
+        self.heal_seconds: list[float] = []  # each heal's time, from the failure to the healed group
 
     def _slices(self, batch: B) -> list[B]:
         """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks, on
@@ -396,10 +503,95 @@ class ActorRole:
         micro_batch_size: int | None = None,
     ) -> None:
         self.group.call("start_phase", optim, total_steps, resume, loss, micro_batch_size)
+        self._phase, self.updates = (optim, total_steps, loss, micro_batch_size), 0
         if reference:  # the policy as the phase starts, frozen; a resumed phase reads its shards back
             restore = resume.reference if resume is not None else None
             weights = None if restore else self.group.call("weights")[0]
             self._reference().start(weights, restore)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Healing a lost rank from a live replica (runtime.trainer_replicas > 1)
+    # ---------------------------------------------------------------------------------------------------------
+
+    def guarded(self, call: Callable[[], T], train: bool = False, failure: WorkerError | None = None) -> T:
+        """`call()` (calls on the trainer's ranks). When a rank is lost meanwhile and a live replica holds every
+        shard, the group is healed from it and the call runs again; a train step (`train`) that the survivors had
+        already committed is not run again: their stats are its result. Else the failure is raised (the caller
+        restarts from the last checkpoint). failure: one `call` already met, to heal first."""
+        while True:
+            if failure is None:
+                try:
+                    out = call()
+                except WorkerError as e:
+                    failure = e
+                else:
+                    self.updates += train
+                    return out
+            if not self._can_heal(failure):
+                raise failure
+            updates, stats = self._heal(failure)
+            failure = None
+            if train and updates == self.updates + 1:  # committed by the replicas that finished it
+                print(
+                    f"step {updates} of the phase was committed by the live replicas: taken as done",
+                    flush=True,
+                )
+                self.updates = updates
+                return cast(T, stats)
+            if train:
+                print(
+                    f"no replica committed step {updates + 1} of the phase: it runs on the healed group",
+                    flush=True,
+                )
+
+    def _can_heal(self, failure: WorkerError) -> bool:
+        return (
+            self.restart is not None
+            and self.heals_left > 0
+            and failure.role == self.group.role
+            and self._phase is not None
+        )
+
+    def _heal(self, failure: WorkerError) -> tuple[int, Any]:
+        """Replace the trainer's ranks with new ones holding a live replica's state; (steps it had taken, its last
+        step's stats). Raises `failure` when no rank was lost (nothing to heal) and HealError when the live ranks
+        do not hold every shard at one step (then the run restarts from its last checkpoint)."""
+        t0 = time.perf_counter()
+        group, n = self.group, self.group.world_size
+        # A live rank answers once its failed call has ended (a collective broken by the lost rank fails at once)
+        infos = group.settle([group.submit(r, "replica_info") for r in range(n)])
+        lost = [r for r, info in enumerate(infos) if isinstance(info, WorkerDiedError)]
+        if not lost:
+            raise failure
+        live = {r: info for r, info in enumerate(infos) if not isinstance(info, WorkerError)}
+        try:
+            top, sources = heal_sources({r: u for r, (u, _) in live.items()}, n, self.replicas, self.updates)
+        except ValueError as e:
+            raise HealError(
+                failure.role, failure.rank, failure.method, f"ranks {lost} were lost: {e}"
+            ) from failure
+        self.heals_left -= 1
+        self.drop_save()  # a checkpoint in flight lost the rank's shards: it never becomes latest
+        per = n // self.replicas
+        states = [group.submit(sources[p], "replica_state") for p in range(per)]
+        group.made(states)  # into Ray's object store; the new ranks read them from there
+        t1 = time.perf_counter()
+        restart = cast(Callable[[], None], self.restart)
+        restart()  # new ranks (spares first), a new world, the weight sync reopened
+        t2 = time.perf_counter()
+        optim, total_steps, loss, micro_batch_size = cast(tuple, self._phase)
+        group.call("start_phase", optim, total_steps, None, loss, micro_batch_size)
+        group.call_each("load_replica", [(states[r % per].ref,) for r in range(n)])
+        seconds = time.perf_counter() - t0
+        self.heal_seconds.append(seconds)
+        self.note({"heal_actor_s": seconds})  # on the row of the step it healed
+        print(
+            f"healed the trainer from a live replica in {seconds:.2f}s (lost ranks {lost}; state of step {top} "
+            f"from ranks {sorted(set(sources.values()))}: taken {t1 - t0:.2f}s, ranks replaced {t2 - t1:.2f}s, "
+            f"loaded {time.perf_counter() - t2:.2f}s); no checkpoint loaded, no step trained again",
+            flush=True,
+        )
+        return top, live[sources[0]][1]
 
     def _reference(self) -> ReferenceRole:
         if self.reference is None:
@@ -409,22 +601,24 @@ class ActorRole:
     def logprobs(self, batch: TokenBatch, reference: bool = False) -> torch.Tensor:
         if reference:
             return self._reference().logprobs(batch)
-        outs = self.group.call_each("logprobs", [(s,) for s in self._slices(batch)])
+        outs = self.guarded(lambda: self.group.call_each("logprobs", [(s,) for s in self._slices(batch)]))
         return torch.cat(self._per_dp(outs))
 
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        outs = self.group.call_each("behaviour_logprobs", [(s, temperature) for s in self._slices(batch)])
+        args = [(s, temperature) for s in self._slices(batch)]
+        outs = self.guarded(lambda: self.group.call_each("behaviour_logprobs", args))
         dp = self._per_dp(outs)
         return torch.cat([t for t, _ in dp]), torch.cat([s for _, s in dp])
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
-        slices = self._slices(batch)
-        stats = self.group.call_each("sft_step", [(s, micro_batch_size, lr_scale) for s in slices])
-        return stats[0]  # the same on every rank
+        args = [(s, micro_batch_size, lr_scale) for s in self._slices(batch)]
+        return self.guarded(
+            lambda: self.group.call_each("sft_step", args)[0], train=True
+        )  # same on all ranks
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
-        slices = self._slices(batch)
-        return self.group.call_each("policy_step", [(s, kl_coef) for s in slices])[0]  # same on all ranks
+        args = [(s, kl_coef) for s in self._slices(batch)]
+        return self.guarded(lambda: self.group.call_each("policy_step", args)[0], train=True)  # same on all
 
     def _pair_slices(self, pairs: PairBatch) -> list[PairBatch]:
         """One slice per rank, as _slices: equal pair slices over the dp ranks."""
@@ -469,11 +663,12 @@ class ActorRole:
         return model
 
     def policy(self) -> PreTrainedModel:
-        self.model.load_state_dict(self.group.call("weights")[0])  # local: the model's own tensors, unchanged
+        # local: the model's own tensors, unchanged
+        self.model.load_state_dict(self.guarded(lambda: self.group.call("weights")[0]))
         return self.model
 
     def state(self) -> tuple[PreTrainedModel, dict]:
-        weights, trainer_state = self.group.call("state")[0]
+        weights, trainer_state = self.guarded(lambda: self.group.call("state")[0])
         self.model.load_state_dict(weights)
         return self.model, trainer_state
 
@@ -486,7 +681,10 @@ class ActorRole:
         saves = self.group.call_async("save_state", path, hf_dir, blocking)
         if reference:  # the reference's ranks write its shards there meanwhile
             self._reference().save(reference, blocking)
-        self.group.wait(saves)
+        try:
+            self.group.wait(saves)
+        except WorkerError as e:  # healed: the healthy state is the one being saved, written again
+            self.guarded(lambda: self.group.call("save_state", path, hf_dir, blocking), failure=e)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.group.call("wait_saved", timeout_s, timeout_s=timeout_s + 30.0)

@@ -52,6 +52,15 @@ class RuntimeConfig(Section):
         description="Stages per pipeline rank: 1 with gpipe and 1f1b, at least 2 with interleaved; the model's "
         "layers must divide by trainer_pp * trainer_pp_virtual.",
     )
+    trainer_replicas: int = Field(
+        1,
+        gt=0,
+        description="Copies of the sharded actor (ray, HSDP): trainer_ranks form (trainer_replicas, "
+        "trainer_ranks/(trainer_replicas*trainer_tp), trainer_tp); each replica shards the model over its ranks and "
+        "gradients are summed across replicas. With 2 or more and runtime.max_restarts >= 1, a lost trainer rank "
+        "heals from a live replica (its shards and optimizer state copied, no checkpoint loaded, no step trained "
+        "again) instead of rolling back.",
+    )
     engines: int = Field(
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
@@ -125,6 +134,20 @@ class RuntimeConfig(Section):
                 f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_pp * trainer_tp = "
                 f"{self.trainer_pp} * {self.trainer_tp}"
             )
+        if self.trainer_replicas > 1:
+            r, tp = self.trainer_replicas, self.trainer_tp
+            if self.backend != "ray":
+                raise ValueError(f"trainer_replicas={r} needs backend=ray (the local backend runs one rank)")
+            if self.trainer_pp > 1:
+                raise ValueError(
+                    f"trainer_replicas={r} with trainer_pp={self.trainer_pp}: replicas of a pipelined trainer are "
+                    "not built; use trainer_replicas=1 or trainer_pp=1"
+                )
+            if self.trainer_ranks % (r * tp):
+                raise ValueError(
+                    f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_replicas * trainer_tp = "
+                    f"{r} * {tp}"
+                )
         return self
 
     @model_validator(mode="after")

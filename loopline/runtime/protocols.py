@@ -8,8 +8,8 @@ this process, on Ray one actor per rank. runtime.roles.build_roles starts them; 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -25,9 +25,19 @@ from loopline.rollout.engine import Completion, SamplingParams
 from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
 from loopline.training.policy import DPOStepStats, PolicyStepStats, SFTStepStats
 
+T = TypeVar("T")
+
 
 class Actor(Protocol):
     """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
+
+    drop_save: Callable[[], None]  # a heal calls it: the checkpoint in flight lost a rank's shards
+    note: Callable[[dict[str, Any]], None]  # a heal logs its time through it (the metrics logger's note)
+
+    def guarded(self, call: Callable[[], T], train: bool = False) -> T:
+        """`call()`, which calls the trainer's ranks: with replicas (runtime.trainer_replicas), a rank lost meanwhile
+        is healed from a live one and the call run again (a train step the survivors committed is not)."""
+        ...
 
     def start_phase(
         self,

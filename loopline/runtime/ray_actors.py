@@ -55,12 +55,13 @@ def start_actor(
     return ray.remote(cls).options(**options, resources=share).remote(*args, **dict(kwargs or {}))
 
 
-def finished(refs: list[Any], timeout: float | None) -> list[Any]:
-    """The done ones of `refs`, in order, after waiting at most `timeout` s (None = no limit) for the first."""
+def finished(refs: list[Any], timeout: float | None, fetch: bool = True) -> list[Any]:
+    """The done ones of `refs`, in order, after waiting at most `timeout` s (None = no limit) for the first.
+    fetch=False: done where they were made, not copied to this node (an argument for other actors)."""
     import ray
 
-    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout)
-    return ray.wait(refs, num_returns=len(refs), timeout=0)[0] if ready else []
+    ready, _ = ray.wait(refs, num_returns=1, timeout=timeout, fetch_local=fetch)
+    return ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=fetch)[0] if ready else []
 
 
 def get(ref: Any) -> Any:

@@ -231,7 +231,16 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         )
 
     return Roles(
-        ActorRole(trainer, model, reference, rt.trainer_tp, rt.trainer_pp),
+        ActorRole(
+            trainer,
+            model,
+            reference,
+            rt.trainer_tp,
+            rt.trainer_pp,
+            rt.trainer_replicas,
+            restart_trainer if rt.trainer_replicas > 1 else None,
+            rt.max_restarts,
+        ),  # fmt: skip
         rollout,
         scorer,
         shutdown,

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from loopline.checkpoint.faults import fault_env
 from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, in_bundle, kill, start_actor
 
 if TYPE_CHECKING:
@@ -205,7 +206,7 @@ class WorkerGroup:
             init_kwargs,
             resources={} if spare else pool.rank_resources(),
             bundle=(pool.placement_group, bundle),
-            env_vars={**env_vars, **local},
+            env_vars={**fault_env(), **env_vars, **local},
             max_restarts=max_restarts,
         )
 
@@ -400,6 +401,22 @@ class WorkerGroup:
                 i = pending.pop(ref)
                 results[i] = self._result(futures[i])
         return [results[i] for i in range(len(futures))]
+
+    def made(self, futures: list[RankFuture], timeout_s: float | None = None) -> None:
+        """Wait (at most timeout_s, None = the group's) until every call of `futures` has ended, without fetching
+        their values (ray): their refs can then go to other ranks as arguments. A failure shows where it is used."""
+        if self.backend != "ray" or not futures:
+            return
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        pending = [f.ref for f in futures]
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done = finished(pending, left, fetch=False)
+            if not done and deadline is not None and time.monotonic() >= deadline:
+                f = futures[[x.ref for x in futures].index(pending[0])]
+                raise WorkerTimeoutError(self.role, f.rank, f.method, f"did not finish within {timeout_s:g}s")
+            pending = [r for r in pending if r not in done]
 
     def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
         """Like wait, but waits for every call and puts a WorkerError in the place of each failed one; a call

@@ -136,6 +136,21 @@ def dp_tp_mesh(num_ranks: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
     return DeviceMesh(device_type, grid, mesh_dim_names=("dp", "tp"))
 
 
+def replica_mesh(
+    num_ranks: int, tp: int, replicas: int, device_type: str = "cpu"
+) -> tuple[DeviceMesh, DeviceMesh]:
+    """HSDP: a ("rep", "shard", "tp") mesh of `replicas` copies of the sharded model, and its data-parallel ranks
+    (rep x shard, flattened) as a 1-D mesh. Rank `(r * shards + i) * tp + j` is replica r, FSDP rank i, TP rank j:
+    replica 0 is the ranks a `dp_tp_mesh` of num_ranks / replicas would hold. Every rank of the world calls this."""
+    if replicas < 1 or num_ranks % (replicas * tp):
+        raise ValueError(
+            f"trainer_replicas={replicas} * trainer_tp={tp} must divide the {num_ranks} trainer ranks"
+        )
+    grid = torch.arange(num_ranks).reshape(replicas, num_ranks // (replicas * tp), tp)
+    mesh = DeviceMesh(device_type, grid, mesh_dim_names=("rep", "shard", "tp"))
+    return mesh, mesh["rep", "shard"]._flatten("dp")  # kept: slicing "dp" from the root is going away
+
+
 def _decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     # HF models name their decoder layer class in _no_split_modules (e.g. Qwen2DecoderLayer)
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -237,16 +252,19 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """TP over mesh["tp"] (when it has more than one rank), then FSDP2 over mesh["dp"] (a `dp_tp_mesh`)."""
+    """TP over mesh["tp"] (when it has more than one rank), then FSDP2 over mesh["dp"] (a `dp_tp_mesh`), or HSDP
+    over mesh["rep", "shard"] (a `replica_mesh`: shards within a replica, gradients summed across replicas)."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
-    return shard_model(model, mesh["dp"])
+    names = mesh.mesh_dim_names or ()
+    return shard_model(model, mesh["rep", "shard"] if "rep" in names else mesh["dp"])
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, tied head); sum gradients.
 
-    `mesh` is 1-D: the data-parallel ranks (`mesh["dp"]` of a `dp_tp_mesh` after `apply_tp`).
+    `mesh` is 1-D: the data-parallel ranks (`mesh["dp"]` of a `dp_tp_mesh` after `apply_tp`), or 2-D (replicate,
+    shard) for HSDP.
     """
     for _, layer in _decoder_layers(model):
         fully_shard(layer, mesh=mesh)

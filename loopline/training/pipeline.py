@@ -371,6 +371,7 @@ class PipelineTrainer:
         self.loss, self.micro_batch_size, self.width_bucket = loss, micro_batch_size, width_bucket
         self.modules = nn.ModuleList(self.stages)
         self.optimizer, self.scheduler = build_optimizer(self.modules, optim, total_steps)
+        self.updates = 0  # optimizer steps taken (as PolicyTrainer.updates)
         self._schedules: dict[tuple[int, int, int, bool], Any] = {}
         self.max_schedules = MAX_SCHEDULES
         self._micro_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -482,6 +483,7 @@ class PipelineTrainer:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.updates += 1
         return float(grad_norm), float(lr)
 
     # ------------------------------------------------ the steps

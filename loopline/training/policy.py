@@ -308,6 +308,7 @@ class PolicyTrainer:
         self.loss = loss
         self.micro_batch_size = micro_batch_size
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
+        self.updates = 0  # optimizer steps taken by this trainer (skipped non-finite ones included)
 
     def _totals(self, batch: TokenBatch) -> tuple[float, float]:
         """(response tokens, rows) of the global batch: one all_reduce over the group per step."""
@@ -321,7 +322,11 @@ class PolicyTrainer:
         return dict(zip(sums, total.tolist()))
 
     def _step(self, lr_scale: float = 1.0) -> tuple[float, float]:
-        return optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, lr_scale)
+        """The update: a step's last collective is the grad norm's, so a rank past it commits the step whatever
+        its peers do (a healed trainer tells committed steps from lost ones by `updates`)."""
+        out = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, lr_scale)
+        self.updates += 1
+        return out
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked), at the schedule's
@@ -337,8 +342,9 @@ class PolicyTrainer:
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
             (loss * _share(micro, totals, "token_mean")).backward()
             total += float(loss.detach()) * _share(micro, totals, "token_mean")
+        sums = self._global_sums({"loss": total})
         grad_norm, lr = self._step(lr_scale)
-        return SFTStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums({"loss": total}))
+        return SFTStepStats(grad_norm=grad_norm, lr=lr, **sums)
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective (self.loss) at this step's KL coefficient."""
@@ -385,8 +391,9 @@ class PolicyTrainer:
                 ("approx_kl", out.surrogate.approx_kl, token_share),
             ):
                 sums[key] += float(value.detach()) * weight
+        sums = self._global_sums(sums)
         grad_norm, lr = self._step()
-        return PolicyStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums(sums))
+        return PolicyStepStats(grad_norm=grad_norm, lr=lr, **sums)
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""
@@ -420,8 +427,9 @@ class PolicyTrainer:
                 ("rejected_reward", out.rejected_rewards.mean()),
             ):
                 sums[key] += float(value) * share
+        sums = self._global_sums(sums)
         grad_norm, lr = self._step()
-        return DPOStepStats(grad_norm=grad_norm, lr=lr, **self._global_sums(sums))
+        return DPOStepStats(grad_norm=grad_norm, lr=lr, **sums)
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name (whole tensors; on rank 0 only when sharded) and LR schedule."""

@@ -22,26 +22,28 @@ def test_bench_restart_save_part_prints_its_lines(capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.slow
-def test_bench_restart_kill_part_restarts_the_trainer_from_spares_or_every_role(
+def test_bench_restart_kill_part_heals_the_trainer_from_a_replica_with_spares_or_restarts_every_role(
     ray_cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A run per restart case on the session's Ray, a trainer rank SIGKILLed in each: with spares the trainer ranks
-    are replaced by them and the engine's process is kept; a whole restart replaces the engine too; every run
-    trains each sample once. (runtime.restart_scope=role without spares: tests/runtime/test_fault_ray.py.)"""
+    """A run per case on the session's Ray, a trainer rank SIGKILLed in each: healed from its replica (2 replicas,
+    spares built ahead) the trainer ranks are replaced by the spares, the engine's process is kept and no checkpoint
+    is loaded; a whole restart replaces the engine too; every run trains each sample once. (Per-role restarts, with
+    and without spares: tests/runtime/test_fault_ray.py.)"""
     from loopline.bench.restart import KILL_PHASES
 
-    assert main(["bench", "restart", "--kill-only", "--kill-cases", "standby,all", "--repeats", "1"]) == 0
+    assert main(["bench", "restart", "--kill-only", "--kill-cases", "heal_standby,all", "--repeats", "1"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     lines = dict(line.split(": ", 1) for line in out if re.match(r"[\w.]+: ", line))  # the bench's, not Ray's
-    for case in ("standby", "all"):
+    for case in ("heal_standby", "all"):
         times = {p: float(lines[f"kill.{case}.{p}"].split()[0]) for p in KILL_PHASES}
         assert all(t > 0 for t in times.values()), (case, times)
         assert times["time_to_next_step_s"] > times["restart_s"], (case, times)
         assert lines[f"kill.{case}.trainer_ranks_replaced"] == "1", case
         assert lines[f"kill.{case}.ledger_exactly_once"] == "1", case
-    assert lines["kill.standby.engine_kept"] == "1" and lines["kill.all.engine_kept"] == "0"
-    assert lines["kill.standby.spares_promoted"] == "1" and lines["kill.all.spares_promoted"] == "0"
-    # promoting built spares starts no process: the trainer's restart is the new world and the weight sync
-    assert float(lines["kill.standby.new_actors_s"]) < 1.0
-    assert list(lines)[-1] == "headline.whole_over_standby_restart"
-    assert float(lines["headline.whole_over_standby_restart"]) > 0
+    assert lines["kill.heal_standby.healed"] == "1" and lines["kill.all.healed"] == "0"
+    assert lines["kill.heal_standby.engine_kept"] == "1" and lines["kill.all.engine_kept"] == "0"
+    assert lines["kill.heal_standby.spares_promoted"] == "1" and lines["kill.all.spares_promoted"] == "0"
+    # promoting built spares starts no process: the heal is the new world, the weight sync and the state's copy
+    assert float(lines["kill.heal_standby.new_actors_s"]) < 1.0
+    assert list(lines)[-1] == "headline.whole_restart_over_heal_standby"
+    assert float(lines["headline.whole_restart_over_heal_standby"]) > 0

@@ -195,3 +195,68 @@ def _atol(name: str) -> float:
     # a key bias has no true gradient (softmax ignores a shift shared by all keys): its gradient is rounding
     # noise, which the pipeline's other sums round differently, and AdamW scales by its own RMS (measured 1.6e-6)
     return 1e-5 if name.endswith("k_proj.bias") else 1e-6
+
+
+def _replica_rank_main(rank: int, world: int, out: str) -> None:
+    """HSDP over 2 replicas x 2 shards: after two steps, a fresh model and trainer on each rank load the *other*
+    replica's local state at the same position; one more step on both, which must stay bitwise equal."""
+    import torch.distributed as dist
+
+    from loopline.checkpoint.dcp import load_local_state, local_state
+    from loopline.training.parallel import full_model_state, parallelize, replica_mesh
+
+    mesh, dp = replica_mesh(world, tp=1, replicas=2)
+
+    def build() -> tuple[torch.nn.Module, PolicyTrainer]:
+        model = parallelize(_model(), mesh)
+        return model, PolicyTrainer(model, OPTIM, total_steps=10, group=dp.get_group())
+
+    model, trainer = build()
+    for seed in (1, 2):
+        trainer.sft_step(split_rows(_batch(seed), 1)[rank], micro_batch_size=1)  # a row each
+    states: list = [None] * world
+    dist.all_gather_object(states, local_state(model, trainer))
+    healed, healed_trainer = build()
+    peer = (rank + world // 2) % world  # the same shards, in the other replica
+    load_local_state(healed, healed_trainer, states[peer])
+    bad = dict(states[peer], model={k: v for k, v in states[peer]["model"].items() if "embed" not in k})
+    try:
+        load_local_state(healed, healed_trainer, bad)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    for t in (trainer, healed_trainer):
+        t.sft_step(split_rows(_batch(3), 1)[rank], micro_batch_size=1)
+    want, got = full_model_state(model), full_model_state(healed)  # collectives: every rank takes part
+    optim = (
+        full_optimizer_state(model, trainer.optimizer),
+        full_optimizer_state(healed, healed_trainer.optimizer),
+    )
+    if rank == 0:
+        torch.save(
+            {
+                "want": want,
+                "got": got,
+                "optim": optim,
+                "epochs": (trainer.scheduler.last_epoch, healed_trainer.scheduler.last_epoch),
+                "local": states[0],
+                "error": error,
+            },
+            Path(out) / "replicas.pt",
+        )
+
+
+def test_a_replicas_local_state_heals_a_fresh_rank_at_the_same_mesh_position(tmp_path: Path) -> None:
+    """What a healed trainer rank does (runtime.trainer_replicas): its fresh model and optimizer take the shards of
+    the same position in another replica, as plain tensors, and then train exactly as the rank they replace."""
+    run_world(_replica_rank_main, 4, args=(str(tmp_path),), timeout_s=180)
+    out = torch.load(tmp_path / "replicas.pt", weights_only=False)
+    assert out["want"].keys() == out["got"].keys()
+    assert all(torch.equal(out["want"][k], out["got"][k]) for k in out["want"])
+    _assert_equal_trees(out["optim"][1], out["optim"][0])
+    assert out["epochs"] == (3, 3)
+    # plain tensors, each half of the whole (2 shards): no DTensor crosses processes
+    embed = out["local"]["model"]["model.embed_tokens.weight"]
+    rows = out["want"]["model.embed_tokens.weight"].shape[0]
+    assert type(embed) is torch.Tensor and embed.shape[0] == (rows + 1) // 2  # FSDP2's first shard: ceil
+    assert "replica state for state.model does not match" in out["error"] and "embed_tokens" in out["error"]

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from loopline.config import OptimConfig
 from loopline.data.batches import collate
-from loopline.runtime.actor import ActorWorker, local_actor
+from loopline.runtime.actor import ActorWorker, heal_sources, local_actor
 from loopline.training.policy import PolicyTrainer
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)
@@ -64,3 +65,19 @@ def _logprobs(model, batch):
 
     with torch.no_grad():
         return response_logprobs(model, batch)[0]
+
+
+def test_heal_sources_take_every_position_from_a_live_rank_at_the_newest_step():
+    # 4 ranks, 2 replicas: ranks 0, 1 and 2, 3 hold positions 0, 1. Rank 1 lost; its position lives on rank 3.
+    assert heal_sources({0: 5, 2: 5, 3: 5}, 4, 2, before=5) == (5, {0: 0, 1: 3})
+    # rank 3 committed step 6 before the loss was seen, rank 2 too, rank 0 not: the committed state wins
+    assert heal_sources({0: 5, 2: 6, 3: 6}, 4, 2, before=5) == (6, {0: 2, 1: 3})
+    # position 1 lost in both replicas: nothing to heal from
+    with pytest.raises(ValueError, match="no live replica holds the shards of trainer rank 1 after step 5"):
+        heal_sources({0: 5, 2: 5}, 4, 2, before=5)
+    # position 0 lives only on a rank that did not commit the step the others did
+    with pytest.raises(ValueError, match="trainer rank 0 after step 6"):
+        heal_sources({0: 5, 3: 6}, 4, 2, before=5)
+    # steps that are neither the group's nor one more: not this call's failure
+    with pytest.raises(ValueError, match="not 5 or 6"):
+        heal_sources({0: 7, 1: 7}, 2, 2, before=5)

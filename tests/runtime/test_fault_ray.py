@@ -98,21 +98,25 @@ def _grpo_steps(run: Path) -> list[int]:
     return [r["step"] for r in _rows(run) if r.get("phase") == "grpo"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tests' job on the session's Ray, never interrupted: a restarted run must end with its weights."""
+def _uninterrupted(tmp_path_factory: pytest.TempPathFactory, extra: list[str]) -> Path:
     import ray
 
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     done = subprocess.run(
-        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}", *extra,
          f"out_dir={run}"],
         env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tests' job on the session's Ray, never interrupted: a restarted run must end with its weights."""
+    return _uninterrupted(tmp_path_factory, [])
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -203,17 +207,17 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
 
 
 def _act_at_step_1(
-    run: Path, extra: list[str], act: Callable[[subprocess.Popen], None]
+    run: Path, extra: list[str], act: Callable[[subprocess.Popen], None], env: dict[str, str] | None = None
 ) -> tuple[int, str, str]:
-    """Start the tests' job on the session's Ray (with `extra`), call `act` on it once GRPO step 1 is logged, then
-    wait for it to end: (exit status, stdout, stderr)."""
+    """Start the tests' job on the session's Ray (with `extra`, and `env` added to its environment), call `act` on
+    it once GRPO step 1 is logged, then wait for it to end: (exit status, stdout, stderr)."""
     import ray
 
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen(
         [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}", *extra,
          f"out_dir={run}"],
-        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -311,3 +315,44 @@ def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluste
     assert stopped.startswith("grpo-") and 1 <= step < 5 and _grpo_steps(run)[-1] == step
     assert f"stopped by SIGTERM after grpo step {step}: checkpoint {run / 'checkpoints' / stopped}" in out
     assert not repeats(read_ledger(run))
+
+
+def test_trainer_ranks_lost_mid_step_heal_from_their_replica_and_end_bitwise_as_an_uninterrupted_run(
+    ray_cluster, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """runtime.trainer_replicas=2 (HSDP: each of the 2 ranks a whole copy). Rank 1 is lost right after its GRPO
+    update 2 (rank 0 committed that step too), then rank 0 at the start of update 4 (rank 1 waits for it in a
+    collective, and nothing is committed): each time the group heals from the live rank (its shards and optimizer
+    state copied into new ranks), no checkpoint is loaded, the committed step is taken as done and the uncommitted
+    one trains on the healed group. Every step and sample once, and the weights of the same run (2 replicas) never
+    interrupted, bit for bit. (Against 2 FSDP2 ranks without replicas the weights differ by about 1e-7: the grad
+    norm sums its squares in another order.)"""
+    run, markers = tmp_path / "healed", tmp_path / "markers"
+    points = ["policy_step:1:2:after", "policy_step:0:4:before"]
+
+    def kill_at_the_points(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
+        for point in points:
+            marker = markers / f"{point.replace(':', '_')}.paused"
+            while not marker.exists() or not marker.read_text():
+                assert proc.poll() is None and time.monotonic() < deadline, f"no rank paused at {point}"
+                time.sleep(0.05)
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    extra = ["runtime.trainer_replicas=2", "runtime.max_restarts=2"]
+    env = {"LOOPLINE_PAUSE_AT": ",".join(points), "LOOPLINE_PAUSE_DIR": str(markers)}
+    status, out, err = _act_at_step_1(run, extra, kill_at_the_points, env)
+    assert status == 0, out[-3000:] + err[-3000:]
+    healed = [line for line in out.splitlines() if "healed the trainer from a live replica" in line]
+    assert len(healed) == 2, out[-3000:]
+    assert all("no checkpoint loaded, no step trained again" in line for line in healed)
+    assert "lost ranks [1]; state of step 2" in healed[0] and "lost ranks [0]; state of step 3" in healed[1]
+    assert "step 2 of the phase was committed by the live replicas: taken as done" in out
+    assert "no replica committed step 4 of the phase: it runs on the healed group" in out
+    assert "resuming from the last checkpoint" not in out and "recovered in " not in out
+    with capsys.disabled():  # the times to heal, shown with -s
+        print(*healed, sep="\n")
+    assert _grpo_steps(run) == list(range(6))  # each once
+    assert sum("heal_actor_s" in r for r in _rows(run)) == 2
+    assert not repeats(read_ledger(run))
+    assert _same_weights(run, _uninterrupted(tmp_path_factory, ["runtime.trainer_replicas=2"]))
