@@ -31,7 +31,9 @@ def test_bench_restart_kill_part_heals_the_trainer_from_a_replica_with_spares_or
     and without spares: tests/runtime/test_fault_ray.py.)"""
     from loopline.bench.restart import KILL_PHASES
 
-    assert main(["bench", "restart", "--kill-only", "--kill-cases", "heal_standby,all", "--repeats", "1"]) == 0
+    assert (
+        main(["bench", "restart", "--kill-only", "--kill-cases", "heal_standby,all", "--repeats", "1"]) == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     lines = dict(line.split(": ", 1) for line in out if re.match(r"[\w.]+: ", line))  # the bench's, not Ray's
     for case in ("heal_standby", "all"):
