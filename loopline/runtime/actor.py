@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import fields, replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -68,6 +68,11 @@ class HealError(WorkerError):
 class ActorWorker:
     """One rank of the policy trainer: its model (FSDP2 shards once joined), their optimizer, a PolicyTrainer."""
 
+    # replica_info and replica_state run beside a call stuck in a collective that a lost rank broke (a peer that
+    # failed and left it does not close its connections, so gloo waits for it until the timeout): a healing
+    # driver reads this rank's state, which no optimizer step has touched since that step's last collective
+    concurrency_groups: ClassVar[dict[str, int]] = {"side": 1}
+
     def __init__(self, cfg: RunConfig, model: PreTrainedModel | None = None) -> None:
         """model: the policy in this process, trained in place (the local one-rank group); None: this rank loads
         the run's seeded initial policy in its own process."""
@@ -77,9 +82,8 @@ class ActorWorker:
         self.device = model_device(self.model)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined (None: one unsharded rank)
         self.dp_mesh: Any = None  # its data-parallel ranks (all replicas' shards), 1-D, once joined
-        self.last_stats: Any = (
-            None  # the last train step's stats: a healed group reports a step its peers committed
-        )
+        # (trainer.updates after it, its stats) of the last train step: a heal reports a step its peers committed
+        self.last_stats: tuple[int, Any] | None = None
         self.layout: Any = None  # the trainer's TrainerLayout (weight-sync planner), once joined
         self.sync: Any = None  # the weight-sync SyncGroup (trainer ranks + engines), once opened
         self.plan: Any = None  # the weight-sync TransferPlan of the last sync
@@ -220,14 +224,16 @@ class ActorWorker:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         trainer = _started(self.trainer)
         with self._fault_points("sft_step"):
-            self.last_stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
-        return self.last_stats
+            stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
+        self.last_stats = (trainer.updates, stats)
+        return stats
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         trainer = _started(self.trainer)
         with self._fault_points("policy_step"):
-            self.last_stats = trainer.policy_step(to_device(batch, self.device), kl_coef)
-        return self.last_stats
+            stats = trainer.policy_step(to_device(batch, self.device), kl_coef)
+        self.last_stats = (trainer.updates, stats)
+        return stats
 
     @contextmanager
     def _fault_points(self, method: str) -> Iterator[None]:
@@ -241,17 +247,26 @@ class ActorWorker:
     # holds the same shards, so a new rank loads a live one's instead of a checkpoint.
 
     def replica_info(self) -> tuple[int, Any]:
-        """(optimizer steps this phase's trainer took, the last step's stats): what a healing driver compares."""
-        return _started(self.trainer).updates, self.last_stats
+        """(optimizer steps this phase's trainer took, that step's stats or None): what a healing driver compares.
+        Runs beside the rank's own call (concurrency group "side"): a step whose update is done but whose call
+        has not returned yet gets a moment to record its stats."""
+        trainer = _started(self.trainer)
+        deadline = time.monotonic() + 5.0
+        while True:
+            with trainer.lock:
+                updates = trainer.updates
+            recorded = self.last_stats is not None and self.last_stats[0] == updates
+            if recorded or updates == 0 or time.monotonic() > deadline:
+                return updates, self.last_stats[1] if recorded and self.last_stats else None
+            time.sleep(0.01)
 
     def replica_state(self) -> dict[str, Any]:
-        """This rank's shards of the weights and optimizer state, its LR schedule and step count, as plain tensors."""
+        """This rank's shards of the weights and optimizer state, its LR schedule and step count, as plain tensors;
+        never in the middle of an update (the trainer's lock)."""
         trainer = _started(self.trainer)
-        return {
-            "shards": local_state(self.model, trainer),
-            "updates": trainer.updates,
-            "stats": self.last_stats,
-        }
+        with trainer.lock:
+            shards, updates = local_state(self.model, trainer), trainer.updates
+        return {"shards": shards, "updates": updates, "stats": self.last_stats}
 
     def load_replica(self, state: dict[str, Any]) -> None:
         """Take a `replica_state` of the same mesh position (another replica's) into this rank's fresh trainer."""
@@ -558,8 +573,8 @@ class ActorRole:
         do not hold every shard at one step (then the run restarts from its last checkpoint)."""
         t0 = time.perf_counter()
         group, n = self.group, self.group.world_size
-        # A live rank answers once its failed call has ended (a collective broken by the lost rank fails at once)
-        infos = group.settle([group.submit(r, "replica_info") for r in range(n)])
+        # live ranks answer at once, even one whose call is stuck in a collective the lost rank broke
+        infos = group.settle([group.submit(r, "replica_info", side=True) for r in range(n)])
         lost = [r for r, info in enumerate(infos) if isinstance(info, WorkerDiedError)]
         if not lost:
             raise failure
@@ -570,10 +585,15 @@ class ActorRole:
             raise HealError(
                 failure.role, failure.rank, failure.method, f"ranks {lost} were lost: {e}"
             ) from failure
+        stats = live[sources[0]][1]
+        if top == self.updates + 1 and stats is None:  # committed, but its call never returned its stats
+            raise HealError(
+                failure.role, failure.rank, failure.method, f"step {top} has no stats on its ranks"
+            )
         self.heals_left -= 1
         self.drop_save()  # a checkpoint in flight lost the rank's shards: it never becomes latest
         per = n // self.replicas
-        states = [group.submit(sources[p], "replica_state") for p in range(per)]
+        states = [group.submit(sources[p], "replica_state", side=True) for p in range(per)]
         group.made(states)  # into Ray's object store; the new ranks read them from there
         t1 = time.perf_counter()
         restart = cast(Callable[[], None], self.restart)
@@ -591,7 +611,7 @@ class ActorRole:
             f"loaded {time.perf_counter() - t2:.2f}s); no checkpoint loaded, no step trained again",
             flush=True,
         )
-        return top, live[sources[0]][1]
+        return top, stats
 
     def _reference(self) -> ReferenceRole:
         if self.reference is None:

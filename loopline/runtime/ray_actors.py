@@ -52,7 +52,11 @@ def start_actor(
         options["scheduling_strategy"] = in_bundle(*bundle)
     if env_vars:
         options["runtime_env"] = {"env_vars": dict(env_vars)}
-    return ray.remote(cls).options(**options, resources=share).remote(*args, **dict(kwargs or {}))
+    # a class that answers some calls while a call of its own hangs (a trainer rank stuck in a broken collective
+    # still tells a healing driver its state) names those calls' concurrency groups
+    groups = getattr(cls, "concurrency_groups", None)
+    remote = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)  # type: ignore[call-overload]
+    return remote.options(**options, resources=share).remote(*args, **dict(kwargs or {}))
 
 
 def finished(refs: list[Any], timeout: float | None, fetch: bool = True) -> list[Any]:

@@ -349,19 +349,26 @@ class WorkerGroup:
         """Start `method(*args, **kwargs)` on every rank without waiting; collect with wait()."""
         return [self._submit(r, method, args, kwargs) for r in range(self.world_size)]
 
-    def submit(self, rank: int, method: str, *args: Any, **kwargs: Any) -> RankFuture:
-        """Start `method(*args, **kwargs)` on one rank without waiting; collect with wait() or settle()."""
+    def submit(self, rank: int, method: str, *args: Any, side: bool = False, **kwargs: Any) -> RankFuture:
+        """Start `method(*args, **kwargs)` on one rank without waiting; collect with wait() or settle().
+        side: (ray) in the class's "side" concurrency group (its `concurrency_groups`), beside a call that runs."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"role '{self.role}' {method}(): no rank {rank} among {self.world_size}")
-        return self._submit(rank, method, args, kwargs)
+        return self._submit(rank, method, args, kwargs, side)
 
-    def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> RankFuture:
+    def _submit(
+        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool = False
+    ) -> RankFuture:
         if not self._ranks:
             raise ValueError(f"role '{self.role}' {method}(): the worker group is shut down")
         if not callable(getattr(self.cls, method, None)):
             raise AttributeError(f"role '{self.role}': {self.cls.__name__} has no method '{method}'")
+        if side and "side" not in (getattr(self.cls, "concurrency_groups", None) or {}):
+            raise ValueError(f"role '{self.role}': {self.cls.__name__} has no 'side' concurrency group")
         if self.backend == "ray":
-            return RankFuture(rank, method, getattr(self._ranks[rank], method).remote(*args, **kwargs))
+            call = getattr(self._ranks[rank], method)
+            call = call.options(concurrency_group="side") if side else call
+            return RankFuture(rank, method, call.remote(*args, **kwargs))
         done: Future[Any] = Future()
         try:
             done.set_result(getattr(self._ranks[rank], method)(*args, **kwargs))

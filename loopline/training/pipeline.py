@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar, cast
@@ -40,7 +41,7 @@ from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.training.config import OptimConfig
 from loopline.training.parallel import apply_tp, clip_grads_with_norm, shard_model, total_grad_norm
-from loopline.training.policy import PolicyStepStats, SFTStepStats, build_optimizer
+from loopline.training.policy import PolicyStepStats, SFTStepStats, apply_update, build_optimizer
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MAX_SCHEDULES = 8  # schedules (one per batch shape) a trainer keeps
@@ -372,6 +373,7 @@ class PipelineTrainer:
         self.modules = nn.ModuleList(self.stages)
         self.optimizer, self.scheduler = build_optimizer(self.modules, optim, total_steps)
         self.updates = 0  # optimizer steps taken (as PolicyTrainer.updates)
+        self.lock = threading.Lock()  # as PolicyTrainer.lock
         self._schedules: dict[tuple[int, int, int, bool], Any] = {}
         self.max_schedules = MAX_SCHEDULES
         self._micro_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -476,15 +478,10 @@ class PipelineTrainer:
         dist.all_reduce(norm_sq, group=self.pp_group)
         grad_norm = norm_sq.sqrt().to(torch.float32).reshape(())
         clip_grads_with_norm(params, self.cfg.grad_clip, grad_norm)
-        lr = self.scheduler.get_last_lr()[0] * lr_scale
-        if torch.isfinite(grad_norm):
-            for group in self.optimizer.param_groups:
-                group["lr"] *= lr_scale
-            self.optimizer.step()
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.updates += 1
-        return float(grad_norm), float(lr)
+        with self.lock:
+            lr = apply_update(self.optimizer, self.scheduler, grad_norm, lr_scale)
+            self.updates += 1
+        return float(grad_norm), lr
 
     # ------------------------------------------------ the steps
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,16 @@ def optimizer_step(
     """Clip the global grad norm, step at the schedule's lr times lr_scale (skipped when the norm is not finite),
     zero grads; (grad_norm, lr used)."""
     grad_norm = clip_grad_norm(model.parameters(), grad_clip)
+    return float(grad_norm), apply_update(optimizer, scheduler, grad_norm, lr_scale)
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    grad_norm: torch.Tensor,
+    lr_scale: float = 1.0,
+) -> float:
+    """The update of a step whose (clipped) grad norm is `grad_norm`: skipped when it is not finite; the lr used."""
     lr = scheduler.get_last_lr()[0] * lr_scale
     if torch.isfinite(grad_norm):
         for group in optimizer.param_groups:
@@ -78,7 +89,7 @@ def optimizer_step(
         scheduler.step()
     # else: a non-finite gradient would poison the weights and AdamW moments: skip this update
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm), float(lr)
+    return float(lr)
 
 
 def grpo_loss(cfg: GRPOConfig, max_len: int | None = None) -> PolicyLoss:
@@ -309,6 +320,7 @@ class PolicyTrainer:
         self.micro_batch_size = micro_batch_size
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self.updates = 0  # optimizer steps taken by this trainer (skipped non-finite ones included)
+        self.lock = threading.Lock()  # held while the update changes the weights and optimizer state
 
     def _totals(self, batch: TokenBatch) -> tuple[float, float]:
         """(response tokens, rows) of the global batch: one all_reduce over the group per step."""
@@ -324,9 +336,13 @@ class PolicyTrainer:
     def _step(self, lr_scale: float = 1.0) -> tuple[float, float]:
         """The update: a step's last collective is the grad norm's, so a rank past it commits the step whatever
         its peers do (a healed trainer tells committed steps from lost ones by `updates`)."""
-        out = optimizer_step(self.model, self.optimizer, self.scheduler, self.cfg.grad_clip, lr_scale)
-        self.updates += 1
-        return out
+        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.grad_clip)  # the step's last collective
+        with (
+            self.lock
+        ):  # the update and its count change together: a healing driver reads them from another thread
+            lr = apply_update(self.optimizer, self.scheduler, grad_norm, lr_scale)
+            self.updates += 1
+        return float(grad_norm), lr
 
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked), at the schedule's

@@ -67,6 +67,12 @@ class Probe:
         return "alive"
 
 
+class Sider(Probe):
+    """A Probe that answers calls of its "side" concurrency group while a call of its own runs."""
+
+    concurrency_groups = {"side": 1}
+
+
 class Accumulator:
     """Stateful arithmetic: the same calls must give the same results on either backend."""
 
@@ -226,6 +232,22 @@ def test_stuck_rank_times_out_naming_role_rank_method(cluster: dict[str, str]) -
         # leaving the block killed the stuck actor instead of waiting 600 s for it
     finally:
         remove_pools(pools)
+
+
+def test_a_side_call_is_answered_while_the_ranks_own_call_hangs(cluster: dict[str, str]) -> None:
+    """What a healing driver relies on (ActorWorker.replica_info): a call in the class's side concurrency group runs
+    beside a call that hangs, while the rank's other calls still queue behind it."""
+    pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
+    try:
+        with WorkerGroup(Sider, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+            group.call_async("nap", 600.0)  # rank 1 sleeps in it
+            assert group.wait([group.submit(1, "where", side=True)], timeout_s=LIMIT_S)[0]["RANK"] == "1"
+            with pytest.raises(WorkerTimeoutError, match=r"rank 1 where\(\)"):
+                group.wait([group.submit(1, "where")], timeout_s=1.0)
+    finally:
+        remove_pools(pools)
+    with pytest.raises(ValueError, match="Accumulator has no 'side' concurrency group"):
+        WorkerGroup(Accumulator, init_args=(0.0,)).submit(0, "add", 1.0, side=True)
 
 
 def test_dead_rank_is_reported_by_role_and_rank(cluster: dict[str, str]) -> None:
