@@ -227,6 +227,11 @@ def _train(
     if state.step == 0:
         ctx.logger.log({"phase": "grpo", "step": 0, **evaluate(ctx)})
     state = train_grpo(ctx, state, resume)
+    agree = ctx.actor.replicas_agree()  # runtime.trainer_replicas: heals and all, they made the same updates
+    if agree is not None:
+        print(f"trainer replicas bitwise equal at the end: {'yes' if agree else 'NO'}")
+        if not agree:
+            raise RuntimeError("the trainer's replicas hold different weights or optimizer state at the end")
     return state
 
 

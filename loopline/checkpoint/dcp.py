@@ -102,6 +102,27 @@ def local_state(model: nn.Module, trainer: PolicyTrainer | PipelineTrainer | Non
     return local(shard_state(model, trainer))
 
 
+def state_digest(state: Mapping[str, Any]) -> str:
+    """sha256 of a (nested) state of tensors and plain values, by key order: equal states, equal digests."""
+    import hashlib
+
+    digest = hashlib.sha256()
+
+    def add(value: Any) -> None:
+        if isinstance(value, Mapping):
+            for key in sorted(value):
+                digest.update(str(key).encode())
+                add(value[key])
+        elif isinstance(value, torch.Tensor):
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(value).encode())
+
+    add(state)
+    return digest.hexdigest()
+
+
 def load_local_state(
     model: nn.Module, trainer: PolicyTrainer | PipelineTrainer | None, state: Mapping[str, Any]
 ) -> None:

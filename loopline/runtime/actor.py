@@ -24,7 +24,14 @@ import torch
 from transformers import PreTrainedModel
 
 from loopline.algorithms.policy_loss import PolicyLoss
-from loopline.checkpoint.dcp import ShardWriter, load_local_state, load_shards, local_state, shard_state
+from loopline.checkpoint.dcp import (
+    ShardWriter,
+    load_local_state,
+    load_shards,
+    local_state,
+    shard_state,
+    state_digest,
+)
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
@@ -267,6 +274,11 @@ class ActorWorker:
         with trainer.lock:
             shards, updates = local_state(self.model, trainer), trainer.updates
         return {"shards": shards, "updates": updates, "stats": self.last_stats}
+
+    def replica_digest(self) -> str:
+        """A hash of this rank's shards of the weights and optimizer state: equal at the same mesh position of every
+        replica, as long as the replicas made the same updates."""
+        return state_digest(local_state(self.model, _started(self.trainer)))
 
     def load_replica(self, state: dict[str, Any]) -> None:
         """Take a `replica_state` of the same mesh position (another replica's) into this rank's fresh trainer."""
@@ -558,6 +570,14 @@ class ActorRole:
                     f"no replica committed step {updates + 1} of the phase: it runs on the healed group",
                     flush=True,
                 )
+
+    def replicas_agree(self) -> bool | None:
+        """Whether every replica holds bitwise the same shards and optimizer state as replica 0 (None: one replica)."""
+        if self.replicas == 1 or self._phase is None:
+            return None
+        digests = self.guarded(lambda: self.group.call("replica_digest"))
+        per = len(digests) // self.replicas
+        return all(d == digests[r % per] for r, d in enumerate(digests))
 
     def _can_heal(self, failure: WorkerError) -> bool:
         return (

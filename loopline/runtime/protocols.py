@@ -34,6 +34,10 @@ class Actor(Protocol):
     drop_save: Callable[[], None]  # a heal calls it: the checkpoint in flight lost a rank's shards
     note: Callable[[dict[str, Any]], None]  # a heal logs its time through it (the metrics logger's note)
 
+    def replicas_agree(self) -> bool | None:
+        """Whether the trainer's replicas (runtime.trainer_replicas) hold bitwise the same state; None: one replica."""
+        ...
+
     def guarded(self, call: Callable[[], T], train: bool = False) -> T:
         """`call()`, which calls the trainer's ranks: with replicas (runtime.trainer_replicas), a rank lost meanwhile
         is healed from a live one and the call run again (a train step the survivors committed is not)."""

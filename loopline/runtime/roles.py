@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
 from loopline.rollout.engine import TorchEngine
 from loopline.runtime.actor import ActorRole, ActorWorker
@@ -160,7 +161,8 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                 workers[role] = (cls, rt.trainer_ranks, (cfg,))
                 where[role] = colocated_pool(role, pools["actor"], pools)
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
-        options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s}
+        # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
+        options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
         with ThreadPoolExecutor(len(workers)) as threads:
             starting = [
                 threads.submit(

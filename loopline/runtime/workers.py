@@ -30,7 +30,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from loopline.checkpoint.faults import fault_env
 from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, in_bundle, kill, start_actor
 
 if TYPE_CHECKING:
@@ -206,7 +205,7 @@ class WorkerGroup:
             init_kwargs,
             resources={} if spare else pool.rank_resources(),
             bundle=(pool.placement_group, bundle),
-            env_vars={**fault_env(), **env_vars, **local},
+            env_vars={**env_vars, **local},
             max_restarts=max_restarts,
         )
 

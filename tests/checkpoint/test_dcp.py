@@ -202,7 +202,7 @@ def _replica_rank_main(rank: int, world: int, out: str) -> None:
     replica's local state at the same position; one more step on both, which must stay bitwise equal."""
     import torch.distributed as dist
 
-    from loopline.checkpoint.dcp import load_local_state, local_state
+    from loopline.checkpoint.dcp import load_local_state, local_state, state_digest
     from loopline.training.parallel import full_model_state, parallelize, replica_mesh
 
     mesh, dp = replica_mesh(world, tp=1, replicas=2)
@@ -240,6 +240,7 @@ def _replica_rank_main(rank: int, world: int, out: str) -> None:
                 "optim": optim,
                 "epochs": (trainer.scheduler.last_epoch, healed_trainer.scheduler.last_epoch),
                 "local": states[0],
+                "digests": [state_digest(state) for state in states],
                 "error": error,
             },
             Path(out) / "replicas.pt",
@@ -259,4 +260,6 @@ def test_a_replicas_local_state_heals_a_fresh_rank_at_the_same_mesh_position(tmp
     embed = out["local"]["model"]["model.embed_tokens.weight"]
     rows = out["want"]["model.embed_tokens.weight"].shape[0]
     assert type(embed) is torch.Tensor and embed.shape[0] == (rows + 1) // 2  # FSDP2's first shard: ceil
+    digests = out["digests"]  # the replicas agree position by position; the two positions hold other shards
+    assert digests[0] == digests[2] and digests[1] == digests[3] and digests[0] != digests[1]
     assert "replica state for state.model does not match" in out["error"] and "embed_tokens" in out["error"]

@@ -350,6 +350,7 @@ def test_trainer_ranks_lost_mid_step_heal_from_their_replica_and_end_bitwise_as_
     assert "step 2 of the phase was committed by the live replicas: taken as done" in out
     assert "no replica committed step 4 of the phase: it runs on the healed group" in out
     assert "resuming from the last checkpoint" not in out and "recovered in " not in out
+    assert "trainer replicas bitwise equal at the end: yes" in out
     with capsys.disabled():  # the times to heal, shown with -s
         print(*healed, sep="\n")
     assert _grpo_steps(run) == list(range(6))  # each once
