@@ -31,6 +31,11 @@ class MetricsLogger:
         """Fields to add to the next row logged (e.g. the data rows skipped at load, once per process)."""
         self._notes.update(fields)
 
+    def note_sum(self, fields: dict[str, float]) -> None:
+        """As note(), each value added to what was noted under its key since the last row (e.g. two heals in one
+        step: their seconds and their count)."""
+        self._notes.update({k: self._notes.get(k, 0) + v for k, v in fields.items()})
+
     def log(self, row: dict[str, Any]) -> None:
         row, self._notes = {**row, **self._notes}, {}
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}

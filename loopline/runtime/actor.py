@@ -343,6 +343,8 @@ class ActorWorker:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
         from loopline.runtime.weight_sync import local_shards
 
+        if self.trainer is not None:  # test hook: a rank lost as the sync after its n-th step begins
+            pause_point(f"send_weights:{self.rank}:{self.trainer.updates}", once=True)
         if not self._sends_weights():
             return
         self.plan = sync_plan(self.plan, self.sync_params, self.layout, targets)
@@ -506,7 +508,7 @@ class ActorRole:
         self._phase: tuple[Any, ...] | None = (
             None  # start_phase's arguments, for healed ranks' fresh trainers
         )
-        # set by the run: the checkpointer's abandon() (a save in flight lost a rank's shards), the logger's note()
+        # set by the run: the checkpointer's abandon() (a save in flight lost a rank's shards), the logger's note_sum()
         self.drop_save: Callable[[], None] = lambda: None
         self.note: Callable[[dict[str, Any]], None] = lambda row: None
         self.heal_seconds: list[float] = []  # each heal's time, from the failure to the healed group
@@ -624,7 +626,7 @@ class ActorRole:
         group.call_each("load_replica", [(states[r % per].ref,) for r in range(n)])
         seconds = time.perf_counter() - t0
         self.heal_seconds.append(seconds)
-        self.note({"heal_actor_s": seconds})  # on the row of the step it healed
+        self.note({"heal_actor_s": seconds, "heals": 1})  # summed on the row of the step it healed
         print(
             f"healed the trainer from a live replica in {seconds:.2f}s (lost ranks {lost}; state of step {top} "
             f"from ranks {sorted(set(sources.values()))}: taken {t1 - t0:.2f}s, ranks replaced {t2 - t1:.2f}s, "

@@ -32,7 +32,7 @@ class Actor(Protocol):
     """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
 
     drop_save: Callable[[], None]  # a heal calls it: the checkpoint in flight lost a rank's shards
-    note: Callable[[dict[str, Any]], None]  # a heal logs its time through it (the metrics logger's note)
+    note: Callable[[dict[str, Any]], None]  # a heal logs its time through it (the metrics logger's note_sum)
 
     def replicas_agree(self) -> bool | None:
         """Whether the trainer's replicas (runtime.trainer_replicas) hold bitwise the same state; None: one replica."""

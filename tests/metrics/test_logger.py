@@ -36,6 +36,23 @@ def test_rows_round_trip_and_non_finite_become_null(tmp_path):
     ]
 
 
+def test_noted_fields_go_on_the_next_row_only_and_summed_ones_add_up(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.note({"skipped": 2})
+    logger.note_sum({"heal_s": 1.5, "heals": 1})
+    logger.note_sum({"heal_s": 2.0, "heals": 1})  # two heals in one step
+    logger.log({"phase": "grpo", "step": 1})
+    logger.note_sum({"heals": 1})
+    logger.log({"phase": "grpo", "step": 2})
+    logger.log({"phase": "grpo", "step": 3})
+    logger.close()
+    assert read_metrics(tmp_path) == [
+        {"phase": "grpo", "step": 1, "skipped": 2, "heal_s": 3.5, "heals": 2},
+        {"phase": "grpo", "step": 2, "heals": 1},
+        {"phase": "grpo", "step": 3},
+    ]
+
+
 def test_truncate_after_drops_rows_past_the_checkpoint(tmp_path):
     logger = MetricsLogger(tmp_path, tensorboard=False)
     _fill(logger)
