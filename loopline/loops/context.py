@@ -121,10 +121,9 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
             }
         )
     checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
-    roles.actor.drop_save, roles.actor.note = (
-        checkpoints.abandon,
-        logger.note_sum,
-    )  # what a heal drops and logs
+    # what a heal of the trainer drops (a save in flight) and logs (its time, summed per step)
+    roles.actor.drop_save = checkpoints.abandon
+    roles.actor.note = logger.note_sum
     rt = cfg.runtime
     ranks = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
     watchdog = Watchdog(rt.stage_timeout_s, ranks)

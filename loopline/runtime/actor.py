@@ -511,7 +511,6 @@ class ActorRole:
         # set by the run: the checkpointer's abandon() (a save in flight lost a rank's shards), the logger's note_sum()
         self.drop_save: Callable[[], None] = lambda: None
         self.note: Callable[[dict[str, Any]], None] = lambda row: None
-        self.heal_seconds: list[float] = []  # each heal's time, from the failure to the healed group
 
     def _slices(self, batch: B) -> list[B]:
         """One slice per rank: equal row slices over the dp ranks, each given to that dp rank's tp ranks, on
@@ -625,7 +624,6 @@ class ActorRole:
         group.call("start_phase", optim, total_steps, None, loss, micro_batch_size)
         group.call_each("load_replica", [(states[r % per].ref,) for r in range(n)])
         seconds = time.perf_counter() - t0
-        self.heal_seconds.append(seconds)
         self.note({"heal_actor_s": seconds, "heals": 1})  # summed on the row of the step it healed
         print(
             f"healed the trainer from a live replica in {seconds:.2f}s (lost ranks {lost}; state of step {top} "
