@@ -206,7 +206,7 @@ def check_placement(cfg: PlacementConfig, nodes: Sequence[Mapping[str, float]]) 
 # ---------------------------------------------------------------------------------------------------------
 
 # Placement groups add derived resources such as CPU_group_<pg id> and CPU_group_0_<pg id>; they are not free.
-_PG_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]+$")
+_PG_RESOURCE = re.compile(r"_group_(\d+_)?([0-9a-f]+)$")
 
 
 def cluster_free_resources() -> list[dict[str, float]]:
@@ -218,6 +218,48 @@ def cluster_free_resources() -> list[dict[str, float]]:
         {k: v for k, v in res.items() if not _PG_RESOURCE.search(k)}
         for res in available_resources_per_node().values()
     ]
+
+
+# How long a failing resource check waits while other jobs hold placement groups: a run killed a moment ago
+# still holds its groups until Ray notices its driver is gone (well under a second, or seconds on a loaded node).
+RELEASE_WAIT_S = 10.0
+
+
+def _other_jobs_hold_groups() -> bool:
+    """Whether another Ray job still holds placement groups, by Ray's table or by its per-node resource view."""
+    import ray
+    import ray.util
+    from ray._private.state import total_resources_per_node
+
+    own = ray.get_runtime_context().get_job_id()
+    # A placement group's id ends with the id of the job that made it (Ray's id layout).
+    alive = {i for i, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
+    shown = {
+        m.group(2)
+        for res in total_resources_per_node().values()
+        for k in res
+        if (m := _PG_RESOURCE.search(k))
+    }
+    return any(not i.endswith(own) for i in alive | shown)
+
+
+def _check_free(cfg: PlacementConfig) -> None:
+    """check_placement on the free resources; while they fall short and other jobs hold placement groups, check
+    again for up to RELEASE_WAIT_S (at most ready_timeout_s), so that resuming a run killed a moment ago works."""
+    wait = min(RELEASE_WAIT_S, cfg.ready_timeout_s)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            check_placement(cfg, cluster_free_resources())
+            return
+        except PlacementError as e:
+            if not _other_jobs_hold_groups():
+                raise
+            if time.monotonic() >= deadline:
+                raise PlacementError(
+                    f"{e}\n  (other Ray jobs hold placement groups; waited {wait:g}s for them)"
+                ) from e
+        time.sleep(0.2)
 
 
 @dataclass(frozen=True)
@@ -252,7 +294,7 @@ def place_pools(cfg: PlacementConfig) -> dict[str, Pool]:
     from ray.util.placement_group import placement_group, remove_placement_group
 
     if cfg.check_resources:
-        check_placement(cfg, cluster_free_resources())
+        _check_free(cfg)
 
     pools = [
         Pool(

@@ -7,6 +7,8 @@ local Ray (tests/conftest.py).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only; read when ray is imported
@@ -197,3 +199,44 @@ def test_place_and_remove_pools(local_ray: float) -> None:
     while sum(n.get("CPU", 0.0) for n in cluster_free_resources()) < cpus and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sum(n.get("CPU", 0.0) for n in cluster_free_resources()) == pytest.approx(cpus)
+
+
+_HOLDER = """
+import os, signal, sys, time
+import ray
+from ray.util.placement_group import placement_group
+ray.init(address=sys.argv[1])
+group = placement_group([{"CPU": float(sys.argv[2])}])
+assert group.wait(30)
+print("held", flush=True)
+sys.stdin.readline()
+time.sleep(1.5)
+os.kill(os.getpid(), signal.SIGKILL)  # dies like a killed run: its group is freed only once Ray notices
+"""
+
+
+def test_a_pool_held_by_a_dying_job_is_placed_once_that_job_is_gone(local_ray: float) -> None:
+    """Resuming a run killed a moment ago: the check waits while another job holds the CPUs, and names that
+    job's groups when its wait ends first."""
+    cpus = local_ray
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, ray.get_runtime_context().gcs_address, str(cpus)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdin is not None
+        assert holder.stdout.readline().strip() == "held"
+        cfg = _cfg([("train", 1, {"CPU": 1})], {"actor": "train"})
+        with pytest.raises(
+            PlacementError, match=r"cluster has CPU 0\n.*other Ray jobs hold placement groups; waited 1s"
+        ):
+            place_pools(cfg.model_copy(update={"ready_timeout_s": 1.0}))
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        start = time.monotonic()
+        pools = place_pools(cfg)  # the holder is still alive for 1.5 s, then killed
+        assert time.monotonic() - start > 1.0
+        remove_pools(pools)
+    finally:
+        holder.kill()
+        holder.wait(30)
