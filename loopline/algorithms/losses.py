@@ -271,5 +271,9 @@ def clipped_value_loss(
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Per-position entropy of the softmax over the last dim: (..., V) -> (...)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """Per-position entropy from log-probabilities over the last dim (a log_softmax the caller already has)."""
     return -(logp.exp() * logp).sum(dim=-1)

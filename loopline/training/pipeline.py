@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from loopline.algorithms.losses import entropy_from_logits
+from loopline.algorithms.losses import entropy_from_logprobs
 from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.training.config import OptimConfig
@@ -204,8 +204,9 @@ class StageModule(nn.Module):
         if self.lm_head is None or self.model.norm is None:
             return h
         logits = self.lm_head(self.model.norm(h)).float()  # (B, L, V)
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        channels = [logp, entropy_from_logits(logits)]
+        every = torch.log_softmax(logits, dim=-1)
+        logp = every.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        channels = [logp, entropy_from_logprobs(every)]
         if not self.training:
             t = self.temperature
             tempered = torch.log_softmax(logits / t, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from transformers import PreTrainedModel
 
-from loopline.algorithms.losses import entropy_from_logits
+from loopline.algorithms.losses import entropy_from_logprobs
 from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.algorithms.preference import (
     PreferenceLossOutput,
@@ -156,8 +156,9 @@ def response_logprobs(
     packed: one forward over the real tokens only (model.packing); 0 on padding. share_prompts: padded rows
     with the same prompt share one forward of it (model.share_prompts)."""
     logits, targets, lay_out = _response_logits(model, batch, packed, share_prompts)
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = lay_out(entropy_from_logits(logits)) if with_entropy else None
+    every = torch.log_softmax(logits, dim=-1)  # one pass serves the token log-probs and the entropy
+    logp = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = lay_out(entropy_from_logprobs(every)) if with_entropy else None
     return lay_out(logp), entropy
 
 

@@ -11,7 +11,7 @@ from loopline.config import OptimConfig, TaskConfig
 from loopline.data.batches import collate
 from loopline.data.tasks import arithmetic_splits
 from loopline.models.load import build_tiny_model
-from loopline.rollout.engine import SamplingParams, TorchEngine, _filter_logits
+from loopline.rollout.engine import SamplingParams, TorchEngine, _filter_logits, sample_tokens
 from loopline.training.policy import PolicyTrainer
 
 PROMPTS_TEXT = ["7+5=", "12+30=", "4+91=", "3+3=", "60+9="]  # 5 to 7 tokens with <bos>: padding varies
@@ -408,6 +408,25 @@ def test_filter_logits_top_k_and_top_p():
     assert kept(0, 1.0) == [True] * 4 and kept(4, 1.0) == [True] * 4
     # kept logits are unchanged: the engine renormalises with log_softmax
     assert torch.equal(_filter_logits(logits, 2, 1.0)[0, [1, 3]], logits[0, [1, 3]])
+
+
+def test_sample_tokens_draws_each_token_at_its_probability_and_never_a_filtered_one():
+    # zeros first, between and last, as top-k and top-p leave them
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.6, 0.3, 0.0])
+    rows = 200_000
+    logp = probs.log().expand(rows, -1)
+    drawn = sample_tokens(logp, torch.Generator().manual_seed(0))
+    assert drawn.shape == (rows,) and drawn.dtype == torch.long
+    freq = torch.bincount(drawn, minlength=len(probs)).double() / rows
+    assert freq[probs == 0].sum() == 0
+    sigma = (probs * (1 - probs) / rows).sqrt().double()
+    assert torch.all((freq - probs.double()).abs() <= 5 * sigma + 1e-12), freq
+    # one token left: always it, wherever it sits; a seeded generator repeats its draws
+    for only in (0, 5):
+        one = torch.full((8, 6), float("-inf"))
+        one[:, only] = 0.0
+        assert sample_tokens(one, None).tolist() == [only] * 8
+    assert torch.equal(drawn, sample_tokens(logp, torch.Generator().manual_seed(0)))
 
 
 def _offer_after(engine: TorchEngine, forwards: int, weights: dict, version: int):

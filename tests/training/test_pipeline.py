@@ -273,7 +273,10 @@ def _assert_same_update(single: dict, piped: dict, tied: bool, same_rounding: bo
     assert w2.keys() == w1.keys()  # the stages' names are the whole model's
     w0 = _model(tied).state_dict()
     for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-6 if same_rounding else 1e-5, msg=name)
+        # a key bias shifts all of a query's scores alike: its true gradient is 0, and what rounding leaves of it
+        # Adam divides by its own square root, so two orders of summing differ there by more than elsewhere
+        exact = same_rounding and not name.endswith("k_proj.bias")
+        torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=1e-6 if exact else 1e-5, msg=name)
     # full_pipeline_state: the whole state_dict on global rank 0 only, as the unsplit model names it
     on_rank0, *elsewhere = piped["full_state"]
     assert on_rank0.keys() == w1.keys() and all(s == {} for s in elsewhere)
