@@ -41,6 +41,7 @@ from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
+from loopline.runtime.ranks import use_threads
 from loopline.runtime.roles import build_roles
 from loopline.runtime.watchdog import Watchdog
 
@@ -88,8 +89,7 @@ def seed_everything(seed: int) -> None:
 
 def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     """Seed, load model and data, start the roles (the engines hold their own weights), open the logger."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    use_threads(cfg.threads)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)

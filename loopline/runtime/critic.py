@@ -36,6 +36,7 @@ from loopline.runtime.ranks import (
     rank_device,
     rendezvous,
     to_device,
+    use_threads,
 )
 from loopline.runtime.workers import WorkerGroup
 from loopline.training.config import CriticConfig
@@ -76,8 +77,8 @@ class CriticWorker:
         group); None: this rank builds the model itself and takes the weights it is given."""
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
-        if cfg.threads and policy is None:
-            torch.set_num_threads(cfg.threads)
+        if policy is None:
+            use_threads(cfg.threads)
         self.policy = policy
         self.mesh: Any = None  # the critic ranks' DeviceMesh, once joined (None: one unsharded rank)
         self.checkpoint_group: Any = None  # DCP's own group (an async save runs it in a thread), once joined

@@ -31,10 +31,23 @@ def to_device(batch: B, device: torch.device) -> B:
     return replace(batch, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
+def use_threads(threads: int) -> None:
+    """torch's CPU threads in this process: `threads` (0: torch's default), at most the CPUs Ray gave it when it is
+    a Ray actor, so that ranks sharing a node's cores do not oversubscribe them."""
+    if not threads:
+        return
+    import sys
+
+    ray = sys.modules.get("ray")  # imported by every Ray actor; never imported here for a local run
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        threads = max(1, min(threads, int(cpus)))
+    torch.set_num_threads(threads)
+
+
 def seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The run's initial policy (the same on every rank), with this process's torch RNG seeded."""
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    use_threads(cfg.threads)
     torch.manual_seed(cfg.seed + rng_offset)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     return model.to(rank_device()), tokenizer  # type: ignore[arg-type]  # transformers types .to() oddly

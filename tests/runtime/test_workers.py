@@ -58,6 +58,14 @@ class Probe:
             time.sleep(seconds_on_rank_1)
         return "awake"
 
+    def threads(self, asked: int) -> int:
+        import torch
+
+        from loopline.runtime.ranks import use_threads
+
+        use_threads(asked)
+        return torch.get_num_threads()
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -165,6 +173,35 @@ def test_ray_ranks_all_reduce_over_gloo(cluster: dict[str, str]) -> None:
     finally:
         remove_pools(pools)
     assert out == [{"rank": r, "world": 2, "sum": 42.0, "n": 2.0} for r in range(2)]
+
+
+def test_a_ray_rank_takes_the_threads_asked_at_most_its_cpus(cluster: dict[str, str]) -> None:
+    """threads=2 in a rank given one CPU (or half of one) runs one thread, in a rank given two, two; a process
+    that is not a Ray actor takes what it asks."""
+    import torch
+
+    from loopline.runtime.ranks import use_threads
+
+    pools = _place([("one", 1, {"CPU": 1}), ("half", 1, {"CPU": 0.5}), ("two", 1, {"CPU": 2})],
+                   {"actor": "one", "ref": "half", "critic": "two"})  # fmt: skip
+    try:
+        got = {}
+        for role in ("actor", "ref", "critic"):
+            with WorkerGroup(
+                Probe, 1, backend="ray", role=role, pool=pools[role], timeout_s=LIMIT_S
+            ) as group:
+                got[role] = group.call_each("threads", [(2,)])[0]
+    finally:
+        remove_pools(pools)
+    assert got == {"actor": 1, "ref": 1, "critic": 2}
+    before = torch.get_num_threads()
+    try:
+        use_threads(3)
+        assert torch.get_num_threads() == 3
+        use_threads(0)  # torch's default: left as it is
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_local_backend_matches_ray_backend(cluster: dict[str, str]) -> None:
