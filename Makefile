@@ -1,12 +1,12 @@
 # The two commands of the README. Both set everything up first (idempotent).
 .PHONY: run reproduce test lint mutation
 
-# ARGS: overrides for the default job, e.g. make run ARGS="seed=1 threads=1"
+# ARGS: overrides for the default job, e.g. make run ARGS="seed=1 threads=2"
 run:
 	scripts/setup tensorboard
 	.venv/bin/loopline train $(ARGS)
 
-# The default job over seeds 0,1,2 (threads 2) and seed 0 with threads 1, then the table against the README's targets
+# The default job over seeds 0,1,2 (threads 1) and seed 0 with threads 2, then the table against the README's targets
 reproduce:
 	scripts/setup tensorboard
 	.venv/bin/python scripts/reproduce --out runs/reproduce $(ARGS)

@@ -87,10 +87,10 @@ class RunConfig(Section):
     out_dir: str = Field("runs/default", description="Run directory (config, metrics, checkpoints, plots).")
     seed: int = Field(0, description="Seed for data, init, sampling.")
     threads: int = Field(
-        2,
+        1,
         ge=0,
         description="torch CPU threads per process, at most a Ray actor's CPUs (fixed, so runs replay on any "
-        "machine; 2: the default job's step 1.4x faster than 1 on 2 cores); 0 = torch default.",
+        "machine; 2 makes the default job's GRPO step ~1.4x faster on 2 cores but moves its results); 0 = torch default.",
     )
     deterministic: bool = Field(
         False,
