@@ -220,32 +220,46 @@ def cluster_free_resources() -> list[dict[str, float]]:
     ]
 
 
-# How long a failing resource check waits while other jobs hold placement groups: a run killed a moment ago
-# still holds its groups until Ray notices its driver is gone (well under a second, or seconds on a loaded node).
+# How long a failing resource check waits while the shortfall may be gone in a moment (_why_wait): a run killed a
+# moment ago holds its groups until Ray notices its driver is gone (well under a second, or seconds on a loaded node).
 RELEASE_WAIT_S = 10.0
 
 
-def _other_jobs_hold_groups() -> bool:
-    """Whether another Ray job still holds placement groups, by Ray's table or by its per-node resource view."""
+def _why_wait(cfg: PlacementConfig) -> str | None:
+    """Why a shortfall in the free resources may be gone in a moment (None: it will not).
+
+    Another Ray job still holds placement groups (a killed run's, until Ray notices its driver is gone), or the pools
+    fit what the live placement groups leave of each node's total, so what is missing is held by actors that are
+    ending or by Ray's per-node view of freed resources, which lags on a loaded machine."""
     import ray
     import ray.util
     from ray._private.state import total_resources_per_node
 
     own = ray.get_runtime_context().get_job_id()
+    groups = {i: g for i, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
+    totals = total_resources_per_node()
+    shown = {m.group(2) for res in totals.values() for k in res if (m := _PG_RESOURCE.search(k))}
     # A placement group's id ends with the id of the job that made it (Ray's id layout).
-    alive = {i for i, g in ray.util.placement_group_table().items() if g["state"] != "REMOVED"}
-    shown = {
-        m.group(2)
-        for res in total_resources_per_node().values()
-        for k in res
-        if (m := _PG_RESOURCE.search(k))
+    if any(not i.endswith(own) for i in set(groups) | shown):
+        return "other Ray jobs hold placement groups"
+    left = {
+        node: {k: v for k, v in res.items() if not _PG_RESOURCE.search(k)} for node, res in totals.items()
     }
-    return any(not i.endswith(own) for i in alive | shown)
+    for g in groups.values():
+        for i, bundle in g["bundles"].items():
+            node = g["bundles_to_node_id"].get(i)  # none yet for a group still pending
+            for k, v in bundle.items() if node in left else ():
+                left[node][k] = left[node].get(k, 0.0) - v
+    try:
+        check_placement(cfg, list(left.values()))
+    except PlacementError:
+        return None
+    return "resources not in any placement group are held: ending actors, or a view of freed ones not yet updated"
 
 
 def _check_free(cfg: PlacementConfig) -> None:
-    """check_placement on the free resources; while they fall short and other jobs hold placement groups, check
-    again for up to RELEASE_WAIT_S (at most ready_timeout_s), so that resuming a run killed a moment ago works."""
+    """check_placement on the free resources; while the shortfall may be gone in a moment (_why_wait), check again
+    for up to RELEASE_WAIT_S (at most ready_timeout_s), so that resuming a run killed a moment ago works."""
     wait = min(RELEASE_WAIT_S, cfg.ready_timeout_s)
     deadline = time.monotonic() + wait
     while True:
@@ -253,12 +267,11 @@ def _check_free(cfg: PlacementConfig) -> None:
             check_placement(cfg, cluster_free_resources())
             return
         except PlacementError as e:
-            if not _other_jobs_hold_groups():
+            why = _why_wait(cfg)
+            if why is None:
                 raise
             if time.monotonic() >= deadline:
-                raise PlacementError(
-                    f"{e}\n  (other Ray jobs hold placement groups; waited {wait:g}s for them)"
-                ) from e
+                raise PlacementError(f"{e}\n  ({why}; waited {wait:g}s for them)") from e
         time.sleep(0.2)
 
 
