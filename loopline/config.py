@@ -90,7 +90,7 @@ class RunConfig(Section):
         1,
         ge=0,
         description="torch CPU threads per process, at most a Ray actor's CPUs (fixed, so runs replay on any "
-        "machine; 2 makes the default job's GRPO step ~1.4x faster on 2 cores but moves its results); 0 = torch default.",
+        "machine; 2 made the default job's GRPO stage ~1.3x faster on 2 cores but moved its results); 0 = torch default.",
     )
     deterministic: bool = Field(
         False,

@@ -6,6 +6,7 @@ here rather than from another role."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import fields, replace
 from typing import Any, TypeVar
 
@@ -36,8 +37,6 @@ def use_threads(threads: int) -> None:
     a Ray actor, so that ranks sharing a node's cores do not oversubscribe them."""
     if not threads:
         return
-    import sys
-
     ray = sys.modules.get("ray")  # imported by every Ray actor; never imported here for a local run
     if ray is not None and ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
