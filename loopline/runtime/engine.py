@@ -1,10 +1,11 @@
 """The rollout role: generation engines, as a WorkerGroup of `EngineWorker`s driven by `RolloutRole`.
 
-Each engine is a TorchEngine on a whole model; the prompts are split across the engines, and the weight sync
-(runtime.engine_sync, built with the roles) fills them from the actor. Locally the group is one engine in this
-process with its own copy of the weights, sampling from this process's torch RNG. On ray each engine samples
-from its own generator (seeded per engine rank); the loop checkpoints the generators' states (`rng_states`)
-and restores them, so a resumed ray run repeats the uninterrupted one bit for bit, as the local backend does.
+Each engine is a TorchEngine, or a VllmEngine with rollout.engine=vllm, on a whole model; the prompts are split
+across the engines, and the weight sync (runtime.engine_sync, built with the roles) fills them from the actor.
+Locally the group is one engine in this process with its own copy of the weights, sampling from this process's
+torch RNG. On ray each engine samples from its own generator (seeded per engine rank); the loop checkpoints the
+generators' states (`rng_states`) and restores them, so a resumed ray run repeats the uninterrupted one bit for
+bit, as the local backend does.
 
 Elastic engines (ray): an engine whose actor dies (in generate or in a sync) is replaced in its bundle, synced,
 and its prompts issued again; `resize` adds or removes engines between steps.
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.config import RunConfig
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
@@ -31,26 +33,39 @@ from loopline.runtime.ranks import node_address, rank_and_world, seeded_model
 from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 
 if TYPE_CHECKING:
+    from loopline.rollout.vllm_engine import VllmEngine
     from loopline.runtime.placement import Pool
 
 
+def make_engine(
+    cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int | None
+) -> TorchEngine | VllmEngine:
+    """The engine cfg.rollout.engine names, on `model` (its own copy: the weight sync fills it); seed: its
+    sampling generator's (None: the process's torch RNG)."""
+    if cfg.rollout.engine == "vllm":
+        from loopline.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(model, tokenizer, cfg.rollout.vllm, seed, cfg.runtime.engine_max_rows)
+    return TorchEngine(
+        model, tokenizer, seed=seed, max_rows=cfg.runtime.engine_max_rows,
+        keep_stale_kv=cfg.grpo.partial_rollouts == "keep_stale_kv",
+    )  # fmt: skip
+
+
 class EngineWorker:
-    """One rollout engine: a TorchEngine on a whole model, filled by the weight sync."""
+    """One rollout engine (TorchEngine or VllmEngine) on a whole model, filled by the weight sync."""
 
     # with grpo.partial_rollouts a weight sync lands while a generate call runs (on Ray: two calls at once)
     max_concurrency = 2
 
-    def __init__(self, cfg: RunConfig, engine: TorchEngine | None = None) -> None:
+    def __init__(self, cfg: RunConfig, engine: TorchEngine | VllmEngine | None = None) -> None:
         """engine: an engine in this process (the local one-rank group); None: this rank loads the run's seeded
         initial model and samples from its own generator, seeded per engine rank (checkpointed: rng_state)."""
         self.cfg = cfg
         self.rank = rank_and_world()[0]
         if engine is None:
             model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
-            engine = TorchEngine(
-                model, tokenizer, seed=cfg.seed + 1 + self.rank, max_rows=cfg.runtime.engine_max_rows,
-                keep_stale_kv=cfg.grpo.partial_rollouts == "keep_stale_kv",
-            )  # fmt: skip
+            engine = make_engine(cfg, model, tokenizer, seed=cfg.seed + 1 + self.rank)
         self.engine = engine
         # grpo.partial_rollouts: the sync writes into a copy that the engine takes at its next decode step
         self.partial = cfg.grpo.partial_rollouts != "none"
@@ -106,13 +121,15 @@ class EngineWorker:
 
         if not self.partial:
             yield engine_tensors(self.engine.model)
-            self.engine.version = version
+            self.engine.commit_weights(version)
             return
-        self.engine.wait_taken()  # the staging copy is free again
+        engine = self.engine
+        assert isinstance(engine, TorchEngine)  # RunConfig refuses partial rollouts on other engines
+        engine.wait_taken()  # the staging copy is free again
         if self._staging is None:
             self._staging = {k: v.detach().clone() for k, v in engine_tensors(self.engine.model).items()}
         yield self._staging
-        self.engine.offer_weights(self._staging, version)
+        engine.offer_weights(self._staging, version)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """This engine's whole weights (for checks: the sync delivered the trainer's bytes)."""
@@ -128,7 +145,7 @@ class EngineWorker:
 
 
 def restore_engine_rng(
-    engine: TorchEngine, states: list[torch.Tensor | None], rank: int, engines: int, reseed: int
+    engine: TorchEngine | VllmEngine, states: list[torch.Tensor | None], rank: int, engines: int, reseed: int
 ) -> bool:
     """Engine `rank` of `engines`: its generator from states[rank] when the saved run had as many engines and
     both sample alike (own generator, or the process's RNG); otherwise seeded from reseed + rank. True if exact."""

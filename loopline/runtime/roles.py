@@ -26,10 +26,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
-from loopline.rollout.engine import TorchEngine
 from loopline.runtime.actor import ActorRole, ActorWorker
 from loopline.runtime.cluster import ClusterConfig
-from loopline.runtime.engine import EngineWorker, RolloutRole
+from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
 from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
@@ -73,7 +72,7 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     from loopline.runtime.critic import CriticRole, CriticWorker
 
     # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
-    engine = TorchEngine(copy.deepcopy(model), tokenizer, max_rows=cfg.runtime.engine_max_rows)
+    engine = make_engine(cfg, copy.deepcopy(model), tokenizer, seed=None)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
     trainer = WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model))
