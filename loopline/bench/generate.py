@@ -9,12 +9,15 @@ batching continuously (a prompt's samples enter as finished ones free their rows
 --max-rows / --samples prompts one after another, its own and HF's. Each engine runs the same batch
 --repeats times, alternating; tokens/s counts the tokens each returns, and microseconds per decode step
 divide the time by the forward passes the longest sample needs (the tiny model is bound by per-step
-overhead, not by memory bandwidth). Ends with the headline ratio on the long tail.
+overhead, not by memory bandwidth). Where vLLM is installed (rollout.engine=vllm), its engine runs the
+equal-length and long-tail batches too, on the same weights without the EOS bias, sampling with ignore_eos
+(the same distribution). Ends with the headline ratio on the long tail.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
@@ -157,17 +160,33 @@ def main(argv: list[str]) -> int:
     def theirs_chunk(chunk: list[list[int]]) -> list[int]:
         return _hf_generate(model, tokenizer, chunk, args.samples, args.max_new, stop_ids + eos)
 
+    vllm: dict[str, Callable[[], list[int]]] = {}
+    if importlib.util.find_spec("vllm") is not None:
+        from loopline.rollout.vllm_engine import VllmEngine
+
+        plain = build_tiny_model(TinyModelConfig(), tokenizer, seed=args.seed).eval()  # the same weights
+        theirs_vllm = VllmEngine(plain, tokenizer, seed=args.seed)
+        torch.set_num_threads(args.threads)
+
+        def vllm_run(stop: tuple[str, ...]) -> Callable[[], list[int]]:
+            params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=stop, ignore_eos=True)
+            return lambda: [len(c.token_ids) for c in theirs_vllm.generate(prompts, params, n=args.samples)]
+
+        vllm_run(STOP_DIGITS)()  # warm-up
+        vllm = {"equal_length": vllm_run(()), "long_tail": vllm_run(STOP_DIGITS)}
+    print(f"vllm: {'in-process, enforce_eager' if vllm else 'not installed'}")
+
     ours(STOP_DIGITS)()  # warm-up of both paths (first calls allocate)
     theirs(stop_ids + eos)()
-    _compare("equal_length", {"builtin": ours(()), "hf": theirs(eos)}, args.repeats)
+    equal = {"builtin": ours(()), "hf": theirs(eos)}
+    _compare("equal_length", equal | ({"vllm": vllm["equal_length"]} if vllm else {}), args.repeats)
     print(f"capped: at most {args.max_rows} rows at once ({per_chunk} prompts per static batch)")
     _compare(
         "long_tail_capped",
         {"builtin": continuous, "builtin_static": chunked(ours_chunk), "hf": chunked(theirs_chunk)},
         args.repeats,
     )
-    headline = _compare(
-        "long_tail", {"builtin": ours(STOP_DIGITS), "hf": theirs(stop_ids + eos)}, args.repeats
-    )
+    tail = {"builtin": ours(STOP_DIGITS), "hf": theirs(stop_ids + eos)}
+    headline = _compare("long_tail", tail | ({"vllm": vllm["long_tail"]} if vllm else {}), args.repeats)
     print(f"builtin_over_hf_tokens_per_s: {headline:.2f}")
     return 0

@@ -25,6 +25,7 @@ class SamplingParams:
     top_k: int = 0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # never sample EOS: lengths set by max_new_tokens and stop (benchmarks)
 
 
 @dataclass
@@ -481,6 +482,8 @@ class TorchEngine:
                 batch.join(new, headroom=max_new)
                 admitted += enter
             logits = batch.logits.float()
+            if params.ignore_eos and self.tokenizer.eos_token_id is not None:
+                logits[:, self.tokenizer.eos_token_id] = float("-inf")
             if params.temperature == 0.0:
                 token = logits.argmax(dim=-1)
                 logp = torch.log_softmax(logits, dim=-1)

@@ -33,6 +33,7 @@ def import_vllm() -> Any:
     """The vllm module, imported in-process (engine core in this process); a clear error if it is missing."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a page of start-up lines per engine
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is for `generate`'s JSON lines
     try:
         import vllm
     except ImportError as e:
@@ -128,6 +129,7 @@ class VllmEngine:
                 include_stop_str_in_output=True,  # as TorchEngine: the stop string ends the completion
                 logprobs=0,  # the sampled token's own log-prob
                 seed=s,
+                ignore_eos=params.ignore_eos,
             )
             for s in seeds
         ]

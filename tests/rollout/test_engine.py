@@ -288,6 +288,22 @@ def test_max_new_tokens_gives_length(small_model, tokenizer):
     assert any(c.finish_reason == "length" for c in out)
 
 
+def test_ignore_eos_samples_from_the_distribution_without_eos(trained, tokenizer):
+    engine = TorchEngine(trained, tokenizer, seed=0)
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    eos = tokenizer.eos_token_id
+    assert any(eos in c.token_ids for c in engine.generate(_prompts(tokenizer), params, n=4))
+    out = engine.generate(_prompts(tokenizer), SamplingParams(max_new_tokens=6, ignore_eos=True), n=4)
+    assert all(eos not in c.token_ids and len(c.token_ids) == 6 for c in out)
+    for c in out[:4]:  # each token's log-prob is over the vocabulary less EOS
+        prompt = _prompts(tokenizer)[c.prompt_index]
+        with torch.no_grad():
+            logits = trained(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1]
+        logits[:, eos] = float("-inf")
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("params", [dict(top_k=1), dict(top_p=1e-6)])
 def test_top_k_1_and_tiny_top_p_equal_greedy(small_model, tokenizer, params):
     engine = TorchEngine(small_model, tokenizer)

@@ -182,6 +182,39 @@ def test_sleep_frees_gpu_memory_between_calls(policy):
         eng.close()
 
 
+def test_generate_command_prints_only_json_lines_on_stdout(tmp_path):
+    """`loopline generate rollout.engine=vllm`: vLLM's own log lines go to stderr, the samples alone to stdout."""
+    need_module("vllm", "vLLM is not installed")
+    cmd = [
+        sys.executable,
+        "-m",
+        "loopline.cli",
+        "generate",
+        "rollout.engine=vllm",
+        "--prompt",
+        "1+2=",
+        "-n",
+        "3",
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) == 3 and all(r["prompt"] == "1+2=" and r["finish"] in ("stop", "length") for r in rows)
+
+
+def test_bench_generate_times_vllm_beside_the_builtin_engine(capsys):
+    need_module("vllm", "vLLM is not installed")
+    from loopline.bench.generate import main
+
+    args = ["--prompts", "4", "--samples", "2", "--max-new", "24", "--max-rows", "4", "--repeats", "1"]
+    assert main(args) == 0
+    values = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    assert values["vllm"] == "in-process, enforce_eager"
+    assert values["equal_length_vllm_mean_length"] == "24.0"  # ignore_eos: every sample runs to --max-new
+    assert float(values["long_tail_vllm_mean_length"]) < 24  # the digits stop most samples early
+    assert float(values["long_tail_builtin_over_vllm_tokens_per_s"]) > 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # `loopline train` on the vLLM engine: the one loop, another engine
 # ---------------------------------------------------------------------------------------------------------
