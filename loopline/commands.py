@@ -25,7 +25,7 @@ from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
     build_context,
-    encode_prompt,
+    encode_prompts,
     evaluate,
     sampling_params,
     sync_engine,
@@ -314,7 +314,7 @@ def generate(config: str | None, overrides: list[str], args: argparse.Namespace)
         cfg = ctx.cfg
         sync_engine(ctx, version=0)
         rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(args.prompt)]
-        prompts = [encode_prompt(ctx.tokenizer, r, cfg.model.use_chat_template) for r in rows]
+        prompts = encode_prompts(ctx.tokenizer, rows, cfg.model.use_chat_template)
         params = sampling_params(cfg.eval.sampling, seed=cfg.seed)
         temperature = args.temperature
         if temperature is None and args.n > 1 and params.temperature == 0:

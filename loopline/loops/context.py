@@ -7,7 +7,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,6 +182,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, row: PromptRow, use_chat_t
     return tokenizer(row.prompt)["input_ids"]
 
 
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, rows: Sequence[PromptRow], use_chat_template: bool
+) -> list[list[int]]:
+    """encode_prompt of each row; plain-text rows in one call of the tokenizer (its batch path)."""
+    if any(r.messages for r in rows) or (use_chat_template and getattr(tokenizer, "chat_template", None)):
+        return [encode_prompt(tokenizer, r, use_chat_template) for r in rows]
+    return list(tokenizer([r.prompt for r in rows])["input_ids"]) if rows else []
+
+
 def sampling_params(cfg: SamplingConfig, seed: int | None = None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=cfg.max_new_tokens,
@@ -305,7 +314,7 @@ def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, 
     texts, answered, lengths = [], [], 0
     for start in range(0, len(rows), ctx.cfg.eval.batch_size):
         chunk = rows[start : start + ctx.cfg.eval.batch_size]
-        prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in chunk]
+        prompts = encode_prompts(ctx.tokenizer, chunk, ctx.cfg.model.use_chat_template)
         for c in ctx.rollout.generate(prompts, params, n=1):
             texts.append(c.text)
             answered.append(chunk[c.prompt_index])

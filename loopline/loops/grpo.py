@@ -41,7 +41,7 @@ from loopline.loops.context import (
     SCALE_REQUEST,
     RunContext,
     apply_scale_request,
-    encode_prompt,
+    encode_prompts,
     episodes,
     episodes_correct,
     evaluate,
@@ -168,7 +168,7 @@ def collect(
                 completions = _episodes_as_completions(trajs, n)
                 masks = [t.mask for t in trajs]
             else:
-                encoded = [encode_prompt(ctx.tokenizer, row, ctx.cfg.model.use_chat_template) for row in rows]
+                encoded = encode_prompts(ctx.tokenizer, rows, ctx.cfg.model.use_chat_template)
                 completions = ctx.rollout.generate(encoded, params, n=n)
                 prompts = [encoded[c.prompt_index] for c in completions]  # (B)
         with timer("score"):

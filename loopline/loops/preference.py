@@ -32,7 +32,14 @@ from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.preference import PairBatch, PreferencePair, policy_pairs
 from loopline.data.sampler import Sampler
-from loopline.loops.context import RunContext, encode_prompt, evaluate, sampling_params, sync_engine
+from loopline.loops.context import (
+    RunContext,
+    encode_prompt,
+    encode_prompts,
+    evaluate,
+    sampling_params,
+    sync_engine,
+)
 from loopline.training.critic import ScalarModel, pairwise_accuracy
 
 # pairs per forward outside training (reference log-probs, held-out metrics)
@@ -67,7 +74,7 @@ def sample_policy_pairs(ctx: RunContext, rows: list[PromptRow], seed: int) -> li
     correct: list[list[bool]] = []
     for start in range(0, len(rows), _EVAL_CHUNK):
         part = rows[start : start + _EVAL_CHUNK]
-        prompts = [encode_prompt(ctx.tokenizer, r, ctx.cfg.model.use_chat_template) for r in part]
+        prompts = encode_prompts(ctx.tokenizer, part, ctx.cfg.model.use_chat_template)
         completions = ctx.rollout.generate(prompts, params, n=k)  # k per prompt, contiguous
         verdicts = ctx.scorer.score(
             [c.text for c in completions], [part[c.prompt_index] for c in completions]

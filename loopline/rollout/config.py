@@ -47,6 +47,12 @@ class VllmConfig(Section):
         description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on CPU, of RAM) it may take "
         "for weights, activations and KV cache; leave the rest to a colocated trainer.",
     )
+    cpu_kv_cache_gib: int = Field(
+        1,
+        gt=0,
+        description="On CPU: vLLM's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), set rather than estimated from "
+        "memory_fraction, which counts this process's whole memory (a trainer's too) against it.",
+    )
     max_model_len: int = Field(
         0, ge=0, description="Longest prompt plus completion; 0 = the model's max_position_embeddings."
     )

@@ -536,9 +536,12 @@ class TorchEngine:
 
         self.model.train(was_training)
         token_lists, logp_lists, version_lists = tokens.tolist(), token_logps.tolist(), versions.tolist()
+        ids_lists = [token_lists[i][: lengths[i]] for i in range(total)]
+        texts = self.tokenizer.batch_decode(
+            ids_lists, skip_special_tokens=True
+        )  # one call: the tokenizer's batch
         completions = []
-        for i in range(total):
-            ids = token_lists[i][: lengths[i]]
+        for i, ids in enumerate(ids_lists):
             by = version_lists[i][: lengths[i]]
             completions.append(
                 Completion(
@@ -546,7 +549,7 @@ class TorchEngine:
                     sample_index=i % n,
                     token_ids=ids,
                     logprobs=logp_lists[i][: lengths[i]],
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    text=texts[i],
                     finish_reason=finish[i],
                     policy_version=by[0],
                     token_versions=by,

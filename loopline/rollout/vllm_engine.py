@@ -9,6 +9,9 @@ drops its prefix cache, whose keys and values the old weights computed.
 Sampling is reproducible: each prompt's request carries a seed drawn from the engine's generator (or the
 process's torch RNG when built without `seed`), so a checkpointed generator state repeats the same samples.
 
+One engine per process: vLLM's parallel state is global to a process, and stopping one engine tears it down
+for any other (the local backend runs one engine, each Ray engine rank is its own process).
+
 Simplified: the HF copy is a second set of weights beside vLLM's own (host memory on CPU; on a GPU it stays
 where the model was put); no partial rollouts (weights load between generate calls only); TP=1.
 """
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import tempfile
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -49,6 +53,9 @@ def _refresh_tied_head(model: torch.nn.Module) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
+_LIVE: weakref.WeakSet[VllmEngine] = weakref.WeakSet()  # the engines of this process (at most one runs)
+
+
 class VllmEngine:
     """vLLM's LLM on a copy of `model`, with TorchEngine's methods: generate, update_weights, the weight
     sync's receiving `model` and `commit_weights`, and the sampling generator's state for checkpoints."""
@@ -64,37 +71,43 @@ class VllmEngine:
         """seed: the generator each request's seed comes from (None: the process's torch RNG); max_rows:
         vLLM's max_num_seqs (0: vLLM's default)."""
         cfg = cfg or VllmConfig()
+        if any(e._llm is not None for e in _LIVE):
+            raise RuntimeError(
+                "a vLLM engine already runs in this process: vLLM keeps its parallel state per process, so a "
+                "second one would break the first when either stops (close() the first one)"
+            )
         vllm = import_vllm()
         if cfg.sleep and not torch.cuda.is_available():
             raise ValueError("rollout.vllm.sleep=true needs a GPU (vLLM's sleep mode frees CUDA memory)")
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         self.version = 0
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
-        # vLLM starts from a checkpoint directory: the model as it is now, written once
-        self._dir = tempfile.mkdtemp(prefix="loopline-vllm-")
-        model.save_pretrained(self._dir)
-        tokenizer.save_pretrained(self._dir)
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         extra: dict[str, Any] = {"max_num_seqs": max_rows} if max_rows else {}
         if cfg.max_model_len:
             extra["max_model_len"] = cfg.max_model_len
+        if not torch.cuda.is_available():  # a fixed KV cache: vLLM's estimate from memory_fraction subtracts
+            # this process's whole resident memory, which a trainer in the same process can exceed
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.cpu_kv_cache_gib)
         # vLLM's CPU worker pins torch to one thread and then disables torch.set_num_threads for the whole
-        # process; the trainer may share this process, so both are put back once the engine is up
+        # process; the trainer may share this process, so both are put back once the engine is up, and each
+        # call into vLLM runs at vLLM's own count (its attention kernels check it against their metadata's)
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        # vLLM starts from a checkpoint directory, read only while it starts: the model as it is now
         try:
-            self._llm = vllm.LLM(
-                model=self._dir,
-                dtype=dtype,
-                seed=0 if seed is None else seed,
-                gpu_memory_utilization=cfg.memory_fraction,
-                enforce_eager=cfg.enforce_eager,
-                enable_sleep_mode=cfg.sleep,
-                logprobs_mode="processed_logprobs",  # after temperature and top-k/p, as the trainer scores
-                **extra,
-            )
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
+            with tempfile.TemporaryDirectory(prefix="loopline-vllm-") as start:
+                model.save_pretrained(start)
+                tokenizer.save_pretrained(start)
+                self._llm = vllm.LLM(
+                    model=start,
+                    dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                    seed=0 if seed is None else seed,
+                    gpu_memory_utilization=cfg.memory_fraction,
+                    enforce_eager=cfg.enforce_eager,
+                    enable_sleep_mode=cfg.sleep,
+                    logprobs_mode="processed_logprobs",  # after temperature and top-k/p, as the trainer scores
+                    **extra,
+                )
+            self._threads = torch.get_num_threads()  # what vLLM set for serving
         finally:
             torch.set_num_threads = set_threads
             torch.set_num_threads(threads)
@@ -104,6 +117,7 @@ class VllmEngine:
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self._vllm = vllm
         self._asleep = False
+        _LIVE.add(self)
         if cfg.sleep:
             self._sleep()
 
@@ -135,9 +149,10 @@ class VllmEngine:
         ]
         self._wake()
         try:
-            outputs = self._llm.generate(
-                [self._vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False
-            )
+            with self._serving_threads():
+                outputs = self._llm.generate(
+                    [self._vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], requests, use_tqdm=False
+                )
         finally:
             if self.cfg.sleep:
                 self._sleep()
@@ -180,9 +195,10 @@ class VllmEngine:
         if self._asleep:
             self._llm.wake_up(tags=["weights"])
         weights = [(n, p.detach()) for n, p in self.model.named_parameters()]
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if getattr(self.model.config, "tie_word_embeddings", False):
-            self._llm.apply_model(_refresh_tied_head)
+        with self._serving_threads():
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            if getattr(self.model.config, "tie_word_embeddings", False):
+                self._llm.apply_model(_refresh_tied_head)
         self._llm.reset_prefix_cache()  # its keys and values came from the old weights
         self.version = version
 
@@ -204,6 +220,17 @@ class VllmEngine:
             raise ValueError("this engine seeds from the process's torch RNG: it has no generator to reseed")
         self.generator.manual_seed(seed)
 
+    @contextmanager
+    def _serving_threads(self) -> Iterator[None]:
+        """This thread at vLLM's thread count while it runs vLLM (a Ray actor's calls come on several threads,
+        each with its own OpenMP count); the caller's count back after."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(self._threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
     def _sleep(self) -> None:
         self._llm.sleep(level=1)
         self._asleep = True
@@ -214,10 +241,9 @@ class VllmEngine:
             self._asleep = False
 
     def close(self) -> None:
-        """Stop vLLM's engine core and remove the start-up checkpoint."""
+        """Stop vLLM's engine core (its memory is freed once nothing refers to the engine)."""
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             core = getattr(llm.llm_engine, "engine_core", None)
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
-        shutil.rmtree(self._dir, ignore_errors=True)

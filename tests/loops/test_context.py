@@ -7,7 +7,8 @@ import torch
 
 from loopline.config import load_config
 from loopline.data.datasets import PromptRow
-from loopline.loops.context import build_context, encode_prompt, evaluate, sync_engine
+from loopline.errors import UserError
+from loopline.loops.context import build_context, encode_prompt, encode_prompts, evaluate, sync_engine
 from loopline.loops.sft import sft_pair
 
 TEMPLATE = (
@@ -46,6 +47,21 @@ def test_chat_row_drops_the_assistant_turn_it_would_learn(chat_tokenizer):
     )
     ids = encode_prompt(chat_tokenizer, row, use_chat_template=False)  # messages always use the template
     assert chat_tokenizer.decode(ids) == "<user>2+2=\n<assistant>"
+
+
+def test_encode_prompts_is_encode_prompt_of_each_row(tokenizer, chat_tokenizer):
+    chat = PromptRow(2, "", messages=({"role": "user", "content": "5+5="},))
+    rows = [PromptRow(0, "12+3="), PromptRow(1, "1+22222=")]
+    for tok, rows_, template in [
+        (tokenizer, rows, True),  # no template: plain, in one tokenizer call
+        (chat_tokenizer, rows, False),
+        (chat_tokenizer, rows, True),
+        (chat_tokenizer, [*rows, chat], False),  # a chat row takes the template, the others not
+    ]:
+        assert encode_prompts(tok, rows_, template) == [encode_prompt(tok, r, template) for r in rows_]
+    assert encode_prompts(tokenizer, [], True) == []
+    with pytest.raises(UserError, match="chat template"):
+        encode_prompts(tokenizer, [*rows, chat], False)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import copy
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,10 @@ def engine(policy):
 
     model, tokenizer = policy
     threads = torch.get_num_threads()
+    temp = Path(tempfile.gettempdir())
+    starts = set(temp.glob("loopline-vllm-*"))
     eng = VllmEngine(copy.deepcopy(model), tokenizer, seed=123)
+    assert set(temp.glob("loopline-vllm-*")) == starts  # the start-up checkpoint is removed once vLLM is up
     # vLLM's CPU worker sets one thread and disables torch.set_num_threads: the engine puts both back
     assert torch.get_num_threads() == threads
     torch.set_num_threads(threads + 1)
@@ -161,25 +165,44 @@ def test_weight_sync_lands_in_the_running_engine(engine, policy):
         group.shutdown()
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason=f"{GPU_ONLY} vLLM's sleep mode frees CUDA memory")
-def test_sleep_frees_gpu_memory_between_calls(policy):
-    from loopline.rollout.config import VllmConfig
-    from loopline.rollout.vllm_engine import VllmEngine
+SLEEP_CHECK = """
+import copy, json, torch
+from loopline.config import RunConfig
+from loopline.models import load_policy
+from loopline.rollout.config import VllmConfig
+from loopline.rollout.engine import SamplingParams
+from loopline.rollout.vllm_engine import VllmEngine
+from loopline.runtime.weight_sync import engine_tensors
 
-    model, tokenizer = policy
-    eng = VllmEngine(copy.deepcopy(model), tokenizer, VllmConfig(sleep=True, memory_fraction=0.3), seed=1)
-    try:
-        asleep = torch.cuda.mem_get_info()[0]
-        eng._wake()
-        awake = torch.cuda.mem_get_info()[0]
-        assert asleep - awake > 2**30  # its KV cache (a share of 30% of the GPU) is back
-        eng._sleep()
-        eng.update_weights(engine_tensors(model), version=1)  # woken for the sync, the weights only
-        out = eng.generate(_ids(tokenizer, PROMPTS), SamplingParams(max_new_tokens=8, stop=()), n=2)
-        assert len(out) == 8 and {c.policy_version for c in out} == {1}
-        assert torch.cuda.mem_get_info()[0] > awake + 2**30  # asleep again after the call
-    finally:
-        eng.close()
+model, tok = load_policy(RunConfig().model, seed=0)
+model = model.cuda()
+eng = VllmEngine(copy.deepcopy(model), tok, VllmConfig(sleep=True, memory_fraction=0.3), seed=1)
+asleep = torch.cuda.mem_get_info()[0]
+eng._wake()
+awake = torch.cuda.mem_get_info()[0]
+eng._sleep()
+eng.update_weights(engine_tensors(model), version=1)  # woken for the sync, the weights only
+out = eng.generate([tok("12+34=").input_ids], SamplingParams(max_new_tokens=8, stop=()), n=2)
+print(json.dumps({"asleep": asleep, "awake": awake, "after": torch.cuda.mem_get_info()[0],
+                  "versions": sorted({c.policy_version for c in out})}))
+"""
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason=f"{GPU_ONLY} vLLM's sleep mode frees CUDA memory")
+def test_sleep_frees_gpu_memory_between_calls(tmp_path):
+    """In a process of its own (one vLLM engine per process): the KV cache is freed while the engine sleeps."""
+    done = subprocess.run(
+        [sys.executable, "-c", SLEEP_CHECK],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    free = json.loads(done.stdout.strip().splitlines()[-1])
+    assert free["asleep"] - free["awake"] > 2**30  # its KV cache (a share of 30% of the GPU) was back
+    assert free["after"] > free["awake"] + 2**30  # asleep again after the call
+    assert free["versions"] == [1]
 
 
 def test_generate_command_prints_only_json_lines_on_stdout(tmp_path):
@@ -202,17 +225,25 @@ def test_generate_command_prints_only_json_lines_on_stdout(tmp_path):
     assert len(rows) == 3 and all(r["prompt"] == "1+2=" and r["finish"] in ("stop", "length") for r in rows)
 
 
-def test_bench_generate_times_vllm_beside_the_builtin_engine(capsys):
+def test_bench_generate_times_vllm_beside_the_builtin_engine(tmp_path):
     need_module("vllm", "vLLM is not installed")
-    from loopline.bench.generate import main
-
     args = ["--prompts", "4", "--samples", "2", "--max-new", "24", "--max-rows", "4", "--repeats", "1"]
-    assert main(args) == 0
-    values = dict(line.split(": ", 1) for line in capsys.readouterr().out.strip().splitlines())
+    cmd = [sys.executable, "-m", "loopline.cli", "bench", "generate", *args]  # its own process: one vLLM each
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = dict(line.split(": ", 1) for line in done.stdout.strip().splitlines())  # name: value lines only
     assert values["vllm"] == "in-process, enforce_eager"
     assert values["equal_length_vllm_mean_length"] == "24.0"  # ignore_eos: every sample runs to --max-new
     assert float(values["long_tail_vllm_mean_length"]) < 24  # the digits stop most samples early
     assert float(values["long_tail_builtin_over_vllm_tokens_per_s"]) > 0
+
+
+def test_a_second_engine_in_one_process_is_refused(engine, policy):
+    from loopline.rollout.vllm_engine import VllmEngine
+
+    model, tokenizer = policy
+    with pytest.raises(RuntimeError, match="already runs in this process"):
+        VllmEngine(copy.deepcopy(model), tokenizer, seed=1)
 
 
 # ---------------------------------------------------------------------------------------------------------
