@@ -44,8 +44,9 @@ class VllmConfig(Section):
         0.1,
         gt=0.0,
         le=1.0,
-        description="vLLM's gpu_memory_utilization: the share of the GPU's memory (on CPU, of RAM) it may take "
-        "for weights, activations and KV cache; leave the rest to a colocated trainer.",
+        description="vLLM's gpu_memory_utilization: the share of the GPU's memory it may take for weights, "
+        "activations and KV cache; leave the rest to a colocated trainer (on CPU the KV cache is "
+        "cpu_kv_cache_gib instead).",
     )
     cpu_kv_cache_gib: int = Field(
         1,
@@ -58,8 +59,8 @@ class VllmConfig(Section):
     )
     enforce_eager: bool = Field(
         True,
-        description="No torch.compile or CUDA graphs: the engine starts in seconds (on CPU ~1 s for the "
-        "built-in model, ~55 s compiled). Turn off on a GPU for faster decoding.",
+        description="No torch.compile or CUDA graphs: the engine starts in seconds (~1.4 s for the built-in "
+        "model on CPU; ~55 s compiled in an earlier trial). Turn off on a GPU for faster decoding.",
     )
     sleep: bool = Field(
         False,

@@ -537,9 +537,8 @@ class TorchEngine:
         self.model.train(was_training)
         token_lists, logp_lists, version_lists = tokens.tolist(), token_logps.tolist(), versions.tolist()
         ids_lists = [token_lists[i][: lengths[i]] for i in range(total)]
-        texts = self.tokenizer.batch_decode(
-            ids_lists, skip_special_tokens=True
-        )  # one call: the tokenizer's batch
+        # one call for the batch (fast tokenizers decode it in one pass)
+        texts = self.tokenizer.batch_decode(ids_lists, skip_special_tokens=True)
         completions = []
         for i, ids in enumerate(ids_lists):
             by = version_lists[i][: lengths[i]]
