@@ -82,9 +82,9 @@ def _world_entry(rank: int, fn: Callable[..., None], world_size: int, store_path
         dist.barrier()  # no rank tears its group down while a peer still talks to it
     finally:
         dist.destroy_process_group()
-    # A rank that finished leaves without interpreter finalization: gloo's threads can still hold work objects
-    # whose teardown then aborts the process (SIGABRT, "terminate called without an active exception"; seen
-    # once in ~30 suite runs, after the rank's results were written). A rank that raised exits through spawn.
+    # A rank that finished leaves without interpreter finalization, where gloo's threads and the work objects
+    # they hold are torn down (a suite run once lost a rank to SIGABRT, "terminate called without an active
+    # exception", the mark of threads destroyed while running). A rank that raised exits through spawn.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
