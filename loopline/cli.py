@@ -6,6 +6,7 @@ import argparse
 import functools
 import importlib
 import importlib.util
+import math
 import os
 import pkgutil
 import sys
@@ -22,6 +23,28 @@ from loopline.rollout.config import VLLM_INSTALL_HINT
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", default=None, help="YAML config file (optional)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.steps=10")
+
+
+def _at_least_one(text: str) -> int:
+    """argparse type: an integer >= 1 (a sample count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 (got {text!r})")
+    return value
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a finite temperature >= 0 (0 = greedy)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, 0 for greedy (got {text!r})")
+    return value
 
 
 def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
@@ -100,12 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     p.add_argument(
         "-n",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="samples per prompt; n > 1 samples at temperature 1 unless --temperature",
     )
     p.add_argument(
-        "--temperature", type=float, default=None, help="sampling temperature (default: eval.sampling's)"
+        "--temperature",
+        type=_temperature,
+        default=None,
+        help="sampling temperature (default: eval.sampling's)",
     )
 
     p = sub.add_parser("export", help="write a checkpoint (or a run's newest) as a Hugging Face model")

@@ -382,3 +382,24 @@ def test_abbreviated_options_are_refused(argv, capsys):
         f"unrecognized arguments: {argv[-1] if argv[-1] == '--resum' else '--temp'}"
         in capsys.readouterr().err
     )
+
+
+@pytest.mark.parametrize(
+    "option,value,names",
+    [
+        ("-n", "0", ["argument -n", "integer >= 1", "'0'"]),
+        ("-n", "two", ["argument -n", "'two'"]),
+        ("--temperature", "-1", ["argument --temperature", ">= 0", "'-1'"]),
+        ("--temperature", "nan", ["argument --temperature", "finite", "'nan'"]),
+    ],
+)
+def test_generate_refuses_bad_sample_counts_and_temperatures(option, value, names, capsys):
+    # once a traceback from the engine (-n 0: a division by zero; nan: an index out of range), or silently
+    # sampling at a negative temperature
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "1+2=", option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for name in names:
+        assert name in err, err

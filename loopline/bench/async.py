@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loopline.bench.args import require_positive
 from loopline.config import load_config
 from loopline.metrics.logger import read_metrics
 
@@ -181,7 +182,11 @@ def main(argv: list[str]) -> int:
         "--modes", default=",".join(MODES), help=f"comma list of modes, sync first (of {', '.join(MODES)})"
     )
     args = parser.parse_args(argv)
-    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    require_positive(parser, args, "timeout")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        parser.error(f"--seeds must be a comma list of integers (got {args.seeds!r})")
     if not seeds or args.steps < 3:
         parser.error("--seeds needs at least one seed and --steps at least 3")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

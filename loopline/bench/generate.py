@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from loopline.bench.args import require_positive
 from loopline.config import TaskConfig, TinyModelConfig
 from loopline.data.tasks import arithmetic_splits
 from loopline.models.load import build_byte_tokenizer, build_tiny_model
@@ -115,9 +116,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for key in ("prompts", "samples", "max_new", "max_rows", "repeats", "threads"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    require_positive(parser, args, "prompts", "samples", "max_new", "max_rows", "repeats", "threads")
     if args.max_rows < args.samples:
         parser.error("--max-rows must hold at least one prompt's --samples")
     torch.set_num_threads(args.threads)

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from loopline.bench.args import require_positive
 from loopline.config import GRPOConfig, OptimConfig, TaskConfig, TinyModelConfig
 from loopline.data.batches import RolloutBatch, collate
 from loopline.data.tasks import arithmetic_splits
@@ -104,9 +105,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for key in ("prompts", "samples", "mean_length", "max_new", "micro_batch", "repeats", "threads"):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    require_positive(
+        parser, args, "prompts", "samples", "mean_length", "max_new", "micro_batch", "repeats", "threads"
+    )
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 

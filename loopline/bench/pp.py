@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from loopline.bench.args import require_positive
 from loopline.bench.sync import run_world
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig, TinyModelConfig
 from loopline.data.batches import RolloutBatch, collate, split_rows
@@ -144,7 +145,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up step)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    for key in (
+    require_positive(
+        parser,
+        args,
         "ranks",
         "prompts",
         "samples",
@@ -154,9 +157,7 @@ def main(argv: list[str]) -> int:
         "layers",
         "heads",
         "steps",
-    ):
-        if getattr(args, key) < 1:
-            parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    )
     virtual = 2 if args.schedule == "interleaved" else 1
     rows = args.prompts * args.samples
     try:

@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from loopline.bench.args import require_positive
 from loopline.bench.sync import BENCH_MODELS
 from loopline.checkpoint.faults import PAUSE_DIR_ENV, PAUSE_ENV
 
@@ -438,6 +439,14 @@ def main(argv: list[str]) -> int:
         help=f"comma list of {list(KILL_CASES)}: how runs restart",
     )
     args = parser.parse_args(argv)
+    require_positive(parser, args, "resume_step", "repeats", "timeout", "kill_step")
+    unknown = [
+        m
+        for m in (args.models.split(",") + [args.restart_model])
+        if m.strip() and m.strip() not in BENCH_MODELS
+    ]
+    if unknown:
+        parser.error(f"--models / --restart-model: unknown {unknown}; accepted: {sorted(BENCH_MODELS)}")
     cases = [c.strip() for c in args.kill_cases.split(",") if c.strip()]
     if not cases or set(cases) - set(KILL_CASES):
         parser.error(f"--kill-cases: give some of {list(KILL_CASES)}, got {args.kill_cases!r}")

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from loopline.bench.args import require_positive
 from loopline.envs.code import CodeProblem, ScoreJob, load_human_eval, run_score_job, score
 from loopline.envs.pool import EnvPoolConfig, WorkerPool
 from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxError, readable_by_others, resolve_python
@@ -129,6 +130,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workers", type=int, default=2, help="pool workers, and baseline concurrency")
     parser.add_argument("--repeats", type=int, default=10, help="repeats for the per-execution costs")
     args = parser.parse_args(argv)
+    require_positive(parser, args, "limit", "workers", "repeats")
     try:
         problems = load_human_eval()[: args.limit]
     except ValueError as e:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # FSDP2 exactly as the trainer applies it (the tests import these from here too)
+from loopline.bench.args import require_positive
 from loopline.training.parallel import shard_model, trainer_mesh
 
 BENCH_MODELS: dict[str, dict[str, int]] = {
@@ -110,6 +111,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds before the world is killed")
     parser.add_argument("--skip-plan-70b", action="store_true", help="skip planning the 70B-shaped sync")
     args = parser.parse_args(argv)
+    require_positive(parser, args, "trainer", "engines", "engine_tp", "repeats", "bucket_mb", "timeout")
     models = [m for m in args.models.split(",") if m]
     unknown = [m for m in models if m not in BENCH_MODELS]
     if unknown:
