@@ -77,6 +77,13 @@ def merge_trees(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's message on one line: what is wrong and where (its own spans several, with the line quoted)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+
+
 def read_tree(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """The optional YAML file at `path` as a nested dict, updated by the dotted overrides; ConfigError if bad."""
     tree: dict[str, Any] = {}
@@ -86,8 +93,12 @@ def read_tree(path: str | Path | None = None, overrides: list[str] | None = None
             raise ConfigError(f"config file '{p}' does not exist")
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file '{p}' is not text (UTF-8): byte {e.start} is {e.object[e.start]:#x}"
+            ) from e
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{p}' is not valid YAML: {e}") from e
+            raise ConfigError(f"config file '{p}' is not valid YAML: {_yaml_problem(e)}") from e
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         tree = loaded

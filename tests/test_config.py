@@ -119,8 +119,13 @@ def test_file_errors(tmp_path):
         load_config(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("grpo: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as e:
         load_config(bad)
+    assert "\n" not in str(e.value) and "line 2, column 1" in str(e.value)  # one line, where it went wrong
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"grpo:\n  steps: \xff\xfe\n")
+    with pytest.raises(ConfigError, match="not text \\(UTF-8\\): byte 15 is 0xff"):
+        load_config(binary)
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("3\n")
     with pytest.raises(ConfigError, match="mapping"):

@@ -8,11 +8,14 @@ import math
 from pathlib import Path
 from typing import Any
 
+from loopline.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Appends rows to RUN_DIR/metrics.jsonl (and TensorBoard); resumable by truncating later rows."""
+    """Appends rows to RUN_DIR/metrics.jsonl (and TensorBoard); a resumed run cuts the file back to its length at the
+    checkpoint (checkpoint.state.truncate_run_files)."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
@@ -52,27 +55,40 @@ class MetricsLogger:
         """Start metrics.jsonl afresh: rows of an earlier run in the same directory must not mix in."""
         self.path.unlink(missing_ok=True)
 
-    def truncate_after(self, phase: str, step: int) -> None:
-        """Drop rows written after a checkpoint (phase, step) so a resumed run does not repeat them."""
-        if not self.path.exists():
-            return
-        order = {"sft": 0, "grpo": 1}
-        kept = []
-        for line in self.path.read_text().splitlines():
-            row = json.loads(line)
-            key = (order.get(row.get("phase", ""), 2), row.get("step", 0))
-            if key <= (order[phase], step):
-                kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
-
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All rows of a run's metrics.jsonl."""
+    """All rows of a run's metrics.jsonl. A last line cut short (a crash or a full disk while it was written: no
+    newline at its end) is left out with a warning; any other line that is not a JSON object is an error naming
+    the file and line."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}'")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                log.warning(
+                    "%s: line %d was cut short as it was written (no newline after it): left out",
+                    path,
+                    number,
+                )
+                continue
+            raise UserError(
+                f"{path} line {number} is not a metrics row: {e.msg} (column {e.colno})"
+            ) from None
+        if not isinstance(row, dict):
+            raise UserError(
+                f"{path} line {number} is not a metrics row: a JSON {type(row).__name__}, not an object"
+            )
+        rows.append(row)
+    return rows

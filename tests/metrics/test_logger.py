@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from loopline.errors import UserError
 from loopline.metrics.logger import MetricsLogger, read_metrics
 from loopline.metrics.plot import plot_run
 from tests.conftest import need_module
@@ -53,16 +54,27 @@ def test_noted_fields_go_on_the_next_row_only_and_summed_ones_add_up(tmp_path):
     ]
 
 
-def test_truncate_after_drops_rows_past_the_checkpoint(tmp_path):
+def test_a_last_line_cut_short_is_left_out_and_any_other_bad_line_is_named(tmp_path, caplog):
     logger = MetricsLogger(tmp_path, tensorboard=False)
     _fill(logger)
-    logger.truncate_after("grpo", 2)
-    kept = [(r["phase"], r["step"]) for r in read_metrics(tmp_path)]
-    assert kept == [("sft", 0), ("sft", 1), ("sft", 2), ("sft", 3), ("grpo", 0), ("grpo", 1), ("grpo", 2)]
-    logger.truncate_after("sft", 1)  # an SFT checkpoint: every RL row is later
-    assert [(r["phase"], r["step"]) for r in read_metrics(tmp_path)] == [("sft", 0), ("sft", 1)]
-    logger.log({"phase": "sft", "step": 2, "loss": 1.0})  # appending continues after truncation
-    assert read_metrics(tmp_path)[-1] == {"phase": "sft", "step": 2, "loss": 1.0}
+    path = tmp_path / "metrics.jsonl"
+    whole = path.read_text()
+    path.write_text(whole + '{"phase": "grpo", "step": 5, "rew')  # a crash in the middle of a write
+    assert read_metrics(tmp_path) == read_metrics_of(whole, tmp_path / "whole")
+    assert "line 10 was cut short" in caplog.text
+    path.write_text(whole + '{"phase": "grpo", "step": 5, "rew\n')  # a whole line, not JSON: not a crash's
+    with pytest.raises(UserError, match=r"metrics.jsonl line 10 is not a metrics row: Unterminated string"):
+        read_metrics(tmp_path)
+    lines = whole.splitlines()
+    path.write_text("\n".join([*lines[:3], "[1, 2]", *lines[3:]]) + "\n")
+    with pytest.raises(UserError, match="line 4 is not a metrics row: a JSON list, not an object"):
+        read_metrics(tmp_path)
+
+
+def read_metrics_of(text: str, run_dir):
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(text)
+    return read_metrics(run_dir)
 
 
 def test_clear_starts_a_new_file(tmp_path):
