@@ -106,11 +106,14 @@ def _iter_raw(path: Path, cfg: DataConfig, need_answer: bool) -> Iterator[tuple[
         raise DataError(f"unknown data source {cfg.source!r}")
 
 
-def _extra(raw: dict[str, Any], fields: tuple[str, ...], where: str, has: str) -> tuple[tuple[str, str], ...]:
+def _extra(
+    raw: dict[str, Any], fields: tuple[str, ...], where: str, has: str, optional: tuple[str, ...] = ()
+) -> tuple[tuple[str, str], ...]:
     """The row's `fields` that the env reads, as strings (numbers converted, a list of strings as JSON text); each
-    must be there."""
+    must be there. `optional` fields are read alike when the row has them (missing, null, "" or [] leave them out)."""
     extra = []
-    for name in fields:
+    present = [f for f in optional if raw.get(f) not in (None, "", [])]
+    for name in (*fields, *present):
         value = raw.get(name)
         if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
             extra.append((name, json.dumps(value)))
@@ -123,7 +126,13 @@ def _extra(raw: dict[str, Any], fields: tuple[str, ...], where: str, has: str) -
 
 
 def _to_row(
-    raw: Any, index: int, cfg: DataConfig, where: str, need_answer: bool, fields: tuple[str, ...] = ()
+    raw: Any,
+    index: int,
+    cfg: DataConfig,
+    where: str,
+    need_answer: bool,
+    fields: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
 ) -> PromptRow:
     if isinstance(raw, DataError):
         raise raw
@@ -155,7 +164,7 @@ def _to_row(
                 "(`loopline sft` trains on chat rows that end with an assistant message)",
                 "no_answer",
             )
-        extra = _extra(raw, fields, where, has)
+        extra = _extra(raw, fields, where, has, optional)
         return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages), extra=extra)
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
@@ -170,7 +179,7 @@ def _to_row(
         raise _BadRow(f"{where}: missing field '{cfg.answer_field}' {has}", "no_answer")
     if not isinstance(completion, str):
         raise _BadRow(f"{where}: field '{cfg.completion_field}' must be a string")
-    extra = _extra(raw, fields, where, has)
+    extra = _extra(raw, fields, where, has, optional)
     return PromptRow(index=index, prompt=prompt, answer=str(answer), completion=completion, extra=extra)
 
 
@@ -203,9 +212,10 @@ def load_rows(
     need_answer: bool = True,
     limits: LengthLimits | None = None,
     fields: tuple[str, ...] = (),
+    optional: tuple[str, ...] = (),
 ) -> tuple[list[PromptRow], dict[str, int]]:
     """Read prompt rows from a file; returns (rows, skipped rows by reason, keys of SKIP_REASONS). `fields`: more
-    fields every row must have, kept for the env (PromptRow.get). Bad rows
+    fields every row must have, kept for the env (PromptRow.get); `optional`: kept when a row has them. Bad rows
     raise DataError naming file and row, or are skipped and counted when cfg.skip_bad_rows is set; rows
     over `limits` likewise, by limits.overlong. One summary line reports what was skipped."""
     p = Path(path)
@@ -222,7 +232,7 @@ def load_rows(
     for rownum, raw in _iter_raw(p, cfg, need_answer):
         where = f"{p}: row {rownum}"
         try:
-            row = _to_row(raw, len(rows), cfg, where, need_answer, fields)
+            row = _to_row(raw, len(rows), cfg, where, need_answer, fields, optional)
         except _BadRow as e:
             if not cfg.skip_bad_rows:
                 raise DataError(f"{e} (set data.skip_bad_rows=true to skip such rows)") from None
@@ -254,20 +264,23 @@ def load_splits(
     limits: LengthLimits | None = None,
     fields: tuple[str, ...] = (),
     answered: bool = True,
+    optional: tuple[str, ...] = (),
 ) -> tuple[list[PromptRow], list[PromptRow], dict[str, int]]:
     """Train and held-out rows for a run (the built-in task or files named in the config), and the rows
     skipped in both by reason. need_answer: the training rows are scored (RL). Rows that are scored need what the
-    env reads: the answer when `answered`, and `fields`; held-out rows are always scored."""
+    env reads: the answer when `answered`, and `fields` (and keep `optional` ones); held-out rows are always scored."""
     if cfg.source == "builtin":
         from loopline.data.tasks import arithmetic_splits
 
         return (*arithmetic_splits(cfg.task, seed), {})
     if not cfg.train_path:
         raise DataError(f"data.train_path is required when data.source is '{cfg.source}'")
-    train_fields = fields if need_answer else ()
-    train, skipped = load_rows(cfg.train_path, cfg, need_answer and answered, limits, train_fields)
+    train_fields, train_optional = (fields, optional) if need_answer else ((), ())
+    train, skipped = load_rows(
+        cfg.train_path, cfg, need_answer and answered, limits, train_fields, train_optional
+    )
     held_out: list[PromptRow] = []
     if cfg.eval_path:
-        held_out, eval_skipped = load_rows(cfg.eval_path, cfg, answered, limits, fields)
+        held_out, eval_skipped = load_rows(cfg.eval_path, cfg, answered, limits, fields, optional)
         skipped = dict(Counter(skipped) + Counter(eval_skipped))
     return train, held_out, skipped

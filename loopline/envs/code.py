@@ -246,7 +246,12 @@ class CodeEnv:
     async def reset(self, sample: PromptRow) -> str:
         """Take the row's problem; the observation is its prompt."""
         if self.mbpp:
-            self.problem = mbpp_problem(str(sample.index), sample.get("test_list"))
+            self.problem = mbpp_problem(
+                str(sample.index),
+                sample.get("test_list"),
+                imports=sample.get("test_imports"),
+                setup=sample.get("test_setup_code"),
+            )
             return sample.prompt
         self.problem = CodeProblem(
             task_id=str(sample.index), prompt=sample.prompt, entry_point=sample.get("entry_point"),
@@ -278,10 +283,13 @@ def _check_test(test: str) -> None:
         raise ValueError("the row's test defines no check(candidate)")
 
 
-def mbpp_problem(task_id: str, test_list: str) -> CodeProblem:
+def mbpp_problem(task_id: str, test_list: str, imports: str = "", setup: str = "") -> CodeProblem:
     """An MBPP-form row as a problem the judge runs: its asserts (test_list, JSON text) become the body of
     check(candidate), one test each; they call the function by name, which the judge binds to the candidate. The
-    entry point is the first function they call that is not a builtin; the program is the completion alone."""
+    entry point is the first function they call that is neither a builtin nor defined by the row's imports or setup
+    code. The program is the completion after the row's imports and setup code (test_imports, test_setup_code),
+    which also come before check(): both sides see them, as in MBPP's own harness, where all three share one
+    namespace."""
     try:
         asserts = json.loads(test_list)
     except ValueError:
@@ -292,15 +300,49 @@ def mbpp_problem(task_id: str, test_list: str) -> CodeProblem:
         or not all(isinstance(a, str) and a.strip() for a in asserts)
     ):
         raise ValueError("the row's test_list is not a list of assert lines (MBPP form)")
-    test = "def check(candidate):\n" + "".join(f"    {line.strip()}\n" for line in asserts)
-    _check_test(test)
+    preamble = _mbpp_code("test_imports", imports) + _mbpp_code("test_setup_code", setup)
+    bound = _bound_names(preamble)
+    check = "def check(candidate):\n" + "".join(f"    {line.strip()}\n" for line in asserts)
+    _check_test(check)
     called = [
         node.func.id
-        for node in ast.walk(ast.parse(test))
+        for node in ast.walk(ast.parse(check))
         if isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and not hasattr(builtins, node.func.id)
+        and node.func.id not in bound
     ]
     if not called:
         raise ValueError("the row's test_list calls no function of the solution (MBPP form)")
-    return CodeProblem(task_id=task_id, prompt="", entry_point=called[0], test=test)
+    # the judge runs the prompt before the test, and the solution process before the completion
+    return CodeProblem(task_id=task_id, prompt=preamble, entry_point=called[0], test=check)
+
+
+def _mbpp_code(field: str, value: str) -> str:
+    """A row's code field as source ending in a newline: a list of lines (JSON text, as rows are read) or text."""
+    if not value:
+        return ""
+    try:
+        lines = json.loads(value)
+    except ValueError:
+        lines = None
+    source = "\n".join(lines) if isinstance(lines, list) else value
+    try:
+        ast.parse(source)
+    except SyntaxError as e:
+        raise ValueError(f"the row's {field} is not valid Python (line {e.lineno}: {e.msg})") from None
+    return source.rstrip("\n") + "\n" if source.strip() else ""
+
+
+def _bound_names(source: str) -> set[str]:
+    """Names a module's top level binds: imports, functions, classes, assignments."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names

@@ -31,6 +31,8 @@ BUILTIN_ENVS = {
 MULTI_TURN_DEFAULTS: dict[str, dict] = {"calculator": {"max_turns": 3, "stop": ["</tool_call>", "</answer>"]}}
 # The fields of a file's rows an env reads besides the prompt (and whether it reads the answer).
 ROW_FIELDS = {"code": ("entry_point", "test"), "code:mbpp": ("test_list",)}
+# ... and those it reads when a row has them (MBPP's imports and setup code that its asserts need).
+OPTIONAL_ROW_FIELDS = {"code:mbpp": ("test_imports", "test_setup_code")}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
@@ -142,7 +144,8 @@ class EnvConfig(Section):
         description="env.name=code: the rows' form. humaneval: prompt (the function's start), entry_point, test "
         "(defines check(candidate)); the program is prompt + completion. mbpp: the prompt is the task in words "
         "(e.g. data.prompt_field=text, data.completion_field=code), test_list a list of assert lines that call the "
-        "function by name (each one test); the program is the completion alone.",
+        "function by name (each one test), and when a row has them test_imports and test_setup_code, run before the "
+        "asserts and before the completion, which is the program.",
     )
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig,
@@ -216,14 +219,22 @@ class EnvConfig(Section):
         return tuple(dict.fromkeys([*MULTI_TURN_DEFAULTS.get(self.name, {}).get("stop", []), *self.stop]))
 
     @property
-    def row_fields(self) -> tuple[str, ...]:
-        """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
-        key = (
+    def _fields_key(self) -> str:
+        return (
             f"code:{self.code_format}"
             if self.name == "code" and self.code_format != "humaneval"
             else self.name
         )
-        return tuple(dict.fromkeys([*ROW_FIELDS.get(key, ()), *self.fields]))
+
+    @property
+    def row_fields(self) -> tuple[str, ...]:
+        """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
+        return tuple(dict.fromkeys([*ROW_FIELDS.get(self._fields_key, ()), *self.fields]))
+
+    @property
+    def optional_row_fields(self) -> tuple[str, ...]:
+        """The fields the env reads when a row has them."""
+        return OPTIONAL_ROW_FIELDS.get(self._fields_key, ())
 
     @property
     def reads_answer(self) -> bool:

@@ -104,7 +104,13 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
         val_rows = code_validation(cfg.env.code_task, cfg.seed)
     else:
         train_rows, eval_rows, skipped = load_splits(
-            cfg.data, cfg.seed, need_answer, limits, fields=cfg.env.row_fields, answered=cfg.env.reads_answer
+            cfg.data,
+            cfg.seed,
+            need_answer,
+            limits,
+            fields=cfg.env.row_fields,
+            answered=cfg.env.reads_answer,
+            optional=cfg.env.optional_row_fields,
         )
         val_rows = arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else []
     # the run directory only once model and data have loaded: a bad row leaves no half-made run behind

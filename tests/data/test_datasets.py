@@ -149,6 +149,31 @@ def test_env_fields_are_kept_and_required_where_rows_are_scored(tmp_path):
     assert len(rows) == 1 and skipped == {"fields": 1}
 
 
+def test_optional_env_fields_are_kept_when_a_row_has_them(tmp_path):
+    """MBPP's test_imports and test_setup_code: read when there, left out when missing, null, "" or []; a value of
+    the wrong kind is named like a required field's."""
+    base = {"prompt": "Write f.", "test_list": ["assert f() == 1"]}
+    rows = [
+        {**base, "test_imports": ["import math"], "test_setup_code": "X = 1"},
+        {**base, "test_imports": [], "test_setup_code": ""},
+        {**base, "test_setup_code": None},
+        base,
+    ]
+    cfg = DataConfig(source="jsonl")
+    optional = ("test_imports", "test_setup_code")
+    got, _ = load_rows(
+        _write_jsonl(tmp_path / "m.jsonl", rows), cfg, False, fields=("test_list",), optional=optional
+    )
+    assert (
+        json.loads(got[0].get("test_imports")) == ["import math"] and got[0].get("test_setup_code") == "X = 1"
+    )
+    assert [dict(r.extra).keys() == {"test_list"} for r in got[1:]] == [True, True, True]
+    with pytest.raises(DataError, match=r"row 1: field 'test_imports' is not a non-empty string"):
+        load_rows(
+            _write_jsonl(tmp_path / "b.jsonl", [{**base, "test_imports": [1]}]), cfg, False, (), optional
+        )
+
+
 def test_empty_or_missing_dataset(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_rows(tmp_path / "nope.jsonl", DataConfig(source="jsonl"))

@@ -193,6 +193,27 @@ def test_mbpp_rows_run_their_asserts_as_tests(
         assert result.reward == (tests[0] / tests[1] if tests[1] else 0.0)
 
 
+def test_mbpp_imports_and_setup_code_come_before_the_solution_and_the_asserts(sandbox: Sandbox) -> None:
+    """As in MBPP's harness (one namespace): the asserts use the imports and the setup code's helpers, and so may
+    the solution; a helper the asserts call is not taken for the entry point."""
+    asserts = ["assert near(area(2), 4 * math.pi)", "assert area(0) == ZERO"]
+    setup = "ZERO = 0.0\ndef near(a, b):\n    return abs(a - b) < 1e-9\n"
+    problem = code.mbpp_problem(
+        "mbpp/9", json.dumps(asserts), imports=json.dumps(["import math"]), setup=setup
+    )
+    assert problem.entry_point == "area"  # not near(): the setup code defines it
+    uses_math = "def area(r):\n    return math.pi * r * r\n"  # no import of its own
+    assert score(problem, uses_math, sandbox, tally=True).tests == (2, 2)
+    assert score(problem, "def area(r):\n    return 3 * r * r\n", sandbox, tally=True).tests == (1, 2)
+    bare = code.mbpp_problem("mbpp/9", json.dumps(["assert area(0) == 0.0", "assert area(1) == math.pi"]))
+    # without the row's imports, neither side has math: the solution's call fails, and so does the assert
+    assert score(bare, uses_math, sandbox, tally=True).tests == (0, 2)
+    with pytest.raises(ValueError, match="test_imports is not valid Python"):
+        code.mbpp_problem("mbpp/9", json.dumps(asserts), imports="import (")
+    with pytest.raises(ValueError, match="test_setup_code is not valid Python"):
+        code.mbpp_problem("mbpp/9", json.dumps(asserts), setup="def near(:")
+
+
 @pytest.mark.parametrize(
     ("test_list", "message"),
     [

@@ -138,12 +138,22 @@ def test_a_code_row_whose_test_cannot_check_anything_is_named(test: str, error: 
 def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
     env = EnvConfig(name="code", code_format="mbpp", code_reward="fraction")
     assert env.row_fields == ("test_list",) and not env.reads_answer
+    assert env.optional_row_fields == ("test_imports", "test_setup_code")
     asserts = ["assert double(2) == 4", "assert double(0) == 0", "assert double(-1) == -2"]
     row = PromptRow(
         index=0, prompt="Write a function double(x).", extra=(("test_list", json.dumps(asserts)),)
     )
     texts = ["def double(x):\n    return 2 * x\n", "def double(x):\n    return x + 2 if x > 0 else x\n"]
     assert score_chunk(env, (texts, [row, row])) == [1.0, pytest.approx(2 / 3)]  # wrong on -1 only
+    imported = PromptRow(
+        index=1,
+        prompt="Write a function root(x).",
+        extra=(
+            ("test_list", json.dumps(["assert root(9) == 3"])),
+            ("test_imports", json.dumps(["import math"])),
+        ),
+    )
+    assert score_chunk(env, (["def root(x):\n    return math.isqrt(x)\n"], [imported])) == [1.0]
     bad = PromptRow(index=3, prompt="p", extra=(("test_list", json.dumps(["assert True"])),))
     with pytest.raises(EnvError, match=r"env 'code' on prompt 3 .*calls no function"):
         score_chunk(env, (["x = 1\n"], [bad]))
