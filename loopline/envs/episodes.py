@@ -249,6 +249,25 @@ def run_agents(env: EnvConfig, chunk: AgentRuns) -> list[float]:
     return asyncio.run(_agents(env, chunk))
 
 
+# Threads asyncio.to_thread has at least (its default executor: min(32, CPUs + 4)): a chunk's sandboxed episodes run
+# this many at once or more, on any worker.
+EPISODE_THREADS_AT_LEAST = 5
+
+
+def chunk_time_limit(env: EnvConfig, episodes: int) -> float:
+    """The longest a healthy worker may take on a chunk of `episodes` single-turn episodes because of the env's own
+    time limits (0 for an env without any): code runs each completion's tests for up to env.sandbox.timeout_s,
+    several at once (EPISODE_THREADS_AT_LEAST), with half that again for starting and reaping the sandbox; agents
+    all run at once, each for up to env.agent_timeout_s. The pool's time limit for a chunk is this plus
+    runtime.env_task_timeout_s, so that completions that all loop until the sandbox kills them are not taken for a
+    hung worker."""
+    if env.agent_program:
+        return env.agent_timeout_s
+    if env.name == "code":
+        return math.ceil(episodes / EPISODE_THREADS_AT_LEAST) * env.sandbox.timeout_s * 1.5
+    return 0.0
+
+
 def run_task(env: EnvConfig | str, task: Chunk | Histories | AgentRuns) -> list[float] | list[StepResult]:
     """An env worker's task, of any kind: a Histories is stepped, an AgentRuns run, a (texts, rows) chunk scored."""
     if isinstance(task, AgentRuns):

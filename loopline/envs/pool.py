@@ -5,8 +5,9 @@ processes (backend "local") or Ray actors (backend "ray", for env workers on oth
 
 Guarantees, whatever happens to the workers:
 - every sample id of a batch gets exactly one `Outcome`; nothing is lost or counted twice;
-- a worker that dies or exceeds `task_timeout_s` is killed and replaced, and its task is retried
-  on another worker, at most `max_attempts` times in all, after which the outcome is an error;
+- a worker that dies or exceeds `task_timeout_s` (or the task's own time limit, given with the batch) is killed
+  and replaced, and its task is retried on another worker, at most `max_attempts` times in all, after which the
+  outcome is an error;
 - an exception raised by `fn` is an outcome too (not retried: it would fail again);
 - workers may be added or removed (`add_workers`, `remove_workers`) from any thread while a batch
   runs; a removed busy worker finishes its task first.
@@ -102,6 +103,7 @@ class WorkerInfo:
 class _Task:
     sample_id: Hashable
     item: Any
+    timeout_s: float  # a worker on it longer is taken for hung
     attempt: int = 1
     started: float = 0.0
     failures: tuple[str, ...] = ()
@@ -235,19 +237,28 @@ class WorkerPool(Generic[T, R]):
 
     # -- batches ---------------------------------------------------------------------------
 
-    def map(self, items: Mapping[Hashable, T]) -> dict[Hashable, Outcome[R]]:
+    def map(
+        self, items: Mapping[Hashable, T], timeouts: Mapping[Hashable, float] | None = None
+    ) -> dict[Hashable, Outcome[R]]:
         """Run a whole batch; returns one outcome per sample id."""
-        return {o.sample_id: o for o in self.imap(items)}
+        return {o.sample_id: o for o in self.imap(items, timeouts)}
 
-    def imap(self, items: Mapping[Hashable, T]) -> Iterator[Outcome[R]]:
-        """Run a batch, yielding each sample's outcome as soon as it is final (any order)."""
+    def imap(
+        self, items: Mapping[Hashable, T], timeouts: Mapping[Hashable, float] | None = None
+    ) -> Iterator[Outcome[R]]:
+        """Run a batch, yielding each sample's outcome as soon as it is final (any order). timeouts: seconds a
+        worker may spend on a sample's task before it counts as hung, by sample id (default: task_timeout_s)."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the pool is closed")
             if self._running:
                 raise RuntimeError("a batch is already running on this pool")
             self._running = True
-        queue = deque(_Task(sample_id, item) for sample_id, item in items.items())
+        limit = self.config.task_timeout_s
+        queue = deque(
+            _Task(sample_id, item, (timeouts or {}).get(sample_id, limit))
+            for sample_id, item in items.items()
+        )
         remaining = len(queue)
         done: set[Hashable] = set()
         try:
@@ -335,11 +346,11 @@ class WorkerPool(Generic[T, R]):
         now = time.monotonic()
         for worker in list(self._workers):
             task = worker.task
-            if task is not None and now - task.started > self.config.task_timeout_s:
+            if task is not None and now - task.started > task.timeout_s:
                 logger.warning("env task %r timed out on %s; killing the worker", task.sample_id, worker.name)
                 self._drop(worker, kill=True)
                 self._lost += 1
-                why = f"timed out after {self.config.task_timeout_s:g}s on {self._describe(worker)}"
+                why = f"timed out after {task.timeout_s:g}s on {self._describe(worker)}"
                 finished += self._retry(task, queue, why)
         return finished
 
@@ -350,7 +361,14 @@ class WorkerPool(Generic[T, R]):
             return [Outcome(task.sample_id, None, error, task.attempt, "", failures)]
         lost_at = task.lost_at or time.monotonic()
         queue.appendleft(
-            _Task(task.sample_id, task.item, task.attempt + 1, failures=failures, lost_at=lost_at)
+            _Task(
+                task.sample_id,
+                task.item,
+                task.timeout_s,
+                task.attempt + 1,
+                failures=failures,
+                lost_at=lost_at,
+            )
         )
         return []
 

@@ -76,6 +76,16 @@ class RuntimeConfig(Section):
         description="Env workers (processes on local, Ray actors on ray); a step's completions are split "
         "across them (env.name scores them).",
     )
+    env_task_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="An env worker still on its chunk of a step this long, beyond what the env's own limits allow "
+        "its episodes (env.sandbox.timeout_s for code, several at once; env.agent_timeout_s for agents), is taken "
+        "for hung: replaced, and the chunk sent to another.",
+    )
+    env_task_attempts: int = Field(
+        3, ge=1, description="Tries of a chunk on env workers that die or hang before the step fails."
+    )
     call_timeout_s: float = Field(
         600.0,
         gt=0,

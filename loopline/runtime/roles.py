@@ -87,7 +87,13 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
         critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
     # the env workers are processes; they start in the background
-    scorer = ScorerRole(cfg.env, workers=cfg.runtime.env_workers)
+    rt = cfg.runtime
+    scorer = ScorerRole(
+        cfg.env,
+        workers=rt.env_workers,
+        task_timeout_s=rt.env_task_timeout_s,
+        max_attempts=rt.env_task_attempts,
+    )
     return Roles(ActorRole(trainer, model, reference), rollout, scorer, scorer.close, critic)
 
 
@@ -143,7 +149,9 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
 
     try:
         pools = place_pools(placement)
-        scorer = ScorerRole(cfg.env, pools["env"], rt.env_workers)  # its workers start in the background
+        scorer = ScorerRole(
+            cfg.env, pools["env"], rt.env_workers, rt.env_task_timeout_s, rt.env_task_attempts
+        )  # its workers start in the background
         workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),

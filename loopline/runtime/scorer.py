@@ -19,7 +19,7 @@ import torch
 from loopline.data.rows import PromptRow
 from loopline.envs.base import StepResult
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import AgentRuns, Chunk, EnvError, Histories, run_task
+from loopline.envs.episodes import AgentRuns, Chunk, EnvError, Histories, chunk_time_limit, run_task
 from loopline.runtime.workers import WorkerError
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ class ScorerRole:
     bundles.
 
     A step's completions go out as chunks keyed by their offset, chunks_per_worker per worker. A worker that
-    dies, or hangs past task_timeout_s, is replaced and its chunk scored again on another, at most max_attempts
+    dies, or hangs past task_timeout_s plus what the env's own time limits allow its chunk
+    (envs.episodes.chunk_time_limit), is replaced and its chunk scored again on another, at most max_attempts
     tries in all; every completion gets exactly one score, in order. Workers beyond the pool's bundles share them
     (the bundles reserve the env role's resources on the nodes placement chose).
     """
@@ -67,6 +68,8 @@ class ScorerRole:
         if workers < 1 or chunks_per_worker < 1:
             raise ValueError(f"workers ({workers}) and chunks_per_worker ({chunks_per_worker}) must be >= 1")
         self.chunks_per_worker = chunks_per_worker
+        self.env = EnvConfig(name=env) if isinstance(env, str) else env
+        self.task_timeout_s = task_timeout_s
         self._retries = 0  # chunks scored again since take_stats()
         self._lost = 0  # pool.workers_lost at the last take_stats()
         self._recovered = 0.0  # longest time to recover a lost chunk since take_stats() (0: none was lost)
@@ -108,9 +111,13 @@ class ScorerRole:
     def _run(self, n: int, chunk: Callable[[int, int], Chunk | Histories | AgentRuns]) -> list[Any]:
         """n items as chunks of the pool's tasks; the results in order, or the first chunk's failure raised."""
         size = max(1, math.ceil(n / (self.pool.num_workers * self.chunks_per_worker)))
-        chunks: dict[Hashable, Any] = {i: chunk(i, min(i + size, n)) for i in range(0, n, size)}
+        starts = range(0, n, size)
+        chunks: dict[Hashable, Any] = {i: chunk(i, min(i + size, n)) for i in starts}
+        timeouts: dict[Hashable, float] = {
+            i: self.task_timeout_s + chunk_time_limit(self.env, min(i + size, n) - i) for i in starts
+        }
         # one outcome per chunk (keyed by its offset), whatever happened to the workers
-        outcomes = cast("dict[int, Any]", self.pool.map(chunks))
+        outcomes = cast("dict[int, Any]", self.pool.map(chunks, timeouts))
         self._retries += sum(o.attempts - 1 for o in outcomes.values())
         recovered = max((o.recovered_s for o in outcomes.values() if o.ok), default=0.0)
         if recovered:

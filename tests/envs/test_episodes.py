@@ -12,7 +12,8 @@ import pytest
 from loopline.config import ConfigError, load_config
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import EnvError, Histories, env_factory, score_chunk, step_chunk
+from loopline.envs.episodes import EnvError, Histories, chunk_time_limit, env_factory, score_chunk, step_chunk
+from loopline.envs.sandbox import SandboxConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
 ROWS = [PromptRow(0, "01+02=", "003"), PromptRow(1, "2+2=", "4"), PromptRow(2, "1/2=", "\\frac{1}{2}")]
@@ -171,3 +172,17 @@ def test_the_tool_example_env_runs_its_tool_between_turns() -> None:
     assert called.observation == "<tool_result>35</tool_result>" and not called.done and called.reward == 0
     assert called.info["tool_calls_ok"] == 1
     assert (answered.done, answered.reward, wrong.done, wrong.reward) == (True, 1.0, True, 0.0)
+
+
+def test_a_chunks_time_limit_is_what_the_envs_own_limits_allow_its_episodes() -> None:
+    """Code: the sandbox's limit per wave of 5 episodes at once (the fewest threads asyncio.to_thread has), half
+    again for the sandbox's start and end; agents: all at once, each up to env.agent_timeout_s; other envs: 0."""
+    code = EnvConfig(name="code", sandbox=SandboxConfig(timeout_s=10.0))
+    assert [chunk_time_limit(code, n) for n in (1, 5, 6, 256)] == [15.0, 15.0, 30.0, 52 * 15.0]
+    agent = EnvConfig(name="openai_agent", command="python agent.py", agent_timeout_s=90.0)
+    assert chunk_time_limit(agent, 1) == chunk_time_limit(agent, 300) == 90.0
+    assert (
+        chunk_time_limit(EnvConfig(name="addition"), 512)
+        == chunk_time_limit(EnvConfig(name="calculator"), 9)
+        == 0
+    )

@@ -169,6 +169,22 @@ def test_hung_task_is_killed_retried_then_reported() -> None:
     assert all(outcomes[k].ok and outcomes[k].value == k for k in "abc")
 
 
+def sleep_for(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_tasks_own_time_limit_replaces_the_pools() -> None:
+    """A task given a longer limit may outlast task_timeout_s; one given a shorter limit is cut at it."""
+    config = EnvPoolConfig(num_workers=2, task_timeout_s=1.0, max_attempts=1)
+    with WorkerPool(sleep_for, config) as pool:
+        outcomes = pool.map({"long": 2.0, "cut": 2.0}, timeouts={"long": 30.0})
+        assert outcomes["long"].ok and outcomes["long"].value == 2.0  # past the pool's 1 s: its own 30 s
+        assert "timed out after 1s" in (outcomes["cut"].error or "")  # no limit of its own: the pool's
+        short = pool.map({"x": 0.8}, timeouts={"x": 0.3})["x"]
+    assert not short.ok and "timed out after 0.3s" in (short.error or "")
+
+
 def test_exception_in_fn_is_an_outcome_and_not_retried() -> None:
     with WorkerPool(fail_on_three, EnvPoolConfig(num_workers=1)) as pool:
         outcomes = pool.map({i: i for i in range(5)})
