@@ -105,9 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
     _add_config_args(p)
+    _add_overwrite_arg(p)
 
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
     _add_config_args(p)
+    _add_overwrite_arg(p)
 
     p = sub.add_parser(
         "eval",

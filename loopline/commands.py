@@ -340,10 +340,11 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    cfg = load_config(config, overrides)  # cli.check_run checked what dpo needs of it
+    cfg, _ = _run_config(config, overrides, args, "dpo")  # cli.check_run checked what dpo needs of it
     ctx = build_context(cfg)
     try:
-        ctx.logger.clear()
+        _start_fresh(ctx)
+        record_config(ctx.run_dir, "start")
         _warm_start(ctx)
         train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
         steps = train_dpo(ctx, train_pairs, eval_pairs)
@@ -368,10 +369,11 @@ def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> in
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_rm
 
-    cfg = load_config(config, overrides)  # cli.check_run checked what rm needs of it
+    cfg, _ = _run_config(config, overrides, args, "rm")  # cli.check_run checked what rm needs of it
     ctx = build_context(cfg)
     try:
-        ctx.logger.clear()
+        _start_fresh(ctx)
+        record_config(ctx.run_dir, "start")
         _warm_start(ctx)
         train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
         model = train_rm(ctx, train_pairs, eval_pairs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,31 @@ def test_generate_n_samples_are_sampled(run, capsys):
 # ---------------------------------------------------------------------------------------------------------
 # item 5: export checks its destination before any work
 # ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["dpo", "rm", "sft"])
+def test_preference_and_sft_commands_refuse_an_out_dir_holding_a_run(run, command, tmp_path):
+    """`loopline dpo` into runs/default after `loopline train` once replaced the train run's metrics, wrote its
+    SFT checkpoint over the run's and put a dpo checkpoint beside its GRPO ones, which --resume then took for the
+    newest. Now every writing command refuses such an out_dir, and --overwrite deletes the run first."""
+    before = _snapshot(run)
+    rc, _, err, _ = _cli([command, *TINY, f"out_dir={run}"], tmp_path)
+    assert rc == 2
+    _one_line_error(err, f"out_dir {run} holds a run", "--overwrite")
+    assert _snapshot(run) == before
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    extra = (
+        ["dpo.steps=1", "preference.num_train=8"]
+        if command == "dpo"
+        else ["rm.steps=1", "preference.num_train=8"]
+    )
+    rc, out, err, _ = _cli(
+        [command, *TINY, *(extra if command != "sft" else []), f"out_dir={copy}", "--overwrite"], tmp_path
+    )
+    assert rc == 0, err
+    assert "--overwrite: deleted the run" in out
+    assert not list((copy / "checkpoints").glob("grpo-*"))  # the train run's RL checkpoints went with it
 
 
 def test_export_onto_a_file_fails_clearly(run, tmp_path):
