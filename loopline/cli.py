@@ -47,6 +47,26 @@ def _temperature(text: str) -> float:
     return value
 
 
+def _add_resume_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in out_dir from its newest whole checkpoint, with its saved config.yaml; a config "
+        f"and overrides given too may change only: {', '.join(RESUMABLE)}",
+    )
+    p.add_argument(
+        "--restart-unsaved",
+        action="store_true",
+        help="with --resume: a run stopped before its first checkpoint starts again from step 0 (its metrics "
+        "cleared) instead of failing; for job controllers that rerun the same command (loopline k8s)",
+    )
+    p.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: let any other field change too (recorded in out_dir/config_history.jsonl)",
+    )
+
+
 def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--overwrite",
@@ -80,23 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="SFT warm start then GRPO (the built-in default job with no config)")
     _add_config_args(p)
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run in out_dir from its newest whole checkpoint, with its saved config.yaml; a config "
-        f"and overrides given too may change only: {', '.join(RESUMABLE)}",
-    )
-    p.add_argument(
-        "--restart-unsaved",
-        action="store_true",
-        help="with --resume: a run stopped before its first checkpoint starts again from step 0 (its metrics "
-        "cleared) instead of failing; for job controllers that rerun the same command (loopline k8s)",
-    )
-    p.add_argument(
-        "--allow-config-change",
-        action="store_true",
-        help="with --resume: let any other field change too (recorded in out_dir/config_history.jsonl)",
-    )
+    _add_resume_args(p)
     _add_overwrite_arg(p)
 
     p = sub.add_parser("sft", help="supervised fine-tuning only")
@@ -105,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
     _add_config_args(p)
+    _add_resume_args(p)
     _add_overwrite_arg(p)
 
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")

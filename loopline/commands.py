@@ -75,9 +75,12 @@ def _run_config(
     return cfg, {}
 
 
-def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState, CheckpointParts | None]:
+def _resume(
+    ctx: RunContext, changes: dict[str, tuple] | None, command: str = "train"
+) -> tuple[RunState, CheckpointParts | None]:
     """State and parts of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
-    ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics)."""
+    ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics).
+    `command`'s phases only: train continues SFT and GRPO, dpo its SFT warm start and DPO."""
     found = ctx.checkpoints.resume()  # raises when there are checkpoints and every one is damaged
     for path, fault in ctx.checkpoints.skipped:
         warning = f"loopline: warning: checkpoint {path} is damaged: {fault}; using an older one"
@@ -88,6 +91,11 @@ def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState
         record_config(ctx.run_dir, "start")
         return RunState(), None
     state, resume = found
+    if state.phase not in ("sft", "dpo" if command == "dpo" else "grpo"):  # another command's run
+        raise UserError(
+            f"cannot resume {ctx.run_dir} with `loopline {command}`: its newest checkpoint, "
+            f"{ctx.checkpoints.resumed_from}, is of phase '{state.phase}'"
+        )
     print(f"resumed from {ctx.checkpoints.resumed_from} ({state.phase} step {state.step})")
     event = "resume" if changes is not None else "restart"  # restart: after a worker failure, same config
     record_config(ctx.run_dir, event, changes, checkpoint=ctx.checkpoints.resumed_from.name)
@@ -97,8 +105,8 @@ def _resume(ctx: RunContext, changes: dict[str, tuple] | None) -> tuple[RunState
 def _stopped(e: Interrupted, run_dir: str, command: str) -> int:
     """After SIGINT/SIGTERM stopped a run at a step's end (its checkpoint whole): where, and how to go on."""
     print(f"{e}: checkpoint {checkpoint_root(run_dir) / checkpoint_name(e.state)}")
-    if command == "train":
-        print(f"continue with: loopline train --resume out_dir={run_dir}")
+    if command in ("train", "dpo"):
+        print(f"continue with: loopline {command} --resume out_dir={run_dir}")
     return e.exit_code
 
 
@@ -327,32 +335,48 @@ def generate(config: str | None, overrides: list[str], args: argparse.Namespace)
     return 0
 
 
-def _warm_start(ctx: RunContext) -> None:
-    """The SFT warm start before preference training (sft.steps; 0 = start from model.path as it is)."""
+def _warm_start(
+    ctx: RunContext, state: RunState | None = None, resume: CheckpointParts | None = None
+) -> None:
+    """The SFT warm start before preference training (sft.steps; 0 = start from model.path as it is), from
+    `state` where a resumed run stopped in it."""
     sync_engine(ctx, version=0)
     if ctx.cfg.sft.steps:
-        ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-        train_sft(ctx, RunState(), None)
+        if resume is None:
+            ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+        train_sft(ctx, state or RunState(), resume)
 
 
 def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT warm start then DPO on preference pairs; the result is out_dir/model."""
+    """SFT warm start then DPO on preference pairs; the result is out_dir/model. --resume continues from the newest
+    checkpoint (of the warm start or of DPO); SIGINT/SIGTERM: as for `train`."""
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    cfg, _ = _run_config(config, overrides, args, "dpo")  # cli.check_run checked what dpo needs of it
-    ctx = build_context(cfg)
-    try:
-        _start_fresh(ctx)
-        record_config(ctx.run_dir, "start")
-        _warm_start(ctx)
-        train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
-        steps = train_dpo(ctx, train_pairs, eval_pairs)
-        policy = ctx.actor.policy()  # the trained weights in this process (ray: gathered from the ranks)
-        policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
-        ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
-    finally:
-        ctx.close()
+    cfg, changes = _run_config(config, overrides, args, "dpo")  # cli.check_run checked what dpo needs of it
+    stop = StopFlag()
+    with stop.handling():
+        ctx = build_context(cfg)
+        ctx.stop = stop
+        try:
+            if args.resume:
+                state, resume = _resume(ctx, changes, "dpo")
+            else:
+                _start_fresh(ctx)
+                record_config(ctx.run_dir, "start")
+                state, resume = RunState(), None
+            if state.phase == "sft":
+                _warm_start(ctx, state, resume)
+                state, resume = RunState(phase="dpo"), None
+            pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
+            steps = train_dpo(ctx, *pairs, state, resume)
+            policy = ctx.actor.policy()  # the trained weights in this process (ray: gathered from the ranks)
+            policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
+            ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+        except Interrupted as e:
+            return _stopped(e, cfg.out_dir, "dpo")
+        finally:
+            ctx.close()
     for key, what in (
         ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
         ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),

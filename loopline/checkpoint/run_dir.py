@@ -39,11 +39,11 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # Config fields a resume may change (fnmatch patterns on dotted keys); what the run trains on, and how, stays.
 RESUMABLE = (
     "out_dir",  # the run directory moved (copied elsewhere, mounted at another path)
-    "sft.steps", "grpo.steps",  # extend (or end) a phase; the LR schedule follows the new length
+    "sft.steps", "grpo.steps", "dpo.steps",  # extend (or end) a phase; the LR schedule follows the new length
     "runtime.*",  # rescale: backend, ranks, engines, env workers, timeouts, cluster
     "k8s.*",  # where it runs on Kubernetes (the pods' sizes, image, queue)
     "checkpoint.*", "checkpoint_every",
-    "sft.eval_every", "grpo.eval_every", "eval.batch_size",  # when held-out eval runs, not what it measures
+    "sft.eval_every", "grpo.eval_every", "dpo.eval_every", "eval.batch_size",  # when eval runs, not what it measures
     "threads", "deterministic", "progress", "tensorboard",
 )  # fmt: skip
 
@@ -62,7 +62,7 @@ def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train"
     if not overwrite:
         resume = (
             f" continue it with `loopline {command} --resume out_dir={run_dir}`,"
-            if command == "train"
+            if command in ("train", "dpo")
             else ""
         )
         raise UserError(

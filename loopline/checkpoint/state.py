@@ -72,7 +72,7 @@ class LoopState:
     """The RL loop's own state beyond the policy (loop.pt): what a resumed phase restores to continue exactly.
 
     On disk it is the plain dict to_dict() makes (the keys "kl", "engine_rng", with a critic "critic", with
-    batches generated ahead "buffer"), as
+    batches generated ahead "buffer", for DPO "dpo"), as
     every loopline has written it; from_dict() reads any of them (a key the writer lacked reads as absent).
     """
 
@@ -83,6 +83,8 @@ class LoopState:
     )
     # grpo.max_staleness >= 1: the batches generated but not yet trained (loops.grpo.Scored), oldest first
     buffer: list[Any] = field(default_factory=list)
+    # DPO: the pairs it trains and scores on and their reference log-probs (loops.preference.train_dpo)
+    dpo: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The loop.pt form."""
@@ -91,6 +93,8 @@ class LoopState:
             out["critic"] = self.critic
         if self.buffer:
             out["buffer"] = self.buffer
+        if self.dpo is not None:
+            out["dpo"] = self.dpo
         return out
 
     @classmethod
@@ -100,6 +104,7 @@ class LoopState:
             engine_rng=saved.get("engine_rng", []),
             critic=saved.get("critic"),
             buffer=saved.get("buffer", []),
+            dpo=saved.get("dpo"),
         )
 
 

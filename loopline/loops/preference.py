@@ -11,12 +11,13 @@ With preference.rejected=policy the built-in pairs are rebuilt from the policy's
 SFT warm start), labelled by the verifier, for both the training and the held-out pairs.
 
 Both train on the actor role (runtime.actor), so that the same code runs on either backend: DPO steps the
-policy itself and checkpoints it like SFT (every checkpoint_every steps and at the end, phase 'dpo'); the
-reward model is a model of its own on the actor's ranks, fetched whole at the end.
+policy itself and checkpoints it like SFT (every checkpoint_every steps and at the end, phase 'dpo'), with the
+pairs it trains on and their reference log-probs (or, dpo.reference=online, the frozen reference), so that
+`loopline dpo --resume` continues exactly; the reward model is a model of its own on the actor's ranks, fetched
+whole at the end.
 
-Simplified: neither resumes (their checkpoints are for `loopline export` and eval), and the reward model
-writes no checkpoint, only its final directory (a checkpoint holds a policy; a ScalarModel would need a
-layout of its own).
+Simplified: the reward model writes no checkpoint, only its final directory (a checkpoint holds a policy; a
+ScalarModel would need a layout of its own), so `loopline rm` does not resume.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from loopline.checkpoint.state import RunState
+from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
 from loopline.data.preference import PairBatch, PreferencePair, policy_pairs
 from loopline.data.sampler import Sampler
+from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
     encode_prompt,
@@ -130,22 +133,51 @@ def dpo_eval(ctx: RunContext, pairs: list[PreferencePair], ref: torch.Tensor) ->
     }
 
 
-def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]) -> int:
-    """DPO from the current policy for cfg.dpo.steps; logs phase 'dpo' rows; returns the steps run."""
+def train_dpo(
+    ctx: RunContext,
+    train_pairs: list[PreferencePair],
+    eval_pairs: list[PreferencePair],
+    state: RunState | None = None,
+    resume: CheckpointParts | None = None,
+) -> int:
+    """DPO from the current policy (or from `state`, read from the checkpoint at `resume`) to cfg.dpo.steps; logs
+    phase 'dpo' rows; returns the steps run."""
     cfg = ctx.cfg.dpo
-    train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
+    state = state or RunState(phase="dpo")
     # The reference is the policy as DPO starts, frozen: its log-probs up front, or the reference role's per batch.
     online = cfg.reference == "online"
-    ctx.actor.start_phase(cfg.optim, cfg.steps, None, reference=online)
-    eval_ref = pair_logprobs(ctx, eval_pairs)  # (N_eval, 2)
-    train_ref = None if online else pair_logprobs(ctx, train_pairs)  # (N_train, 2)
-    state = RunState(phase="dpo")
+    if resume is None:
+        train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
+        ctx.actor.start_phase(cfg.optim, cfg.steps, None, reference=online)
+        eval_ref = pair_logprobs(ctx, eval_pairs)  # (N_eval, 2)
+        train_ref = None if online else pair_logprobs(ctx, train_pairs)  # (N_train, 2)
+    else:  # what the phase trained on and against as it started (policy pairs were sampled from that policy)
+        saved = load_loop_state(resume).dpo
+        if saved is None or (saved["train_ref"] is None) != online:
+            raise UserError(
+                f"cannot resume dpo at step {state.step}: its checkpoint holds no pairs for dpo.reference="
+                f"{cfg.reference} (written by an older loopline, or with the other dpo.reference)"
+            )
+        train_pairs, eval_pairs = saved["train_pairs"], saved["eval_pairs"]
+        eval_ref, train_ref = saved["eval_ref"], saved["train_ref"]
+        ctx.actor.start_phase(cfg.optim, cfg.steps, resume, reference=online)
+    phase = LoopState(
+        dpo={
+            "train_pairs": train_pairs,
+            "eval_pairs": eval_pairs,
+            "eval_ref": eval_ref,
+            "train_ref": train_ref,
+        }
+    )
     sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 2)
-    sync_engine(ctx, version=0)
-    ctx.logger.log({"phase": "dpo", "step": 0, **evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref)})
+    if state.sampler:
+        sampler.load_state_dict(state.sampler)
+    sync_engine(ctx, version=state.step)
+    if state.step == 0:
+        ctx.logger.log({"phase": "dpo", "step": 0, **evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref)})
 
-    bar = tqdm(total=cfg.steps, desc="dpo", disable=not ctx.cfg.progress, leave=False)
-    for step in range(1, cfg.steps + 1):
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="dpo", disable=not ctx.cfg.progress, leave=False)
+    for step in range(state.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         rows = [ref.index for ref in sampler.next_batch(cfg.batch_size)]
         batch = encode_pairs(ctx, [train_pairs[i] for i in rows])
@@ -163,11 +195,16 @@ def train_dpo(ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: li
             sync_engine(ctx, version=step)
             row.update(evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref))
         ctx.logger.log(row)
-        if step == cfg.steps or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
+        pause_point(f"step:dpo:{step}")  # test hook: a kill between a step's row and its checkpoint
+        stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
+        if step == cfg.steps or stop or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):
-                ctx.checkpoints.save(state)
+                ctx.checkpoints.save(state, phase, reference=online)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pref_accuracy", "-"))
+        if stop:
+            bar.close()
+            ctx.stop.check(state)
     bar.close()
     return cfg.steps
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from loopline.config import load_config
 from loopline.metrics.logger import read_metrics
 from loopline.models import load_policy
 from loopline.training.critic import ScalarModel
+from tests.runs import kill_at, steady
 
 TINY = [
     "sft.steps=4", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
@@ -150,3 +152,41 @@ def test_preference_commands_check_their_config(tmp_path, capsys):
     assert main(["rm", *TINY, "preference.source=jsonl", "preference.train_path=p.jsonl",
                  "preference.rejected=policy", f"out_dir={tmp_path}"]) == 2  # fmt: skip
     assert "rejected 'policy' needs source 'builtin'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "online"])
+def test_dpo_killed_in_its_warm_start_and_in_dpo_resumes_to_the_uninterrupted_end(tmp_path, reference):
+    """`loopline dpo` SIGKILLed in its SFT warm start, resumed, SIGKILLed again in DPO, resumed to the end: the same
+    weights (bytes), optimizer shards and metrics rows as a run never interrupted. The pairs are the policy's own
+    samples (preference.rejected=policy): a resumed DPO must train on the pairs it started with, which it reads
+    from the checkpoint with their reference log-probs (online: the frozen reference's shards)."""
+    args = [
+        *TINY, *DPO, "dpo.steps=4", "dpo.eval_every=2", "preference.rejected=policy", "preference.num_train=16",
+        f"dpo.reference={reference}", "checkpoint_every=1", "deterministic=true",
+    ]  # fmt: skip
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(["dpo", *args, f"out_dir={whole}"]) == 0
+    cmd = [sys.executable, "-m", "loopline.cli", "dpo", *args, f"out_dir={killed}"]
+    kill_at(cmd, "step:sft:2", tmp_path / "markers", 180)  # its row logged, its checkpoint not written
+    kill_at([*cmd[:4], "--resume", *cmd[4:]], "step:dpo:2", tmp_path / "markers", 180)
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "dpo-000001"
+    assert main(["dpo", "--resume", f"out_dir={killed}"]) == 0  # the README's form: out_dir alone
+    for name in ("model/model.safetensors", "dcp/__0_0.distcp"):
+        assert (killed / "checkpoints" / "dpo-000004" / name).read_bytes() == (
+            whole / "checkpoints" / "dpo-000004" / name
+        ).read_bytes(), name
+    assert steady(read_metrics(killed)) == steady(read_metrics(whole))
+    assert (killed / "model" / "model.safetensors").read_bytes() == (
+        whole / "model" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_dpo_resume_refuses_another_commands_run(tmp_path, capsys):
+    """A `loopline train` run's checkpoints are not DPO's to continue (nor a DPO run's train's)."""
+    run = tmp_path / "train"
+    assert main(["train", *TINY, "sft.steps=2", "grpo.steps=1", "grpo.prompts_per_step=4", "grpo.group_size=2",
+                 "grpo.micro_batch_size=8", f"out_dir={run}"]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["dpo", "--resume", f"out_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume" in err and "is of phase 'grpo'" in err, err
