@@ -133,28 +133,21 @@ def test_generate_n_samples_are_sampled(run, capsys):
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", ["dpo", "rm", "sft"])
-def test_preference_and_sft_commands_refuse_an_out_dir_holding_a_run(run, command, tmp_path):
+def test_preference_commands_refuse_an_out_dir_holding_a_run(run, tmp_path, capsys):
     """`loopline dpo` into runs/default after `loopline train` once replaced the train run's metrics, wrote its
     SFT checkpoint over the run's and put a dpo checkpoint beside its GRPO ones, which --resume then took for the
-    newest. Now every writing command refuses such an out_dir, and --overwrite deletes the run first."""
+    newest. Now dpo and rm refuse such an out_dir, as train and sft do, and --overwrite deletes the run first."""
     before = _snapshot(run)
-    rc, _, err, _ = _cli([command, *TINY, f"out_dir={run}"], tmp_path)
-    assert rc == 2
-    _one_line_error(err, f"out_dir {run} holds a run", "--overwrite")
+    for command in ("dpo", "rm"):
+        assert main([command, *TINY, f"out_dir={run}"]) == 2
+        _one_line_error(capsys.readouterr().err, f"out_dir {run} holds a run", "--overwrite")
     assert _snapshot(run) == before
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    extra = (
-        ["dpo.steps=1", "preference.num_train=8"]
-        if command == "dpo"
-        else ["rm.steps=1", "preference.num_train=8"]
+    assert (
+        main(["dpo", *TINY, "dpo.steps=1", "preference.num_train=8", f"out_dir={copy}", "--overwrite"]) == 0
     )
-    rc, out, err, _ = _cli(
-        [command, *TINY, *(extra if command != "sft" else []), f"out_dir={copy}", "--overwrite"], tmp_path
-    )
-    assert rc == 0, err
-    assert "--overwrite: deleted the run" in out
+    assert "--overwrite: deleted the run" in capsys.readouterr().out
     assert not list((copy / "checkpoints").glob("grpo-*"))  # the train run's RL checkpoints went with it
 
 
