@@ -105,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sft", help="supervised fine-tuning only")
     _add_config_args(p)
+    _add_resume_args(p)
     _add_overwrite_arg(p)
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")

@@ -80,7 +80,7 @@ def _resume(
 ) -> tuple[RunState, CheckpointParts | None]:
     """State and parts of the newest checkpoint that loads (weights on the trainer ranks, RNG, metrics and
     ledger cut back to it), or a fresh start where there is none (_run_config refused a run with metrics).
-    `command`'s phases only: train continues SFT and GRPO, dpo its SFT warm start and DPO."""
+    `command`'s phases only: train continues SFT and GRPO, dpo its SFT warm start and DPO, sft SFT."""
     found = ctx.checkpoints.resume()  # raises when there are checkpoints and every one is damaged
     for path, fault in ctx.checkpoints.skipped:
         warning = f"loopline: warning: checkpoint {path} is damaged: {fault}; using an older one"
@@ -91,7 +91,9 @@ def _resume(
         record_config(ctx.run_dir, "start")
         return RunState(), None
     state, resume = found
-    if state.phase not in ("sft", "dpo" if command == "dpo" else "grpo"):  # another command's run
+    if state.phase not in {"train": ("sft", "grpo"), "dpo": ("sft", "dpo")}.get(
+        command, ("sft",)
+    ):  # another's
         raise UserError(
             f"cannot resume {ctx.run_dir} with `loopline {command}`: its newest checkpoint, "
             f"{ctx.checkpoints.resumed_from}, is of phase '{state.phase}'"
@@ -105,8 +107,7 @@ def _resume(
 def _stopped(e: Interrupted, run_dir: str, command: str) -> int:
     """After SIGINT/SIGTERM stopped a run at a step's end (its checkpoint whole): where, and how to go on."""
     print(f"{e}: checkpoint {checkpoint_root(run_dir) / checkpoint_name(e.state)}")
-    if command in ("train", "dpo"):
-        print(f"continue with: loopline {command} --resume out_dir={run_dir}")
+    print(f"continue with: loopline {command} --resume out_dir={run_dir}")
     return e.exit_code
 
 
@@ -256,15 +257,20 @@ def _pct(x: float | None) -> str:
     return "n/a (no held-out set)" if x is None else f"{100 * x:.1f}%"
 
 
-def _sft(cfg: RunConfig, stop: StopFlag) -> None:
+def _sft(cfg: RunConfig, stop: StopFlag, resume: bool, changes: dict[str, tuple]) -> None:
     ctx = build_context(cfg, need_answer=False)  # SFT learns completions and assistant turns; no RL scoring
     ctx.stop = stop
     try:
-        ctx.logger.clear()
-        record_config(ctx.run_dir, "start")
+        if resume:
+            state, parts = _resume(ctx, changes, "sft")
+        else:
+            _start_fresh(ctx)
+            record_config(ctx.run_dir, "start")
+            state, parts = RunState(), None
         sync_engine(ctx, version=0)
-        ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-        train_sft(ctx, RunState(), None)
+        if parts is None:
+            ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+        train_sft(ctx, state, parts)
         model, _ = ctx.actor.state()
         model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(model))  # LoRA folded in
         ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
@@ -273,12 +279,12 @@ def _sft(cfg: RunConfig, stop: StopFlag) -> None:
 
 
 def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT only; the result is the checkpoint's model/ directory. SIGINT/SIGTERM: as for `train`."""
-    cfg, _ = _run_config(config, overrides, args, "sft")
+    """SFT only; the result is out_dir/model. --resume, SIGINT/SIGTERM: as for `train`."""
+    cfg, changes = _run_config(config, overrides, args, "sft")
     stop = StopFlag()
     with stop.handling():
         try:
-            _sft(cfg, stop)
+            _sft(cfg, stop, args.resume, changes)
         except Interrupted as e:
             return _stopped(e, cfg.out_dir, "sft")
     print(f"saved {Path(cfg.out_dir) / 'model'}")

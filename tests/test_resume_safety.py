@@ -370,3 +370,36 @@ def test_sigterm_stops_loopline_sft_with_a_checkpoint(tmp_path):
     assert f"stopped by SIGTERM after sft step {step}: checkpoint {_ckpt(run, f'sft-{step:06d}')}" in out
     assert checkpoint_fault(_ckpt(run, f"sft-{step:06d}")) is None
     assert not (run / "model").exists()  # the finished model only when SFT ran to its end
+
+
+def test_sft_resumes_and_extends_like_one_longer_run(tmp_path, capsys):
+    """`loopline sft --resume out_dir=R sft.steps=N` continues R's SFT from its newest checkpoint (at a constant
+    learning rate, extending it is the longer run exactly); before, `loopline sft` had no --resume and a stopped run
+    had to start over. It does not take another command's run."""
+    args = [
+        *TINY,
+        "sft.steps=4",
+        "sft.optim.schedule=constant",
+        "sft.optim.warmup_steps=0",
+        "deterministic=true",
+    ]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert main(["sft", *args, f"out_dir={whole}"]) == 0
+    assert main(["sft", *args, "sft.steps=2", f"out_dir={parts}"]) == 0
+    assert main(["sft", "--resume", f"out_dir={parts}", "sft.steps=4"]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert (parts / "model" / "model.safetensors").read_bytes() == (
+        whole / "model" / "model.safetensors"
+    ).read_bytes()
+    trained = [
+        [(r["step"], r.get("loss"), r.get("grad_norm"), r.get("lr")) for r in read_metrics(run)]
+        for run in (parts, whole)
+    ]
+    assert trained[0] == trained[1]  # (the 2-step run also evaluated at its end, step 2)
+    assert steady(read_metrics(parts))[-1] == steady(read_metrics(whole))[-1]  # the last step's held-out eval
+    assert [h["event"] for h in _history(parts)] == ["start", "resume"]
+    train = tmp_path / "train"
+    assert main(["train", *TINY, "grpo.steps=1", f"out_dir={train}"]) == 0
+    capsys.readouterr()
+    assert main(["sft", "--resume", f"out_dir={train}"]) == 2
+    assert "is of phase 'grpo'" in capsys.readouterr().err

@@ -62,7 +62,7 @@ def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train"
     if not overwrite:
         resume = (
             f" continue it with `loopline {command} --resume out_dir={run_dir}`,"
-            if command in ("train", "dpo")
+            if command in ("train", "sft", "dpo")
             else ""
         )
         raise UserError(
