@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from loopline.checkpoint.run_dir import RESUMABLE
-from loopline.config import ConfigError, RunConfig, describe, load_config
+from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
@@ -254,22 +254,11 @@ def _check_out_dir(value: str) -> None:
         raise UserError(f"out_dir: '{path}' cannot be written ({e.strerror or e})") from None
 
 
-def _check_preference(cfg: RunConfig, command: str) -> None:
-    """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
-    if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
-        raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
-    if cfg.runtime.trainer_pp > 1:
-        raise ConfigError(
-            f"runtime.trainer_pp={cfg.runtime.trainer_pp}: `loopline {command}` does not run through the pipeline "
-            "yet (train and sft do); use trainer_pp=1 with trainer_tp and FSDP2"
-        )
-
-
 def check_run(cfg: RunConfig, command: str) -> None:
     """What a run command needs on disk, before torch is imported: the model, the data files, a writable
     out_dir. Raises UserError (ConfigError for bad combinations of values) naming the key and the path."""
     if command in ("dpo", "rm"):
-        _check_preference(cfg, command)
+        check_preference(cfg, command)
     if cfg.model.path:
         path = Path(cfg.model.path)
         if not path.is_dir():

@@ -224,3 +224,14 @@ def describe(cfg: BaseModel | None = None, prefix: str = "") -> list[str]:
         else:
             lines.append(f"{key} = {value!r}  # {field.description or ''}")
     return lines
+
+
+def check_preference(cfg: RunConfig, command: str) -> None:
+    """Checks for `loopline dpo` / `loopline rm` that a plain config load cannot make."""
+    if cfg.preference.source == "builtin" and cfg.data.source != "builtin":
+        raise ConfigError(f"preference.source 'builtin' needs data.source 'builtin', got {cfg.data.source!r}")
+    if cfg.runtime.trainer_pp > 1:
+        raise ConfigError(
+            f"runtime.trainer_pp={cfg.runtime.trainer_pp}: `loopline {command}` does not run through the pipeline "
+            "yet (train and sft do); use trainer_pp=1 with trainer_tp and FSDP2"
+        )

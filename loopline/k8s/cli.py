@@ -10,8 +10,9 @@ from typing import Any
 
 import yaml
 
-from loopline.config import load_config
+from loopline.config import check_preference, load_config
 from loopline.errors import UserError
+from loopline.k8s.render import JOB_COMMANDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +25,12 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(action, help=what, allow_abbrev=False)
         p.add_argument("config", nargs="?", default=None, help="YAML config file (optional)")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. k8s.namespace=ml")
+        p.add_argument(
+            "--command",
+            choices=JOB_COMMANDS,
+            default="train",
+            help="what the job runs (each resumes when the job is retried): train (default), sft or dpo",
+        )
         if action == "render":
             p.add_argument("--out", default=None, help="directory to write one YAML file per object into")
     for action, what in (
@@ -58,7 +65,7 @@ def _need(module: str) -> Any:
         ) from None
 
 
-def _rendered(config: str | None, overrides: list[str]) -> list[dict[str, Any]]:
+def _rendered(config: str | None, overrides: list[str], command: str = "train") -> list[dict[str, Any]]:
     from loopline.k8s.render import render
 
     check = _need("loopline.k8s.checks").check
@@ -66,7 +73,10 @@ def _rendered(config: str | None, overrides: list[str]) -> list[dict[str, Any]]:
     if config is not None and "=" in config:  # `loopline k8s render k8s.queue=q`: no file
         overrides = [config, *overrides]
         config = None
-    objects = render(load_config(config, overrides))
+    cfg = load_config(config, overrides)
+    if command == "dpo":  # what `loopline dpo` refuses at once, refused before the job is made
+        check_preference(cfg, command)
+    objects = render(cfg, command)
     check(objects)
     return objects
 
@@ -92,7 +102,9 @@ def main(argv: list[str]) -> int:
             _parser().error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
     # render and check first: a config that cannot run fails before any cluster is contacted
-    objects = _rendered(args.config, args.overrides) if args.action in ("render", "submit") else []
+    objects = (
+        _rendered(args.config, args.overrides, args.command) if args.action in ("render", "submit") else []
+    )
     if args.action == "render":
         _write(objects, args.out)
         return 0

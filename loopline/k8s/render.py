@@ -1,6 +1,6 @@
 """A run as Kubernetes objects: a ConfigMap with its config, a PersistentVolumeClaim for out_dir and a KubeRay
-RayJob whose entrypoint is `loopline train ... --resume`, so that a job retried after a lost pod continues
-from its last checkpoint. Pure: config in, manifest dicts out; nothing is read from or sent to a cluster.
+RayJob whose entrypoint is `loopline train ... --resume` (or sft, dpo: the resumable commands), so that a job
+retried after a lost pod continues from its last checkpoint. Pure: config in, manifest dicts out; nothing is read from or sent to a cluster.
 
 Each placement pool (runtime.placement, or the default one pool per role) becomes a worker group: its bundles
 are packed k8s.groups.<pool>.bundles_per_pod to a pod, CPU and GPU become the pod's requests and Ray's
@@ -208,9 +208,18 @@ def _check_groups(cfg: RunConfig) -> list[PoolConfig]:
     return pools
 
 
-def render(cfg: RunConfig) -> list[dict[str, Any]]:
+# The commands a job can run: those that resume, so that a retried job continues
+JOB_COMMANDS = ("train", "sft", "dpo")
+
+
+def render(cfg: RunConfig, command: str = "train") -> list[dict[str, Any]]:
     """The run's objects, in the order to create them: ConfigMap, PersistentVolumeClaim (unless
-    k8s.storage.claim names one), RayJob. Raises UserError naming the config field that cannot be rendered."""
+    k8s.storage.claim names one), RayJob running `loopline <command>`. Raises UserError naming the config field
+    that cannot be rendered."""
+    if command not in JOB_COMMANDS:
+        raise UserError(
+            f"a job runs one of {', '.join(JOB_COMMANDS)} (they resume when retried), not {command!r}"
+        )
     k8s = cfg.k8s
     name = job_name(cfg)
     pools = _check_groups(cfg)
@@ -248,7 +257,7 @@ def render(cfg: RunConfig) -> list[dict[str, Any]]:
     spec: dict[str, Any] = {
         # a retried job (a lost pod) reruns this: it continues from the newest checkpoint, or starts again
         # from step 0 if the first attempt died before its first save
-        "entrypoint": f"loopline train {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved",
+        "entrypoint": f"loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": k8s.ttl_after_finished_s,
         "backoffLimit": k8s.backoff_limit,
