@@ -154,10 +154,12 @@ def test_preference_commands_check_their_config(tmp_path, capsys):
     assert "rejected 'policy' needs source 'builtin'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("reference", ["precomputed", "online"])
-def test_dpo_killed_in_its_warm_start_and_in_dpo_resumes_to_the_uninterrupted_end(tmp_path, reference):
-    """`loopline dpo` SIGKILLed in its SFT warm start, resumed, SIGKILLed again in DPO, resumed to the end: the same
-    weights (bytes), optimizer shards and metrics rows as a run never interrupted. The pairs are the policy's own
+@pytest.mark.parametrize(
+    "reference, kills", [("precomputed", ["step:sft:2", "step:dpo:2"]), ("online", ["step:dpo:2"])]
+)
+def test_dpo_killed_in_its_warm_start_and_in_dpo_resumes_to_the_uninterrupted_end(tmp_path, reference, kills):
+    """`loopline dpo` SIGKILLed in its SFT warm start, resumed, SIGKILLed again in DPO, resumed to the end (online:
+    killed in DPO only): the same weights (bytes), optimizer shards and metrics rows as a run never interrupted. The pairs are the policy's own
     samples (preference.rejected=policy): a resumed DPO must train on the pairs it started with, which it reads
     from the checkpoint with their reference log-probs (online: the frozen reference's shards)."""
     args = [
@@ -167,8 +169,8 @@ def test_dpo_killed_in_its_warm_start_and_in_dpo_resumes_to_the_uninterrupted_en
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert main(["dpo", *args, f"out_dir={whole}"]) == 0
     cmd = [sys.executable, "-m", "loopline.cli", "dpo", *args, f"out_dir={killed}"]
-    kill_at(cmd, "step:sft:2", tmp_path / "markers", 180)  # its row logged, its checkpoint not written
-    kill_at([*cmd[:4], "--resume", *cmd[4:]], "step:dpo:2", tmp_path / "markers", 180)
+    for i, point in enumerate(kills):  # each kill lands after its step's row, before that step's checkpoint
+        kill_at([*cmd[:4], *(["--resume"] if i else []), *cmd[4:]], point, tmp_path / "markers", 180)
     assert (killed / "checkpoints" / "latest").read_text().strip() == "dpo-000001"
     assert main(["dpo", "--resume", f"out_dir={killed}"]) == 0  # the README's form: out_dir alone
     for name in ("model/model.safetensors", "dcp/__0_0.distcp"):

@@ -263,24 +263,24 @@ def test_the_code_env_runs_each_rows_tests_in_a_sandbox_on_the_env_actors(env_po
 
 
 def test_completions_that_loop_until_the_sandbox_kills_them_are_not_a_hung_worker() -> None:
-    """40 completions that never return, on one env worker (local): the sandbox kills each after its 1 s, a few at
-    a time, so the chunk takes several seconds, past runtime.env_task_timeout_s (1 s here); its limit is that plus
+    """30 completions that never return, on one env worker (local): the sandbox kills each after its 0.5 s, a few at
+    a time, so the chunk takes seconds, past runtime.env_task_timeout_s (1 s here); its limit is that plus
     what the sandbox allows its episodes (envs.episodes.chunk_time_limit), so the worker is not taken for hung and
     nothing is retried. (Before: killed at 60 s three times over, and the step failed, with 40 such completions of
     the default 10 s sandbox on a worker.)"""
-    env = EnvConfig(name="code", sandbox=SandboxConfig(timeout_s=1.0))
+    env = EnvConfig(name="code", sandbox=SandboxConfig(timeout_s=0.5))
     test = "def check(candidate):\n    assert candidate() == 1\n"
     rows = [
         PromptRow(index=i, prompt="def f():\n", extra=(("entry_point", "f"), ("test", test)))
-        for i in range(40)
+        for i in range(30)
     ]
     scorer = ScorerRole(env, workers=1, task_timeout_s=1.0, max_attempts=1)
     try:
         start = time.monotonic()
-        scores = scorer.score(["    while True:\n        pass\n"] * 40, rows)
+        scores = scorer.score(["    while True:\n        pass\n"] * 30, rows)
         took = time.monotonic() - start
-        assert scores.tolist() == [0.0] * 40 and scorer.take_stats()["score_retries"] == 0
-        assert 1.0 < took < 1.0 + chunk_time_limit(env, 40)  # past the base limit, within the derived one
+        assert scores.tolist() == [0.0] * 30 and scorer.take_stats()["score_retries"] == 0
+        assert 1.0 < took < 1.0 + chunk_time_limit(env, 30)  # past the base limit, within the derived one
     finally:
         scorer.close()
 
