@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loopline.checkpoint.run_dir import prepare_new_run, record_config, resume_config
+from loopline.checkpoint.run_dir import RESUMED_PHASES, prepare_new_run, record_config, resume_config
 from loopline.checkpoint.state import (
     CheckpointParts,
     RunState,
@@ -91,9 +91,7 @@ def _resume(
         record_config(ctx.run_dir, "start")
         return RunState(), None
     state, resume = found
-    if state.phase not in {"train": ("sft", "grpo"), "dpo": ("sft", "dpo")}.get(
-        command, ("sft",)
-    ):  # another's
+    if state.phase not in RESUMED_PHASES[command]:  # another command's run
         raise UserError(
             f"cannot resume {ctx.run_dir} with `loopline {command}`: its newest checkpoint, "
             f"{ctx.checkpoints.resumed_from}, is of phase '{state.phase}'"

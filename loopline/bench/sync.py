@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# FSDP2 exactly as the trainer applies it (the tests import these from here too)
 from loopline.bench.args import require_positive
+
+# FSDP2 exactly as the trainer applies it (the tests import these from here too)
 from loopline.training.parallel import shard_model, trainer_mesh
 
 BENCH_MODELS: dict[str, dict[str, int]] = {

@@ -36,6 +36,8 @@ RUN_ENTRIES = (
 # Their presence makes a directory a run's: a new run there would mix with or destroy it.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
+# The commands that take --resume, and the checkpoint phases each continues (another command's run is refused).
+RESUMED_PHASES = {"train": ("sft", "grpo"), "sft": ("sft",), "dpo": ("sft", "dpo")}
 # Config fields a resume may change (fnmatch patterns on dotted keys); what the run trains on, and how, stays.
 RESUMABLE = (
     "out_dir",  # the run directory moved (copied elsewhere, mounted at another path)
@@ -62,7 +64,7 @@ def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train"
     if not overwrite:
         resume = (
             f" continue it with `loopline {command} --resume out_dir={run_dir}`,"
-            if command in ("train", "sft", "dpo")
+            if command in RESUMED_PHASES
             else ""
         )
         raise UserError(

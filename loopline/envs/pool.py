@@ -30,7 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, Generic, Literal, Protocol, TypeVar
@@ -361,14 +361,7 @@ class WorkerPool(Generic[T, R]):
             return [Outcome(task.sample_id, None, error, task.attempt, "", failures)]
         lost_at = task.lost_at or time.monotonic()
         queue.appendleft(
-            _Task(
-                task.sample_id,
-                task.item,
-                task.timeout_s,
-                task.attempt + 1,
-                failures=failures,
-                lost_at=lost_at,
-            )
+            replace(task, attempt=task.attempt + 1, started=0.0, failures=failures, lost_at=lost_at)
         )
         return []
 

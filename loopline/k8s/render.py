@@ -1,6 +1,7 @@
 """A run as Kubernetes objects: a ConfigMap with its config, a PersistentVolumeClaim for out_dir and a KubeRay
 RayJob whose entrypoint is `loopline train ... --resume` (or sft, dpo: the resumable commands), so that a job
-retried after a lost pod continues from its last checkpoint. Pure: config in, manifest dicts out; nothing is read from or sent to a cluster.
+retried after a lost pod continues from its last checkpoint. Pure: config in, manifest dicts out; nothing is read
+from or sent to a cluster.
 
 Each placement pool (runtime.placement, or the default one pool per role) becomes a worker group: its bundles
 are packed k8s.groups.<pool>.bundles_per_pod to a pod, CPU and GPU become the pod's requests and Ray's
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from loopline.checkpoint.run_dir import RESUMED_PHASES
 from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.k8s.config import MAX_NAME, K8sConfig, PodPlacement, WorkerGroupConfig, is_dns_label
@@ -209,7 +211,7 @@ def _check_groups(cfg: RunConfig) -> list[PoolConfig]:
 
 
 # The commands a job can run: those that resume, so that a retried job continues
-JOB_COMMANDS = ("train", "sft", "dpo")
+JOB_COMMANDS = tuple(RESUMED_PHASES)
 
 
 def render(cfg: RunConfig, command: str = "train") -> list[dict[str, Any]]:

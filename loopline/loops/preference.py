@@ -161,7 +161,7 @@ def train_dpo(
         train_pairs, eval_pairs = saved["train_pairs"], saved["eval_pairs"]
         eval_ref, train_ref = saved["eval_ref"], saved["train_ref"]
         ctx.actor.start_phase(cfg.optim, cfg.steps, resume, reference=online)
-    phase = LoopState(
+    loop_state = LoopState(
         dpo={
             "train_pairs": train_pairs,
             "eval_pairs": eval_pairs,
@@ -199,7 +199,7 @@ def train_dpo(
         stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
         if step == cfg.steps or stop or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):
-                ctx.checkpoints.save(state, phase, reference=online)
+                ctx.checkpoints.save(state, loop_state, reference=online)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pref_accuracy", "-"))
         if stop:
