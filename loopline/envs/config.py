@@ -16,8 +16,8 @@ from loopline.section import Section
 BUILTIN_ENVS = {
     "addition": "the built-in task's verifier: the first line of the response equals the answer",
     "exact_match": "file datasets: the first line of the response equals the row's answer (spaces ignored)",
-    "math": "the response's final answer (\\boxed{...}, 'answer is ...' or its last number) is mathematically "
-    "equal to the row's answer (sympy)",
+    "math": "the response's final answer (its last \\boxed{...}, else 'answer is ...', else its last number, "
+    "fraction or root, taken whole) is mathematically equal to the row's answer (sympy; docs/guide/math-reward.md)",
     "code": "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
     "workers (env.code_reward: all, or the fraction of check()'s asserts passed); data.source=builtin: "
     "env.code_task's one-line functions",

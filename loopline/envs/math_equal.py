@@ -1,25 +1,55 @@
 """Math answers: the final answer of a response, and whether it equals the reference mathematically.
 
-`final_answer` takes the last `\\boxed{...}`, else what follows "answer is", else the last number. `equivalent`
-turns both sides from the LaTeX people write (\\frac, \\sqrt, \\cdot, ^, \\pi, \\left( ...) into sympy
+`extract` finds the answer a response gives, by the first of these rules that applies (docs/guide/math-reward.md):
+
+1. boxed: the content of the last `\\boxed{...}` (nested braces counted);
+2. answer is: the text after the last "answer is" (any case), to the end of its line, without a leading ':',
+   trailing '.', ' ' or '$';
+3. last expression: the last complete mathematical expression in the text (last_expression: scanned left to
+   right, the longest at each position): a fraction `\\frac{a}{b}` (`\\dfrac`, `\\tfrac`, `\\frac12`), a root
+   `\\sqrt{a}` with an optional numeric factor (`2\\sqrt{3}`), a number with thousands separators (`1,000`),
+   a ratio `a/b`, a decimal or an integer; each with a '-' sign when the character before the '-' (spaces
+   skipped) is not a digit, letter or closing bracket (`x = -3` is -3, `5-3` is 3). A response that ends inside
+   a `\\frac` or `\\sqrt` (one of its braces opened and never closed, or nothing after it: cut at
+   max_new_tokens) gives no answer: a guess from the digits before the cut would score the wrong number.
+
+No rule applies: no answer, and `extract` says why (Extraction.reason); it equals nothing.
+
+`equivalent` turns both sides from the LaTeX people write (\\frac, \\sqrt, \\cdot, ^, \\pi, \\left( ...) into sympy
 expressions and checks that their difference simplifies to 0; tuples ("1, 2") compare element by element.
 
 Model output is hostile input: sympy's parser evaluates Python, so only a small grammar reaches it (digits,
 operators, parentheses, single-letter symbols, sqrt and pi), at most MAX_CHARS characters, with small
-exponents and numbers (no 9^9^9^9). Anything else is not equal to anything. A pathological expression that makes simplify slow is the env pool's task timeout's
-problem: the worker is replaced and the chunk retried (envs.pool).
+exponents and numbers (no 9^9^9^9). Anything else is not equal to anything. A pathological expression that makes
+simplify slow is the env pool's task timeout's problem: the worker is replaced and the chunk retried (envs.pool).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 MAX_CHARS = 200
 _ALLOWED = re.compile(r"^[0-9a-z+\-*/^()., ]*$")
 _WORDS = re.compile(r"[a-z]{2,}")
 _KNOWN_WORDS = {"sqrt", "pi"}
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
 MAX_EXPONENT = 64
+# The numbers of the last-expression rule: thousands first (1,000 is one number), then a ratio, a decimal, an integer.
+_NUMBER = re.compile(r"\d{1,3}(?:,\d{3})+(?:\.\d+)?(?!\d|,\d)|\d+(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|\.\d+")
+_FRACTION = re.compile(r"\\[dt]?frac")
+_OPENERS = re.compile(r"\\(?:[dt]?frac|sqrt)")
+_SIGN_AFTER = re.compile(
+    r"[0-9A-Za-z)\]}]"
+)  # a '-' after one of these is a minus between two terms, not a sign
+
+
+@dataclass(frozen=True)
+class Extraction:
+    """The answer a response gives (text, "" for none), the rule that found it, and why none was found."""
+
+    text: str
+    rule: str  # "boxed", "answer is", "last expression" or "none"
+    reason: str = ""  # rule "none": why no answer was taken
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -34,21 +64,85 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
-def final_answer(response: str) -> str:
-    """The answer a response gives: its last \\boxed{...}, else the text after its last 'answer is', else its
-    last number; "" when it gives none."""
+def _atom_end(text: str, at: int) -> int | None:
+    """The end of the unsigned expression starting at text[at] (a fraction, a root with an optional numeric
+    factor, or a number), or None when none starts there."""
+    fraction = _FRACTION.match(text, at)
+    if fraction:
+        end = fraction.end()
+        if re.match(r"\d\d", text[end : end + 2]):  # \frac12
+            return end + 2
+        top = _braced(text, end)
+        bottom = _braced(text, top[1]) if top else None
+        return bottom[1] if bottom else None
+    number = _NUMBER.match(text, at)
+    end = number.end() if number else at
+    if text.startswith("\\sqrt", end):  # a root, with the number before it as its factor
+        after = end + len("\\sqrt")
+        if after < len(text) and text[after].isdigit():  # \sqrt2
+            return after + 1
+        group = _braced(text, after)
+        return group[1] if group else None
+    return end if number else None
+
+
+def _is_sign(text: str, at: int) -> bool:
+    before = text[:at].rstrip()
+    return text[at] == "-" and not (before and _SIGN_AFTER.match(before[-1]))
+
+
+def last_expression(text: str) -> tuple[str, str]:
+    """The last complete mathematical expression of `text` (rule 3 of the module's docstring) and "", or "" and
+    the reason there is none."""
+    last, i = "", 0
+    while i < len(text):
+        start = i + 1 if _is_sign(text, i) else i
+        end = _atom_end(text, start)
+        if end is None:
+            i += 1
+            continue
+        last, i = text[i:end], end
+    unfinished = _unfinished(text)
+    if unfinished:
+        return "", f"it ends inside an unfinished {unfinished} (cut short?)"
+    return (last, "") if last else ("", "it holds no number, fraction or root")
+
+
+def _unfinished(text: str) -> str | None:
+    """The \\frac or \\sqrt that `text` ends inside (one of its groups opens and never closes, or nothing follows
+    it), or None."""
+    for opener in _OPENERS.finditer(text):
+        at = opener.end()
+        for _ in range(2 if "frac" in opener.group() else 1):
+            if not text[at:].strip():
+                return opener.group()
+            group = _braced(text, at)
+            if group is None:
+                if text[at] == "{":  # opened, never closed: the text ends inside it
+                    return opener.group()
+                break
+            at = group[1]
+    return None
+
+
+def extract(response: str) -> Extraction:
+    """The answer `response` gives, by the first rule of the module's docstring that applies."""
     boxed = response.rfind("\\boxed")
     if boxed >= 0:
         group = _braced(response, boxed + len("\\boxed"))
         if group is not None:
-            return group[0].strip()
-    lowered = response.lower()
-    said = lowered.rfind("answer is")
+            return Extraction(group[0].strip(), "boxed")
+    said = response.lower().rfind("answer is")
     if said >= 0:
         rest = response[said + len("answer is") :].strip().lstrip(":").strip()
-        return rest.split("\n", 1)[0].rstrip(". ").strip("$ ")
-    numbers = _NUMBER.findall(response)
-    return numbers[-1] if numbers else ""
+        return Extraction(rest.split("\n", 1)[0].rstrip(". ").strip("$ "), "answer is")
+    text, reason = last_expression(response)
+    return Extraction(text, "last expression") if text else Extraction("", "none", reason)
+
+
+def final_answer(response: str) -> str:
+    """The answer a response gives (extract's text): "" when it gives none."""
+    return extract(response).text
 
 
 def _frac(text: str, name: str) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from loopline.envs.math_equal import MAX_CHARS, equivalent, final_answer, math_reward
+from loopline.envs.math_equal import MAX_CHARS, Extraction, equivalent, extract, final_answer, math_reward
 
 EQUAL = [
     ("1/2", "0.5"),
@@ -76,3 +76,56 @@ def test_hostile_answers_are_not_evaluated(hostile: str) -> None:
     # refused before sympy evaluates or computes anything (if not, the power towers hang: pytest-timeout)
     assert not equivalent(hostile, "1")
     assert not Path("/tmp/loopline-pwned").exists()
+
+
+# The last-expression rule (no \boxed, no "answer is"): the whole fraction, not its denominator, and the forms the
+# docs call equal (issue 39: `\frac{5}{3}` scored 0 against `\frac{5}{3}`, the fallback taking "3").
+BARE = [
+    ("so the result is \\frac{5}{3}", "\\frac{5}{3}"),
+    ("we get \\frac{1}{2}", "0.5"),
+    ("we get \\dfrac{1}{2}", "1/2"),
+    ("we get \\tfrac{3}{4}.", "0.75"),
+    ("x = -\\frac{1}{2}.", "-0.5"),  # a negative fraction, a trailing period
+    ("so $\\frac{5}{3}$.", "\\frac{5}{3}"),  # $...$ wrapping
+    ("so $-\\dfrac{7}{2}$", "-3.5"),
+    ("the answer is 3/4.", "\\frac{3}{4}"),
+    ("then x = 3/4", "0.75"),
+    ("5-3=2", "2"),  # a minus between two terms is no sign
+    ("x = -3", "-3"),
+    ("in all 1,000 apples", "1000"),
+    ("it is 2\\sqrt{2}", "\\sqrt{8}"),
+    ("roughly 0.25", "\\frac14"),
+    ("the ratio \\frac12", "0.5"),
+]
+
+
+@pytest.mark.parametrize(("response", "answer"), BARE)
+def test_a_bare_final_expression_is_taken_whole(response: str, answer: str) -> None:
+    assert math_reward(response, answer) == 1.0
+
+
+def test_the_rule_that_found_the_answer_and_the_reason_when_none_did() -> None:
+    assert extract("so \\boxed{3} or \\frac{1}{2}") == Extraction("3", "boxed")
+    assert extract("The answer is: \\frac{1}{2}.") == Extraction("\\frac{1}{2}", "answer is")
+    assert extract("x = -\\frac{5}{3}.") == Extraction("-\\frac{5}{3}", "last expression")
+    assert extract("first \\frac{1}{2}, then 7") == Extraction("7", "last expression")
+    assert extract("\\frac{1}{2} + \\frac{5}{3}") == Extraction("\\frac{5}{3}", "last expression")
+    nothing = extract("no digits here")
+    assert nothing.text == "" and nothing.rule == "none" and "no number" in nothing.reason
+
+
+@pytest.mark.parametrize(
+    "cut", ["so x = \\frac{5}{", "so x = \\frac{5}{3", "so x = \\frac", "so x = \\sqrt{2"]
+)
+def test_a_response_cut_inside_a_fraction_gives_no_answer_rather_than_a_guess(cut: str) -> None:
+    # without the rule, "\\frac{5}{3" would give "3" (or "5"): a wrong number scored as the model's answer
+    got = extract(cut)
+    assert got.text == "" and got.rule == "none" and "unfinished" in got.reason
+    assert math_reward(cut, "3") == 0.0 and math_reward(cut, "5") == 0.0
+
+
+def test_the_last_expression_is_not_part_of_a_longer_one() -> None:
+    assert final_answer("it costs 1,000") == "1,000"  # one number with its separator, not "000"
+    assert final_answer("then 12/25.") == "12/25"
+    assert final_answer("and 3.14.") == "3.14"
+    assert math_reward("so \\frac{5}{3}", "3") == 0.0  # the denominator alone is not the answer
