@@ -6,7 +6,9 @@
 episode, on an env worker (a process of its own, or a Ray actor), never in the controller.
 
 This one rewards the built-in addition task by closeness instead of exact match: full marks for the right
-sum, partial credit for a sum that is off by a little, nothing for text that is not a number.
+sum, partial credit for a sum that is off by a little, nothing for text that is not a number. Accuracy counts
+full marks only (a reward of max_reward; or set info["correct"] on the StepResult to say it yourself), and the
+mean reward is reported beside it.
 """
 
 from loopline.data.rows import PromptRow
@@ -15,6 +17,8 @@ from loopline.envs.base import StepResult
 
 class CloseEnoughEnv:
     """One episode: show the prompt, score the one response, end."""
+
+    max_reward = 1.0  # full marks: a response counts as correct (accuracy) when its reward reaches this
 
     async def reset(self, sample: PromptRow) -> str:
         self.answer = int(sample.answer)

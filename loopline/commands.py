@@ -133,9 +133,12 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 
     plots = plot_run(ctx.run_dir)
     minutes = (time.perf_counter() - t0) / 60
-    print(f"held-out accuracy after SFT (before RL): {_pct(before)}")
-    print(f"held-out accuracy after RL:              {_pct(after)}")
+    # accuracy: the env's exact answers (envs.base.counts_correct); the mean reward beside it (partial credit)
+    print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
+    print(f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}")
     # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
+    for line in ctx.no_signal.report(cfg, before) if ctx.no_signal is not None else []:
+        print(line)  # a run that learned nothing says so, and why it likely did not
     if state.done:
         print(
             f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
@@ -249,6 +252,12 @@ def _accuracy_at(ctx: RunContext, phase: str, step: int, key: str = "eval_accura
         if row.get("phase") == phase and row.get("step") == step and key in row:
             return row[key]
     return None
+
+
+def _mean_reward(ctx: RunContext, phase: str, step: int) -> str:
+    """', mean reward R' of the held-out eval at (phase, step), or "" where there was none."""
+    reward = _accuracy_at(ctx, phase, step, "eval_reward_mean")
+    return "" if reward is None else f", mean reward {reward:.3f}"
 
 
 def _pct(x: float | None) -> str:

@@ -78,7 +78,9 @@ def main(argv: list[str]) -> int:
     print(f"completions: {len(texts)}")
     print(f"episodes: {len(tools.rows)}")
     print(f"rounds: {args.rounds}")
-    inprocess, want = _rate(lambda t, r: score_chunk(env, (t, r)), texts, rows, args.rounds)
+    inprocess, want = _rate(
+        lambda t, r: [v.reward for v in score_chunk(env, (t, r))], texts, rows, args.rounds
+    )
     print(f"inprocess.checks_per_s: {inprocess:.1f}")
     print(f"inprocess.reward_mean: {sum(want) / len(want):.4f}")
     calls, want_tools = _rate(
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> int:
     for n in args.workers:
         scorer, stepper = ScorerRole(env, workers=n), ScorerRole(calc, workers=n)
         try:
-            rate, got = _rate(lambda t, r, s=scorer: s.score(t, r).tolist(), texts, rows, args.rounds)
+            rate, got = _rate(lambda t, r, s=scorer: s.score(t, r).rewards.tolist(), texts, rows, args.rounds)
             calls, got_tools = _rate(
                 lambda r, a, s=stepper: [x.reward for x in s.step(r, a)],
                 tools.rows,

@@ -7,6 +7,13 @@ to the driver (envs.multiturn.MultiTurnConfig), not to the env.
 
 A single-turn verifier task is the one-step case: `VerifierEnv` shows the prompt, scores the one
 response and ends.
+
+What "correct" means (held-out accuracy, the stopping rules, `accuracy` in the metrics): an episode the env ended
+is correct when the env says so, with a `correct` entry in the last StepResult's info (nonzero: correct), and
+otherwise when its return reaches the env's maximum reward: its `max_reward` attribute, MAX_REWARD (1.0) without
+one. So a partial-credit env (examples/my_env.py: 1 for the right sum, less for a near one) counts only full
+marks, and the mean reward is reported beside accuracy. An episode the env did not end (a turn or token limit)
+is not correct. `counts_correct` is that rule, applied on the env workers where the env lives.
 """
 
 from __future__ import annotations
@@ -44,10 +51,26 @@ class Env(Protocol):
 
 
 Verifier = Callable[[str, str], float]  # (response text, reference answer) -> reward
+MAX_REWARD = 1.0  # full marks: the return an episode must reach to be correct, unless its env says otherwise
+
+
+def max_reward(env: object) -> float:
+    """The env's full marks: its `max_reward` attribute, else MAX_REWARD."""
+    return float(getattr(env, "max_reward", MAX_REWARD))
+
+
+def counts_correct(result: StepResult, episode_return: float, full_marks: float = MAX_REWARD) -> bool:
+    """Whether an episode the env ended (`result` its last step) counts as correct: the env's own
+    info['correct'] where it sets one, else whether its return reaches `full_marks` (the env's max_reward)."""
+    if "correct" in result.info:
+        return float(result.info["correct"]) > 0
+    return episode_return >= full_marks
 
 
 class VerifierEnv:
     """A single-turn task as an Env: the prompt is the observation, one response is scored and ends it."""
+
+    max_reward = MAX_REWARD  # a verifier pays at most 1 (full marks: correct)
 
     def __init__(self, verify: Verifier = exact_match) -> None:
         self.verify = verify
@@ -63,4 +86,6 @@ class VerifierEnv:
         if self._answer is None:
             raise RuntimeError("step() before reset()")
         reward = float(self.verify(action, self._answer))
-        return StepResult(observation="", reward=reward, done=True, info={"correct": float(reward > 0)})
+        return StepResult(
+            observation="", reward=reward, done=True, info={"correct": float(reward >= self.max_reward)}
+        )

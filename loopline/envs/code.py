@@ -267,7 +267,12 @@ class CodeEnv:
         if self.problem is None:
             raise RuntimeError("step() before reset()")
         verdict = await asyncio.to_thread(score, self.problem, action, sandbox_for(self.sandbox), self.tally)
-        info: dict[str, float | int | str] = {"passed": float(verdict.passed), "detail": verdict.detail}
+        # correct (pass@1): every test passed, whatever env.code_reward pays
+        info: dict[str, float | int | str] = {
+            "passed": float(verdict.passed),
+            "correct": float(verdict.passed),
+            "detail": verdict.detail,
+        }
         return StepResult(observation="", reward=verdict.reward, done=True, info=info)
 
 

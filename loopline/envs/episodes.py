@@ -2,7 +2,8 @@
 
 Two kinds of task, both run here (on an env worker) and both a pure function of what they are sent:
 - score: a chunk of single-turn completions with their prompt rows; each gets a fresh env from the env's factory,
-  `reset(row)`, `step(completion)`, and its reward.
+  `reset(row)`, `step(completion)`, and its verdict: the reward, and whether it counts as correct
+  (envs.base.counts_correct, where the env is).
 - step: a chunk of multi-turn episodes as (row, every action so far); each is replayed on a fresh env (reset, then
   every action) and the last StepResult comes back: the next observation, reward and done. The driver
   (envs.multiturn) sends each episode again every turn with one more action. Replaying makes a step a pure
@@ -31,18 +32,26 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from loopline.data.rows import PromptRow
 from loopline.data.tasks import exact_match
-from loopline.envs.base import Env, StepResult, VerifierEnv
+from loopline.envs.base import Env, StepResult, VerifierEnv, counts_correct, max_reward
 from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
 from loopline.envs.math_equal import math_reward
 from loopline.errors import UserError
 
 EnvFactory = Callable[[], Env]
 Chunk = tuple[list[str], list[PromptRow]]  # completion texts and the row each answers
+
+
+class Verdict(NamedTuple):
+    """A single-turn episode's outcome: its reward, and whether it counts as correct (envs.base.counts_correct)."""
+
+    reward: float
+    correct: bool
 
 
 @dataclass(frozen=True)
@@ -153,16 +162,19 @@ def _checked(where: str, result: object) -> StepResult:
     return result
 
 
-async def replay(name: str, factory: EnvFactory, row: PromptRow, actions: list[str]) -> StepResult:
+async def replay(
+    name: str, factory: EnvFactory, row: PromptRow, actions: list[str], returns: str = "sum"
+) -> StepResult:
     """One episode on a fresh env: reset on `row`, then every action; the last step's result (for no action,
-    the first observation, not done)."""
+    the first observation, not done). An episode that ended carries info['correct'] (envs.base.counts_correct on
+    its return: the sum of its rewards, or with returns='final' the last)."""
     where = f"env '{name}' on prompt {row.index} ({_prompt(row)})"
     try:
         env = factory()
         observation = await _call(env.reset, row)
     except Exception as e:
         raise EnvError(f"{where} raised {type(e).__name__}: {e}") from e
-    result = StepResult(str(observation), 0.0, False)
+    result, total = StepResult(str(observation), 0.0, False), 0.0
     for turn, action in enumerate(actions, 1):
         if result.done:
             raise EnvError(
@@ -174,35 +186,42 @@ async def replay(name: str, factory: EnvFactory, row: PromptRow, actions: list[s
             raise
         except Exception as e:
             raise EnvError(f"{where} raised {type(e).__name__} at turn {turn}: {e}") from e
+        total += result.reward
+    if result.done:
+        correct = counts_correct(result, total if returns == "sum" else result.reward, max_reward(env))
+        result = replace(result, info={**result.info, "correct": float(correct)})
     return result
 
 
-async def _episode(name: str, factory: EnvFactory, text: str, row: PromptRow) -> float:
+async def _episode(name: str, factory: EnvFactory, text: str, row: PromptRow) -> Verdict:
     result = await replay(name, factory, row, [text])
     if not result.done:
         where = f"env '{name}' on prompt {row.index} ({_prompt(row)})"
         raise EnvError(
             f"{where}: the episode did not end after one response (a multi-turn env needs env.max_turns > 1)"
         )
-    return float(result.reward)
+    return Verdict(float(result.reward), float(result.info["correct"]) > 0)
 
 
-async def _episodes(env: EnvConfig, texts: list[str], rows: list[PromptRow]) -> list[float]:
+async def _episodes(env: EnvConfig, texts: list[str], rows: list[PromptRow]) -> list[Verdict]:
     factory = env_factory(env)
     return list(
         await asyncio.gather(*(_episode(env.name, factory, t, r) for t, r in zip(texts, rows, strict=True)))
     )
 
 
-def score_chunk(env: EnvConfig | str, chunk: Chunk) -> list[float]:
-    """A score task: the reward of each completion of `chunk` under `env` (its section, or a name), in order."""
+def score_chunk(env: EnvConfig | str, chunk: Chunk) -> list[Verdict]:
+    """A score task: the verdict (reward, correct) of each completion of `chunk` under `env` (its section, or a
+    name), in order."""
     texts, rows = chunk
     return asyncio.run(_episodes(EnvConfig(name=env) if isinstance(env, str) else env, texts, rows))
 
 
 async def _steps(env: EnvConfig, chunk: Histories) -> list[StepResult]:
     factory = env_factory(env)
-    replays = (replay(env.name, factory, r, a) for r, a in zip(chunk.rows, chunk.actions, strict=True))
+    replays = (
+        replay(env.name, factory, r, a, env.returns) for r, a in zip(chunk.rows, chunk.actions, strict=True)
+    )
     return list(await asyncio.gather(*replays))
 
 
@@ -268,7 +287,9 @@ def chunk_time_limit(env: EnvConfig, episodes: int) -> float:
     return 0.0
 
 
-def run_task(env: EnvConfig | str, task: Chunk | Histories | AgentRuns) -> list[float] | list[StepResult]:
+def run_task(
+    env: EnvConfig | str, task: Chunk | Histories | AgentRuns
+) -> list[Verdict] | list[StepResult] | list[float]:
     """An env worker's task, of any kind: a Histories is stepped, an AgentRuns run, a (texts, rows) chunk scored."""
     if isinstance(task, AgentRuns):
         return run_agents(EnvConfig(name=env) if isinstance(env, str) else env, task)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopline.data.datasets import PromptRow
-from loopline.envs.base import StepResult, Verifier
+from loopline.envs.base import MAX_REWARD, StepResult, Verifier
 from loopline.envs.sandbox import SandboxConfig
 from loopline.rollout.tool_calls import MalformedCall, ToolCall, ToolsConfig, parse_tool_calls
 
@@ -367,7 +367,8 @@ class ToolEnv:
         calls = parse_tool_calls(action, cfg)
         if not calls:
             reward = float(self.verify(action, self._answer))
-            return StepResult("", reward, True, {"answered": 1, "correct": float(reward > 0)})
+            # correct: the answer's full marks (a call_bonus earlier in the episode does not make it so)
+            return StepResult("", reward, True, {"answered": 1, "correct": float(reward >= MAX_REWARD)})
         info: dict[str, float | int | str] = {"tool_calls": len(calls), "tool_calls_ok": 0}
         parts = []
         for i, call in enumerate(calls):

@@ -20,7 +20,7 @@ from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
-from loopline.envs.config import EnvConfig
+from loopline.envs.base import MAX_REWARD
 from loopline.envs.episodes import env_factory
 from loopline.envs.multiturn import (
     ChatFormat,
@@ -33,6 +33,7 @@ from loopline.envs.multiturn import (
 )
 from loopline.envs.tasks import calculator_splits, calculator_validation, code_splits, code_validation
 from loopline.errors import UserError
+from loopline.loops.no_signal import NoSignalWatch
 from loopline.loops.stop import StopFlag
 from loopline.metrics.logger import MetricsLogger
 from loopline.metrics.trace import Trace
@@ -70,6 +71,7 @@ class RunContext:
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
     trace: Trace = field(default_factory=Trace)  # the RL loop's stages as spans (trace.json in run_dir)
     restart_group: Callable[[str], None] | None = None  # ray: replace one role's ranks alone (roles.Roles)
+    no_signal: NoSignalWatch | None = None  # GRPO steps without learning signal (made as GRPO starts)
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""
@@ -272,7 +274,7 @@ def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
         traj.sample = row
         traj.rewards = [reward]
         traj.info = {
-            "correct": float(reward > 0),
+            "correct": float(reward >= MAX_REWARD),  # the last line equals the answer (exact_match)
             "model_calls": len(served[episode]),
             "sequences": len(sequences),
         }
@@ -281,23 +283,16 @@ def agent_episodes(ctx: RunContext, rows: list[PromptRow]) -> list[Trajectory]:
     return out
 
 
-def episodes_correct(trajs: list[Trajectory], returns: str = "sum") -> torch.Tensor:
-    """(B,) which episodes count as correct: the env's info 'correct' where it says, else a positive return."""
-    return torch.tensor(
-        [float(t.info["correct"]) > 0 if "correct" in t.info else t.total_return(returns) > 0 for t in trajs]
-    )
-
-
-def is_correct(env: EnvConfig, rewards: torch.Tensor) -> torch.Tensor:
-    """Which rewards count as a correct response: a positive one, or for code a full pass (pass@1 counts
-    completions whose every test passed, whatever env.code_reward gives RL)."""
-    return rewards >= 1.0 if env.name == "code" else rewards > 0
+def episodes_correct(trajs: list[Trajectory]) -> torch.Tensor:
+    """(B,) which episodes count as correct: those the env ended and judged so (info 'correct', set on the env
+    workers by envs.base.counts_correct); an episode cut by a turn or token limit, or by an env error, is not."""
+    return torch.tensor([t.finish == "done" and float(t.info.get("correct", 0)) > 0 for t in trajs])
 
 
 def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, float]:
-    """Accuracy (greedy by default; a response is correct when the env gives it a positive reward, a code
-    completion when it passes every test) and mean
-    response length on `rows`, the held-out split by default. The env scores on the env workers, as in RL."""
+    """Accuracy (greedy by default): the share of responses the env counts as correct (envs.base.counts_correct:
+    full marks, or the env's own verdict; a code completion passes every test), the mean reward beside it, and the
+    mean response length on `rows`, the held-out split by default. The env scores on the env workers, as in RL."""
     rows = ctx.eval_rows[: ctx.cfg.eval.num_prompts] if rows is None else rows
     if not rows:
         return {}
@@ -312,7 +307,8 @@ def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, 
         torch.set_rng_state(saved)
         summary = rollout_metrics(trajs, ctx.cfg.env.returns)
         return {
-            "eval_accuracy": float(episodes_correct(trajs, ctx.cfg.env.returns).float().mean()),
+            "eval_accuracy": float(episodes_correct(trajs).float().mean()),
+            "eval_reward_mean": summary["return_mean"],
             "eval_response_len": summary.pop("model_tokens_mean"),
             **{f"eval_{k}": v for k, v in summary.items() if k != "correct"},
         }
@@ -326,8 +322,12 @@ def evaluate(ctx: RunContext, rows: list[PromptRow] | None = None) -> dict[str, 
             answered.append(chunk[c.prompt_index])
             lengths += len(c.token_ids)
     torch.set_rng_state(saved)
-    correct = float(is_correct(ctx.cfg.env, ctx.scorer.score(texts, answered)).sum())
-    return {"eval_accuracy": correct / len(rows), "eval_response_len": lengths / len(rows)}
+    scores = ctx.scorer.score(texts, answered)
+    return {
+        "eval_accuracy": float(scores.correct.sum()) / len(rows),
+        "eval_reward_mean": float(scores.rewards.sum()) / len(rows),
+        "eval_response_len": lengths / len(rows),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -45,11 +45,11 @@ from loopline.loops.context import (
     episodes,
     episodes_correct,
     evaluate,
-    is_correct,
     sampling_params,
     sync_engine,
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
+from loopline.loops.no_signal import NoSignalWatch, Sample, warn
 from loopline.loops.stream import RolloutStream
 from loopline.metrics.trace import Trace
 from loopline.rollout.engine import Completion, SamplingParams
@@ -174,11 +174,11 @@ def collect(
         with timer("score"):
             if env.multi_turn:  # scored as they ran
                 verified = torch.tensor([t.total_return(env.returns) for t in trajs])  # (B,)
-                correct = episodes_correct(trajs, env.returns)  # (B,)
+                correct = episodes_correct(trajs)  # (B,)
             else:
                 answered = [rows[c.prompt_index] for c in completions]
-                verified = ctx.scorer.score([c.text for c in completions], answered)  # (B,) the env's rewards
-                correct = is_correct(env, verified)  # (B,)
+                verdicts = ctx.scorer.score([c.text for c in completions], answered)
+                verified, correct = verdicts.rewards, verdicts.correct  # (B,) the env's rewards, (B,) bool
             scores = reward(verified, prompts, completions)  # (B,)
         informative = (
             informative_groups(scores, n) if cfg.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
@@ -399,6 +399,8 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
         # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
         critic = _start_critic(ctx, policy, updates, loop, resume)
     kl_control = _kl_controller(cfg)
+    if ctx.no_signal is None:  # kept over a restart of this phase in this process
+        ctx.no_signal = NoSignalWatch.for_run(ctx.cfg)
     if state.step > 0:
         _restore_loop(ctx, state, loop, kl_control)
     # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
@@ -604,6 +606,13 @@ def _grpo_step(
         row.update(_async_metrics(scored, trained_at, cfg.max_staleness, waited, stream, started))
     if cfg.max_staleness or dropped:
         row["stale_dropped"] = dropped
+    if ctx.no_signal is not None:  # every advantage 0 for grpo.no_signal_steps in a row: say so
+        first = completions[0]
+        text = first.text or ctx.tokenizer.decode(
+            first.token_ids, skip_special_tokens=True
+        )  # multi-turn: tokens
+        sample = Sample(text, ctx.train_rows[scored.ids[0][1]].answer, float(rewards[0]))
+        warn(ctx.no_signal.update(state.step, rewards, scored.correct, row["truncated_fraction"], sample))
     row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
     return row, engine_rng, pending
 

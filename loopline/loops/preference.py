@@ -81,10 +81,10 @@ def sample_policy_pairs(ctx: RunContext, rows: list[PromptRow], seed: int) -> li
         completions = ctx.rollout.generate(prompts, params, n=k)  # k per prompt, contiguous
         verdicts = ctx.scorer.score(
             [c.text for c in completions], [part[c.prompt_index] for c in completions]
-        )
+        ).correct  # (B,) the env's accuracy rule
         for i in range(len(part)):
             samples.append([c.text for c in completions[i * k : (i + 1) * k]])
-            correct.append([bool(v > 0) for v in verdicts[i * k : (i + 1) * k].tolist()])
+            correct.append(verdicts[i * k : (i + 1) * k].tolist())
     return policy_pairs(rows, samples, correct, seed)
 
 

@@ -22,6 +22,7 @@ from loopline.data.preference import PairBatch
 from loopline.data.rows import PromptRow
 from loopline.envs.base import StepResult
 from loopline.rollout.engine import Completion, SamplingParams
+from loopline.runtime.scorer import Scores
 from loopline.training.critic import RewardStepStats, ScalarModel, ValueBatch, ValueStepStats
 from loopline.training.policy import DPOStepStats, PolicyStepStats, SFTStepStats
 
@@ -154,8 +155,8 @@ class Scorer(Protocol):
     """The env (`env.name`): one reward per completion, each scored against the prompt row it answers, or the
     steps of multi-turn episodes."""
 
-    def score(self, texts: list[str], rows: list[PromptRow]) -> torch.Tensor:
-        """(B,) rewards, in the order of `texts`."""
+    def score(self, texts: list[str], rows: list[PromptRow]) -> Scores:
+        """The reward of each text and whether it is correct, in the order of `texts`."""
         ...
 
     def step(self, rows: list[PromptRow], actions: list[list[str]]) -> list[StepResult]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -24,6 +25,14 @@ from loopline.runtime.workers import WorkerError
 
 if TYPE_CHECKING:
     from loopline.runtime.placement import Pool
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The env's verdicts on a batch of single-turn completions, in order."""
+
+    rewards: torch.Tensor  # (B,) float
+    correct: torch.Tensor  # (B,) bool: counts as correct (envs.base.counts_correct): accuracy
 
 
 class ScoringError(WorkerError):
@@ -57,7 +66,8 @@ class ScorerRole:
         chunks_per_worker: int = 1,
     ) -> None:
         """env: the env section (envs.config.EnvConfig) or an env's name; fn: runs each task instead (picklable; a
-        score task is a (texts, rows) chunk, a step task an envs.episodes.Histories).
+        score task is a (texts, rows) chunk, answered with an envs.episodes.Verdict per text, a step task an
+        envs.episodes.Histories).
 
         chunks_per_worker: 1 by default, as measured (512 completions, 2 workers, local Ray): one chunk per
         worker 2.5 ms, 4 per worker 9 ms, one task per completion 830 ms. A task costs a ~2 ms round trip
@@ -83,13 +93,14 @@ class ScorerRole:
         bundles = RayBundles(pool.placement_group, pool.num_bundles)
         self.pool = WorkerPool(fn, EnvPoolConfig(backend="ray", **limits), bundles)
 
-    def score(self, texts: list[str], rows: list[PromptRow]) -> torch.Tensor:
-        """(B,) the reward of each single-turn completion, in order."""
+    def score(self, texts: list[str], rows: list[PromptRow]) -> Scores:
+        """The reward of each single-turn completion and whether it counts as correct (envs.episodes.Verdict), in
+        order."""
         if len(texts) != len(rows):
             raise ValueError(f"score(): {len(texts)} texts but {len(rows)} rows")
-        if not texts:
-            return torch.zeros(0)
-        return torch.tensor(self._run(len(texts), lambda i, j: (texts[i:j], rows[i:j])))  # (B,)
+        verdicts = self._run(len(texts), lambda i, j: (texts[i:j], rows[i:j])) if texts else []
+        rewards = torch.tensor([v.reward for v in verdicts], dtype=torch.float32)  # (B,)
+        return Scores(rewards, torch.tensor([v.correct for v in verdicts], dtype=torch.bool))
 
     def step(self, rows: list[PromptRow], actions: list[list[str]]) -> list[StepResult]:
         """Each multi-turn episode replayed to its last action (envs.episodes.step_chunk); the results, in order."""

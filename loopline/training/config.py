@@ -95,6 +95,13 @@ class GRPOConfig(Section):
     check_every: int = Field(
         5, gt=0, description="Steps between validation checks (stop_at_accuracy), each on the whole split."
     )
+    no_signal_steps: int = Field(
+        5,
+        ge=0,
+        description="Say so (a warning when it happens, and in the end-of-run report with the likeliest causes) when "
+        "this many consecutive steps (all of them, in a shorter run) gave every group equal rewards, every "
+        "reward 0 say: every advantage is then 0 and RL learns nothing. 0: never.",
+    )
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")

@@ -9,9 +9,13 @@ from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import score_chunk, step_chunk
 
 
+def rewards(verdicts: list) -> list[float]:
+    return [v.reward for v in verdicts]
+
+
 def test_the_batch_has_a_quarter_of_its_completions_wrong() -> None:
     texts, rows = batch(8)
-    assert score_chunk(EnvConfig(name="code"), (texts, rows)) == [1.0, 1.0, 1.0, 0.0] * 2
+    assert rewards(score_chunk(EnvConfig(name="code"), (texts, rows))) == [1.0, 1.0, 1.0, 0.0] * 2
 
 
 def test_the_tool_episodes_call_the_calculator_and_answer_right() -> None:

@@ -12,24 +12,42 @@ import pytest
 from loopline.config import ConfigError, load_config
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import EnvError, Histories, chunk_time_limit, env_factory, score_chunk, step_chunk
+from loopline.envs.episodes import (
+    EnvError,
+    Histories,
+    Verdict,
+    chunk_time_limit,
+    env_factory,
+    score_chunk,
+    step_chunk,
+)
 from loopline.envs.sandbox import SandboxConfig
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_env.py"
 ROWS = [PromptRow(0, "01+02=", "003"), PromptRow(1, "2+2=", "4"), PromptRow(2, "1/2=", "\\frac{1}{2}")]
 
 
+def rewards(verdicts: list[Verdict]) -> list[float]:
+    return [v.reward for v in verdicts]
+
+
 def test_builtin_envs_score_the_first_line_or_the_math() -> None:
     texts = ["003\nmore", "5", "so \\boxed{0.5}"]
-    assert score_chunk("addition", (texts, ROWS)) == [1.0, 0.0, 0.0]
-    assert score_chunk("exact_match", (texts, ROWS)) == [1.0, 0.0, 0.0]
-    assert score_chunk("math", (texts, ROWS)) == [1.0, 0.0, 1.0]  # "003" is 3: equal as numbers
+    assert rewards(score_chunk("addition", (texts, ROWS))) == [1.0, 0.0, 0.0]
+    assert rewards(score_chunk("exact_match", (texts, ROWS))) == [1.0, 0.0, 0.0]
+    assert rewards(score_chunk("math", (texts, ROWS))) == [1.0, 0.0, 1.0]  # "003" is 3: equal as numbers
 
 
 def test_the_example_env_from_its_file_gives_partial_credit() -> None:
     name = f"python:{EXAMPLE}:make_env"
     rows = [PromptRow(0, "1+2=", "3"), PromptRow(1, "1+2=", "3"), PromptRow(2, "1+2=", "3")]
-    assert score_chunk(name, (["3", "13", "abc"], rows)) == [1.0, 0.4, 0.0]
+    verdicts = score_chunk(name, (["3", "13", "abc"], rows))
+    assert rewards(verdicts) == [1.0, 0.4, 0.0]
+    assert [v.correct for v in verdicts] == [
+        True,
+        False,
+        False,
+    ]  # correct: full marks only, not partial credit
 
 
 def _user_env(tmp_path: Path, body: str) -> str:
@@ -145,7 +163,9 @@ def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
         index=0, prompt="Write a function double(x).", extra=(("test_list", json.dumps(asserts)),)
     )
     texts = ["def double(x):\n    return 2 * x\n", "def double(x):\n    return x + 2 if x > 0 else x\n"]
-    assert score_chunk(env, (texts, [row, row])) == [1.0, pytest.approx(2 / 3)]  # wrong on -1 only
+    verdicts = score_chunk(env, (texts, [row, row]))
+    assert rewards(verdicts) == [1.0, pytest.approx(2 / 3)]  # wrong on -1 only
+    assert [v.correct for v in verdicts] == [True, False]  # pass@1: every test
     imported = PromptRow(
         index=1,
         prompt="Write a function root(x).",
@@ -154,7 +174,7 @@ def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
             ("test_imports", json.dumps(["import math"])),
         ),
     )
-    assert score_chunk(env, (["def root(x):\n    return math.isqrt(x)\n"], [imported])) == [1.0]
+    assert rewards(score_chunk(env, (["def root(x):\n    return math.isqrt(x)\n"], [imported]))) == [1.0]
     bad = PromptRow(index=3, prompt="p", extra=(("test_list", json.dumps(["assert True"])),))
     with pytest.raises(EnvError, match=r"env 'code' on prompt 3 .*calls no function"):
         score_chunk(env, (["x = 1\n"], [bad]))

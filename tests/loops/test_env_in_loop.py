@@ -74,7 +74,7 @@ def _grpo(run: Path) -> dict[int, dict]:
 
 
 def test_the_named_env_scores_rl_and_eval_on_env_worker_processes(
-    tmp_path: Path, sevens: list[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, sevens: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     env_file = tmp_path / "partial.py"
     env_file.write_text(PARTIAL_CREDIT)
@@ -90,8 +90,15 @@ def test_the_named_env_scores_rl_and_eval_on_env_worker_processes(
     assert 0 < a["reward_mean"] < 1  # right and wrong answers at this step: the comparison means something
     assert a["response_len_mean"] == b["response_len_mean"]  # the same completions
     assert b["reward_mean"] == pytest.approx(0.25 + 0.75 * a["reward_mean"], rel=1e-6)
-    assert b["accuracy"] == 1.0 and a["accuracy"] == pytest.approx(a["reward_mean"])  # correct: reward > 0
-    assert _grpo(partial)[0]["eval_accuracy"] == 1.0  # eval scored by the env too (every reward > 0)
+    # accuracy counts exact answers (full marks), not partial credit: the same under both envs (issue 39: the
+    # partial-credit env reported 100%, every reward being > 0); the mean reward beside it tells them apart
+    assert a["accuracy"] == pytest.approx(a["reward_mean"]) and b["accuracy"] == a["accuracy"]
+    eval_a, eval_b = _grpo(exact)[0], _grpo(partial)[0]  # eval scored by the env too
+    assert eval_b["eval_accuracy"] == eval_a["eval_accuracy"]
+    assert eval_a["eval_reward_mean"] == eval_a["eval_accuracy"]
+    assert eval_b["eval_reward_mean"] == pytest.approx(0.25 + 0.75 * eval_a["eval_accuracy"], rel=1e-6)
+    out, err = capsys.readouterr()
+    assert "mean reward" in out and "no learning signal" not in out + err  # mixed rewards: a signal to learn
     # 16 rollouts + 8 held-out evals before and after RL (+ the SFT-end eval), each a worker process's episode
     pids = {int(p.name.split("-")[0]) for p in episodes.iterdir()}
     assert len(list(episodes.iterdir())) >= 16 + 8 + 8
@@ -207,7 +214,7 @@ def test_the_code_task_runs_its_tests_on_the_env_workers_through_a_killed_one(
         workers_now = ctx.scorer.pool.num_workers
         # the actors run each row's own tests: its reference body passes, the body of another row fails
         rows = ctx.eval_rows[:2]
-        rewards = ctx.scorer.score([rows[0].completion, rows[0].completion], rows).tolist()
+        rewards = ctx.scorer.score([rows[0].completion, rows[0].completion], rows).rewards.tolist()
     finally:
         ctx.close()
     assert state.step == 2 and workers_now == 2 and rewards == [1.0, 0.0]

@@ -68,7 +68,7 @@ def test_the_local_engine_cannot_resize_but_its_env_workers_can(small_model, tok
             roles.rollout.resize(2)
         roles.scorer.resize(2)  # env worker processes: any number, on either backend
         rows = [PromptRow(i, f"{i}+0=", str(i)) for i in range(4)]
-        assert roles.scorer.score(["0", "1", "x", "3"], rows).tolist() == [1.0, 1.0, 0.0, 1.0]
+        assert roles.scorer.score(["0", "1", "x", "3"], rows).rewards.tolist() == [1.0, 1.0, 0.0, 1.0]
         assert roles.scorer.take_stats() == {
             "score_retries": 0.0,
             "env_workers_replaced": 0.0,

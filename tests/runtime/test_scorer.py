@@ -25,7 +25,7 @@ import ray.cloudpickle
 
 from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
-from loopline.envs.episodes import chunk_time_limit, score_chunk
+from loopline.envs.episodes import Verdict, chunk_time_limit, score_chunk
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
 from loopline.envs.sandbox import SandboxConfig
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
@@ -36,7 +36,7 @@ from loopline.runtime.scorer import ScorerRole, ScoringError
 # ---------------------------------------------------------------------------------------------------------
 
 
-def held_score_chunk(hold: str, chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
+def held_score_chunk(hold: str, chunk: tuple[list[str], list[PromptRow]]) -> list[Verdict]:
     """The exact_match env, once the file `hold` is gone (at most 60 s)."""
     deadline = time.monotonic() + 60
     while os.path.exists(hold) and time.monotonic() < deadline:
@@ -44,7 +44,7 @@ def held_score_chunk(hold: str, chunk: tuple[list[str], list[PromptRow]]) -> lis
     return score_chunk("exact_match", chunk)
 
 
-def hang_once_chunk(chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
+def hang_once_chunk(chunk: tuple[list[str], list[PromptRow]]) -> list[Verdict]:
     """Hangs on a text 'hang:PATH' the first time (PATH does not exist yet), or always on 'hang:always'."""
     for text in chunk[0]:
         if text == "hang:always":
@@ -52,10 +52,10 @@ def hang_once_chunk(chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
         if text.startswith("hang:") and not os.path.exists(text[5:]):
             Path(text[5:]).touch()
             time.sleep(600)
-    return [0.5 for _ in chunk[0]]
+    return [Verdict(0.5, False) for _ in chunk[0]]
 
 
-def on_node_chunk(meet: str, chunk: tuple[list[str], list[PromptRow]]) -> list[float]:
+def on_node_chunk(meet: str, chunk: tuple[list[str], list[PromptRow]]) -> list[Verdict]:
     """1.0 for each text that is the id of the node this worker runs on.
 
     While the file `meet`/need names a count n, a chunk first checks in (a file `n-<pid>` in `meet`) and waits
@@ -69,7 +69,7 @@ def on_node_chunk(meet: str, chunk: tuple[list[str], list[PromptRow]]) -> list[f
         while len(list(Path(meet).glob(f"{n}-*"))) < n and time.monotonic() < deadline:
             time.sleep(0.02)
     node = ray.get_runtime_context().get_node_id()
-    return [float(text == node) for text in chunk[0]]
+    return [Verdict(float(text == node), text == node) for text in chunk[0]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _batch(n: int) -> tuple[list[str], list[PromptRow]]:
 
 def _in_this_process(texts: list[str], rows: list[PromptRow]) -> list[float]:
     """The exact_match env's rewards, computed here: what the workers must return."""
-    return score_chunk("exact_match", (texts, rows))
+    return [v.reward for v in score_chunk("exact_match", (texts, rows))]
 
 
 def _ready(scorer: ScorerRole, n: int, timeout_s: float = 40.0) -> list[WorkerInfo]:
@@ -152,7 +152,7 @@ def test_sigkilled_worker_mid_batch_every_score_once_as_the_local_scorer(
 
         killer = threading.Thread(target=kill_a_busy_worker)
         killer.start()
-        scores = scorer.score(texts, rows)
+        scores = scorer.score(texts, rows).rewards
         killer.join()
         stats = scorer.take_stats()
         after = {w.pid for w in _ready(scorer, 2)}
@@ -175,7 +175,7 @@ def test_hung_chunk_is_retried_on_another_worker_or_fails_naming_the_completions
     try:
         _ready(scorer, 2)
         scorer.take_stats()
-        scores = scorer.score(["a", f"hang:{tmp_path / 'hung'}", "b", "c"], _rows([""] * 4))
+        scores = scorer.score(["a", f"hang:{tmp_path / 'hung'}", "b", "c"], _rows([""] * 4)).rewards
         assert scores.tolist() == [0.5] * 4
         assert scorer.take_stats()["score_retries"] == 1.0
         with pytest.raises(
@@ -208,12 +208,12 @@ def test_resize_2_to_3_to_1_while_scoring(env_pool: Pool, tmp_path: Path) -> Non
 
         resizer = threading.Thread(target=resize)
         resizer.start()
-        scores = scorer.score(texts, rows)  # 20 chunks of 3
+        scores = scorer.score(texts, rows).rewards  # 20 chunks of 3
         resizer.join()
         assert seen - first, "the added worker never took a chunk"
         assert scores.tolist() == _in_this_process(texts, rows)
         assert scorer.pool.num_workers == 1 and len(scorer.pool.workers()) == 1
-        assert scorer.score(texts[:5], rows[:5]).tolist() == _in_this_process(texts[:5], rows[:5])
+        assert scorer.score(texts[:5], rows[:5]).rewards.tolist() == _in_this_process(texts[:5], rows[:5])
         assert scorer.take_stats() == {"score_retries": 0.0, "env_workers_replaced": 0.0, "env_workers": 1.0}
     finally:
         scorer.close()
@@ -228,7 +228,7 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
     try:
         workers = _ready(scorer, 3)
         need.write_text("3")
-        assert scorer.score([env_node] * 3, _rows([""] * 3)).tolist() == [
+        assert scorer.score([env_node] * 3, _rows([""] * 3)).rewards.tolist() == [
             1.0,
             1.0,
             1.0,
@@ -238,7 +238,7 @@ def test_workers_beyond_the_bundles_still_run_on_the_env_node(
         scorer.resize(4)
         workers = _ready(scorer, 4)
         need.write_text("4")
-        assert scorer.score([env_node] * 8, _rows([""] * 8)).tolist() == [1.0] * 8  # 4 chunks of 2
+        assert scorer.score([env_node] * 8, _rows([""] * 8)).rewards.tolist() == [1.0] * 8  # 4 chunks of 2
         assert {int(p.name[2:]) for p in tmp_path.glob("4-*")} == {w.pid for w in workers}
     finally:
         scorer.close()
@@ -257,7 +257,11 @@ def test_the_code_env_runs_each_rows_tests_in_a_sandbox_on_the_env_actors(env_po
         env = EnvConfig(name="code", code_reward=reward)
         scorer = ScorerRole(env, pool=env_pool, workers=2)
         try:
-            assert scorer.score(texts, rows).tolist() == want == score_chunk(env, (texts, rows))
+            assert (
+                scorer.score(texts, rows).rewards.tolist()
+                == want
+                == [v.reward for v in score_chunk(env, (texts, rows))]
+            )
         finally:
             scorer.close()
 
@@ -277,7 +281,7 @@ def test_completions_that_loop_until_the_sandbox_kills_them_are_not_a_hung_worke
     scorer = ScorerRole(env, workers=1, task_timeout_s=1.0, max_attempts=1)
     try:
         start = time.monotonic()
-        scores = scorer.score(["    while True:\n        pass\n"] * 30, rows)
+        scores = scorer.score(["    while True:\n        pass\n"] * 30, rows).rewards
         took = time.monotonic() - start
         assert scores.tolist() == [0.0] * 30 and scorer.take_stats()["score_retries"] == 0
         assert 1.0 < took < 1.0 + chunk_time_limit(env, 30)  # past the base limit, within the derived one
