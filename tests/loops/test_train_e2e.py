@@ -253,7 +253,8 @@ def test_sft_eval_and_generate_commands(base_run, tmp_path, capsys):
     small = [f"out_dir={tmp_path / 'x'}", "data.task.num_train=200", "data.task.num_eval=20", "threads=1"]
     assert main(["eval", f"model.path={model_dir}", "eval.num_prompts=5", *small]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result) == {"eval_accuracy", "eval_response_len"} and 0.0 <= result["eval_accuracy"] <= 1.0
+    assert set(result) == {"eval_accuracy", "eval_reward_mean", "eval_response_len"}
+    assert 0.0 <= result["eval_accuracy"] <= 1.0
     assert (
         main(
             ["generate", f"model.path={model_dir}", "--prompt", "1+2=", "--prompt", "5+5=", "-n", "2", *small]
