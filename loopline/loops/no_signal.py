@@ -1,11 +1,12 @@
-"""A run that learns nothing says so: GRPO steps whose rewards carry no learning signal, and their likeliest causes.
+"""A run that learns nothing says so: GRPO steps whose rewards carry (next to) no learning signal, and why.
 
-A step has no signal when every group's completions got the same reward (with the estimators that subtract a
-group baseline: grpo, dr_grpo, rloo, reinforce_pp_baseline), or every completion of the batch did (the others):
-every advantage is then 0, the policy-gradient loss is 0 and the update changes nothing (every reward 0 is the
-usual case: a policy that never answers right). `grpo.no_signal_steps` such steps in a row (all of a shorter
-run's) make a warning line when it first happens and, at the end, a report with the likeliest causes: SFT too
-short to write well-formed answers, answers cut at max_new_tokens, a reward that never matches.
+Only a group whose completions got different rewards has nonzero advantages (with the estimators that subtract a
+group baseline: grpo, dr_grpo, rloo, reinforce_pp_baseline; with the others, the whole batch is one group). A
+step lacks signal when at most `grpo.no_signal_share` of its groups are such (0: none, every advantage 0 and the
+update changes nothing; the usual case is every reward 0, a policy that never answers right). `grpo.no_signal_steps`
+such steps in a row (all of a shorter run's) make a warning line when it first happens and, at the end, a report
+with the likeliest causes: SFT too short to write well-formed answers, answers cut at max_new_tokens, a reward
+that never matches, samples too alike.
 """
 
 from __future__ import annotations
@@ -35,23 +36,30 @@ class Sample:
     reward: float
 
 
+@dataclass(frozen=True)
+class StepSignal:
+    """What one GRPO step's rewards gave to learn from."""
+
+    step: int
+    informative: int  # groups whose rewards differ (nonzero advantages)
+    groups: int
+    reward_mean: float
+    all_zero: bool  # every reward 0
+    all_correct: bool  # every completion correct: nothing left to learn
+    truncated: float  # share of completions cut at max_new_tokens
+
+
 @dataclass
 class NoSignalWatch:
     """Counts GRPO steps without signal in a row; warns once when `needed` are reached; `report()` at the end."""
 
     needed: int  # steps in a row that make a finding (0: never)
+    share: float  # a step with at most this share of informative groups lacks signal
     group_size: int
     group_baseline: bool  # the estimator subtracts the group's mean (else the batch's)
-    streak: list[int] = field(default_factory=list)  # the steps of the current run of steps without signal
-    found: list[int] = field(default_factory=list)  # the steps of the longest such run that reached `needed`
-    all_zero: bool = True  # every reward of every step in `found` was 0
-    all_full: bool = True  # every completion of every step in `found` was correct: nothing left to learn
-    truncated: list[float] = field(
-        default_factory=list
-    )  # the share of cut completions of each step in `found`
-    sample: Sample | None = None  # a completion of the first step in `found`
-    # per step of the current run: (every reward 0, every completion correct, share cut), and its first sample
-    _streak_stats: list[tuple[bool, bool, float]] = field(default_factory=list)
+    streak: list[StepSignal] = field(default_factory=list)  # the current run of steps without signal
+    found: list[StepSignal] = field(default_factory=list)  # the longest such run that reached `needed`
+    sample: Sample | None = None  # a completion of the first step of `found`
     _streak_sample: Sample | None = None
 
     @classmethod
@@ -59,13 +67,14 @@ class NoSignalWatch:
         """The watch of a run's GRPO phase: grpo.no_signal_steps, or every step when the run has fewer."""
         grpo = cfg.grpo
         needed = min(grpo.no_signal_steps, grpo.steps)
-        return cls(needed, grpo.group_size, grpo.advantage in GROUP_BASELINE)
+        return cls(needed, grpo.no_signal_share, grpo.group_size, grpo.advantage in GROUP_BASELINE)
 
-    def flat(self, rewards: torch.Tensor) -> bool:
-        """Whether rewards (B,) give every advantage 0: equal within every group, or over the whole batch."""
+    def informative(self, rewards: torch.Tensor) -> tuple[int, int]:
+        """(groups whose rewards differ, groups) of rewards (B,): the prompts' groups, or the batch as one group."""
         if self.group_baseline:
-            return not bool(informative_groups(rewards, self.group_size).any())
-        return bool((rewards == rewards[0]).all())
+            differ = informative_groups(rewards, self.group_size)  # (G,)
+            return int(differ.sum()), len(differ)
+        return int(bool((rewards != rewards[0]).any())), 1
 
     def update(
         self, step: int, rewards: torch.Tensor, correct: torch.Tensor, truncated: float, sample: Sample
@@ -74,66 +83,65 @@ class NoSignalWatch:
         completions, one completion); the warning line when this step makes `needed` in a row for the first time,
         else None."""
         # a step trained again after a restart (resumed from an earlier checkpoint) replaces its first try
-        kept = sum(s < step for s in self.streak)
-        self.streak, self._streak_stats = self.streak[:kept], self._streak_stats[:kept]
-        if not self.needed or not self.flat(rewards):
-            self.streak, self._streak_stats, self._streak_sample = [], [], None
+        self.streak = [s for s in self.streak if s.step < step]
+        informative, groups = self.informative(rewards)
+        if not self.needed or informative > self.share * groups:
+            self.streak, self._streak_sample = [], None
             return None
         if not self.streak:
             self._streak_sample = sample
-        self.streak.append(step)
-        self._streak_stats.append((bool((rewards == 0).all()), bool(correct.all()), truncated))
+        zero, full = bool((rewards == 0).all()), bool(correct.all())
+        mean = float(rewards.mean())
+        self.streak.append(StepSignal(step, informative, groups, mean, zero, full, truncated))
         if len(self.streak) < self.needed or len(self.streak) <= len(self.found):
             return None
         first = not self.found
-        self.found = list(self.streak)
-        self.all_zero = all(zero for zero, _, _ in self._streak_stats)
-        self.all_full = all(full for _, full, _ in self._streak_stats)
-        self.truncated = [t for _, _, t in self._streak_stats]
-        self.sample = self._streak_sample
+        self.found, self.sample = list(self.streak), self._streak_sample
         if not first:
             return None
-        what = "every reward was 0" if self.all_zero else "every group's rewards were equal"
         return (
-            f"loopline: warning: no learning signal in GRPO steps {self.found[0]}-{self.found[-1]}: {what}, so every "
-            "advantage is 0 and RL changes nothing; the end-of-run report says why it likely is"
+            f"loopline: warning: no learning signal in {self._steps()}: {self._what()}, so RL changes (next to) "
+            "nothing; the end-of-run report says why it likely is"
         )
+
+    def _steps(self) -> str:
+        first, last = self.found[0].step, self.found[-1].step
+        return f"GRPO steps {first}-{last}" if last > first else f"GRPO step {first}"
+
+    def _what(self) -> str:
+        if all(s.all_correct for s in self.found):
+            return "every completion was correct"
+        if all(s.all_zero for s in self.found):
+            return "every reward was 0"
+        if all(s.informative == 0 for s in self.found):
+            return "every group's completions got equal rewards (every advantage 0)"
+        most = max(s.informative for s in self.found)
+        return f"at most {most} of {self.found[0].groups} groups a step got rewards that differed"
 
     def report(self, cfg: RunConfig, sft_accuracy: float | None) -> list[str]:
         """The end-of-run report's lines ([] when no `needed` steps in a row lacked signal): what happened and
         its likeliest causes. sft_accuracy: held-out accuracy as RL started (after SFT), None when unknown."""
         if not self.found:
             return []
-        steps = (
-            f"GRPO steps {self.found[0]}-{self.found[-1]}"
-            if len(self.found) > 1
-            else f"GRPO step {self.found[0]}"
-        )
-        if self.all_full:
-            what = "every completion was correct"
-        elif self.all_zero:
-            what = "every reward was 0"
-        else:
-            what = "every group's completions got equal rewards"
+        mean = sum(s.reward_mean for s in self.found) / len(self.found)
         lines = [
-            f"no learning signal: in {steps} ({len(self.found)} in a row) {what}, so every advantage was 0 and RL "
-            "learned nothing there. Likeliest causes:"
+            f"no learning signal: in {self._steps()} ({len(self.found)} in a row, mean reward {mean:.4g}) "
+            f"{self._what()}: RL learned (next to) nothing there. Likeliest causes:"
         ]
-        if self.all_full:
+        if all(s.all_correct for s in self.found):
             lines.append("  - nothing left to learn on these prompts: every answer is already right")
             return lines
-        sft = cfg.sft
+        sft, sampling = cfg.sft, cfg.grpo.sampling
         reached = "unknown" if sft_accuracy is None else f"{100 * sft_accuracy:.1f}%"
         lines.append(
             f"  - SFT too short for the model to write well-formed answers: {sft.steps} SFT steps reached {reached} "
-            "held-out accuracy; RL needs some right answers among each group's samples (raise sft.steps, or set "
-            "sft.stop_at_accuracy)"
+            "held-out accuracy; RL needs right and wrong answers among each group's samples (raise sft.steps, or "
+            "set sft.stop_at_accuracy)"
         )
-        cut = sum(self.truncated) / len(self.truncated)
+        cut = sum(s.truncated for s in self.found) / len(self.found)
         lines.append(
             f"  - answers cut short: {100 * cut:.1f}% of these steps' completions hit "
-            f"grpo.sampling.max_new_tokens={cfg.grpo.sampling.max_new_tokens}"
-            + (" (raise it)" if cut > 0 else "")
+            f"grpo.sampling.max_new_tokens={sampling.max_new_tokens}" + (" (raise it)" if cut > 0 else "")
         )
         if self.sample is not None:
             lines.append(
@@ -141,10 +149,10 @@ class NoSignalWatch:
                 f"{_short(self.sample.completion)} got {self.sample.reward:g} against the answer "
                 f"{_short(self.sample.answer)}"
             )
-        if not self.all_zero:
+        if not any(s.all_zero or s.informative for s in self.found):  # rewards, but equal within each group
             lines.append(
-                "  - samples too alike to differ in reward: grpo.sampling.temperature="
-                f"{cfg.grpo.sampling.temperature:g}, grpo.group_size={cfg.grpo.group_size}"
+                f"  - samples too alike to differ in reward: grpo.sampling.temperature={sampling.temperature:g}, "
+                f"grpo.group_size={cfg.grpo.group_size}"
             )
         return lines
 

@@ -99,8 +99,15 @@ class GRPOConfig(Section):
         5,
         ge=0,
         description="Say so (a warning when it happens, and in the end-of-run report with the likeliest causes) when "
-        "this many consecutive steps (all of them, in a shorter run) gave every group equal rewards, every "
-        "reward 0 say: every advantage is then 0 and RL learns nothing. 0: never.",
+        "this many consecutive steps (all of them, in a shorter run) lacked learning signal (no_signal_share). 0: "
+        "never.",
+    )
+    no_signal_share: float = Field(
+        0.1,
+        ge=0.0,
+        lt=1.0,
+        description="A step lacks learning signal when at most this share of its groups got rewards that differ "
+        "(only those have nonzero advantages; 0: every group's rewards equal, every reward 0 say).",
     )
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")

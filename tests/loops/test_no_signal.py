@@ -21,13 +21,30 @@ def _watch(*overrides: str) -> NoSignalWatch:
     return NoSignalWatch.for_run(load_config(overrides=["grpo.group_size=2", *overrides]))
 
 
-def test_equal_rewards_in_every_group_are_no_signal_for_group_baselines_only() -> None:
+def test_only_groups_whose_rewards_differ_carry_signal_for_group_baselines() -> None:
     grouped = torch.tensor([1.0, 1.0, 0.0, 0.0])  # each group equal, the batch not
-    assert _watch().flat(grouped) and _watch().flat(torch.zeros(4))
-    assert not _watch().flat(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert _watch().informative(grouped) == (0, 2) and _watch().informative(torch.zeros(4)) == (0, 2)
+    assert _watch().informative(torch.tensor([1.0, 0.0, 0.0, 0.0])) == (1, 2)
     # reinforce_pp whitens over the batch: equal groups still differ from each other
-    assert not _watch("grpo.advantage=reinforce_pp").flat(grouped)
-    assert _watch("grpo.advantage=reinforce_pp").flat(torch.full((4,), 0.5))
+    assert _watch("grpo.advantage=reinforce_pp").informative(grouped) == (1, 1)
+    assert _watch("grpo.advantage=reinforce_pp").informative(torch.full((4,), 0.5)) == (0, 1)
+
+
+def test_a_step_lacks_signal_up_to_no_signal_share_of_informative_groups() -> None:
+    def rewards(informative: int) -> torch.Tensor:  # 20 groups of 2, the first `informative` mixed
+        return torch.tensor([1.0, 0.0] * informative + [0.0, 0.0] * (20 - informative))
+
+    wrong = torch.zeros(40, dtype=torch.bool)
+    watch = _watch("grpo.no_signal_steps=2", "grpo.no_signal_share=0.1", "grpo.steps=10")
+    assert watch.update(1, rewards(2), wrong, 0.0, SAMPLE) is None  # 2 of 20: at most 10%
+    warning = watch.update(2, rewards(1), wrong, 0.0, SAMPLE)
+    assert warning is not None and "at most 2 of 20 groups a step got rewards that differed" in warning
+    strict = _watch("grpo.no_signal_steps=1", "grpo.no_signal_share=0", "grpo.steps=10")
+    assert (
+        strict.update(1, rewards(1), wrong, 0.0, SAMPLE) is None
+    )  # share 0: one informative group is signal
+    assert strict.update(2, rewards(0), wrong, 0.0, SAMPLE) is not None
+    assert _watch("grpo.no_signal_steps=1").update(1, rewards(3), wrong, 0.0, SAMPLE) is None  # 15%: signal
 
 
 def test_the_warning_comes_once_at_the_nth_step_in_a_row_and_a_step_with_signal_resets_the_count() -> None:
@@ -40,7 +57,8 @@ def test_the_warning_comes_once_at_the_nth_step_in_a_row_and_a_step_with_signal_
     warning = watch.update(6, zeros, WRONG, 0.0, SAMPLE)
     assert warning is not None and "GRPO steps 4-6" in warning and "every reward was 0" in warning
     assert watch.update(7, zeros, WRONG, 0.0, SAMPLE) is None  # said once
-    assert watch.found == [4, 5, 6, 7] and watch.truncated == pytest.approx([0.5, 0.5, 0.0, 0.0])
+    assert [s.step for s in watch.found] == [4, 5, 6, 7]
+    assert [s.truncated for s in watch.found] == [0.5, 0.5, 0.0, 0.0]
 
 
 def test_a_run_shorter_than_no_signal_steps_needs_all_of_its_steps() -> None:
@@ -54,7 +72,7 @@ def test_a_step_trained_again_after_a_restart_is_counted_once() -> None:
     watch = _watch("grpo.no_signal_steps=3", "grpo.steps=10")
     for step in (1, 2, 2, 3):  # step 2 again: the run resumed from the checkpoint of step 1
         warning = watch.update(step, torch.zeros(4), WRONG, 0.0, SAMPLE)
-    assert warning is not None and watch.found == [1, 2, 3]
+    assert warning is not None and [s.step for s in watch.found] == [1, 2, 3]
 
 
 def test_the_report_names_the_causes_with_the_run_s_numbers() -> None:
@@ -64,13 +82,21 @@ def test_the_report_names_the_causes_with_the_run_s_numbers() -> None:
     for step in (1, 2):
         watch.update(step, torch.zeros(4), WRONG, 0.25, SAMPLE)
     text = "\n".join(watch.report(cfg, 0.004))
-    assert "no learning signal: in GRPO steps 1-2 (2 in a row) every reward was 0" in text
+    assert "no learning signal: in GRPO steps 1-2 (2 in a row, mean reward 0) every reward was 0" in text
     assert "7 SFT steps reached 0.4% held-out accuracy" in text
     assert (
         f"25.0% of these steps' completions hit grpo.sampling.max_new_tokens={cfg.grpo.sampling.max_new_tokens}"
         in text
     )
     assert "the completion '1+1=\\nabc' got 0 against the answer '2'" in text
+
+    assert "samples too alike" not in text  # every reward 0: not a matter of sampling
+    alike = NoSignalWatch.for_run(cfg)
+    for step in (1, 2):
+        alike.update(step, torch.tensor([0.5, 0.5, 0.0, 0.0]), WRONG, 0.0, SAMPLE)
+    assert "samples too alike to differ in reward: grpo.sampling.temperature=1" in "\n".join(
+        alike.report(cfg, 0.0)
+    )
 
     perfect = NoSignalWatch.for_run(cfg)
     for step in (1, 2):
@@ -90,7 +116,7 @@ def test_a_run_too_short_to_learn_says_so_and_why(tmp_path: Path, capsys: pytest
     assert main(["train", *tiny]) == 0
     out, err = capsys.readouterr()
     assert "loopline: warning: no learning signal in GRPO steps 1-2: every reward was 0" in err
-    assert "no learning signal: in GRPO steps 1-2 (2 in a row) every reward was 0" in out
+    assert "no learning signal: in GRPO steps 1-2 (2 in a row, mean reward 0) every reward was 0" in out
     assert "2 SFT steps reached 0.0% held-out accuracy" in out
     assert "grpo.sampling.max_new_tokens=" in out and "against the answer" in out
     assert "mean reward 0.000" in out  # beside the accuracy
