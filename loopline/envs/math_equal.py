@@ -4,7 +4,8 @@
 
 1. boxed: the content of the last `\\boxed{...}` (nested braces counted);
 2. answer is: the text after the last "answer is" (any case), to the end of its line, without a leading ':',
-   trailing '.', ' ' or '$';
+   trailing '.', ' ' or '$'; when that is not one answer (`5 apples`, `x = 5`, `\\frac{5}{3}, about 1.67`), the
+   first complete expression in it (as rule 3 finds them);
 3. last expression: the last complete mathematical expression in the text (last_expression: scanned left to
    right, the longest at each position): a fraction `\\frac{a}{b}` (`\\dfrac`, `\\tfrac`, `\\frac12`), a root
    `\\sqrt{a}` with an optional numeric factor (`2\\sqrt{3}`), a number with thousands separators (`1,000`),
@@ -94,18 +95,32 @@ def _is_sign(text: str, at: int) -> bool:
 def last_expression(text: str) -> tuple[str, str]:
     """The last complete mathematical expression of `text` (rule 3 of the module's docstring) and "", or "" and
     the reason there is none."""
-    last, i = "", 0
+    unfinished = _unfinished(text)
+    if unfinished:
+        return "", f"it ends inside an unfinished {unfinished} (cut short?)"
+    found = _expressions(text)
+    return (found[-1], "") if found else ("", "it holds no number, fraction or root")
+
+
+def _expressions(text: str) -> list[str]:
+    """The complete mathematical expressions of `text`, left to right, the longest at each position."""
+    found, i = [], 0
     while i < len(text):
         start = i + 1 if _is_sign(text, i) else i
         end = _atom_end(text, start)
         if end is None:
             i += 1
             continue
-        last, i = text[i:end], end
-    unfinished = _unfinished(text)
-    if unfinished:
-        return "", f"it ends inside an unfinished {unfinished} (cut short?)"
-    return (last, "") if last else ("", "it holds no number, fraction or root")
+        found.append(text[i:end])
+        i = end
+    return found
+
+
+def _one_answer(text: str) -> bool:
+    """Whether `text` is one answer the equivalence check reads (a value, an expression or a tuple of them), not
+    a sentence or an equation."""
+    parts = _parts(normalise(text))
+    return all(_parse(part) is not None for part in parts)
 
 
 def _unfinished(text: str) -> str | None:
@@ -135,7 +150,10 @@ def extract(response: str) -> Extraction:
     said = response.lower().rfind("answer is")
     if said >= 0:
         rest = response[said + len("answer is") :].strip().lstrip(":").strip()
-        return Extraction(rest.split("\n", 1)[0].rstrip(". ").strip("$ "), "answer is")
+        said_text = rest.split("\n", 1)[0].rstrip(". ").strip("$ ")
+        if said_text and not _one_answer(said_text) and _expressions(said_text):
+            return Extraction(_expressions(said_text)[0], "answer is")  # "5 apples", "x = 5, since ..."
+        return Extraction(said_text, "answer is")
     text, reason = last_expression(response)
     return Extraction(text, "last expression") if text else Extraction("", "none", reason)
 

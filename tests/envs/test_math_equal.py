@@ -124,6 +124,22 @@ def test_a_response_cut_inside_a_fraction_gives_no_answer_rather_than_a_guess(cu
     assert math_reward(cut, "3") == 0.0 and math_reward(cut, "5") == 0.0
 
 
+@pytest.mark.parametrize(
+    ("response", "taken"),
+    [
+        ("The answer is 5 apples.", "5"),
+        ("the answer is x = -5", "-5"),
+        ("The answer is: \\frac{5}{3}, which is about 1.67", "\\frac{5}{3}"),  # the first, not the last
+        ("the answer is x^2+1", "x^2+1"),  # one answer: as written
+        ("the answer is (1, 2).", "(1, 2)"),
+    ],
+)
+def test_answer_is_takes_the_first_expression_after_it_when_the_rest_is_not_one_answer(
+    response: str, taken: str
+) -> None:
+    assert extract(response) == Extraction(taken, "answer is")
+
+
 def test_the_last_expression_is_not_part_of_a_longer_one() -> None:
     assert final_answer("it costs 1,000") == "1,000"  # one number with its separator, not "000"
     assert final_answer("then 12/25.") == "12/25"
