@@ -159,6 +159,9 @@ def _checked(where: str, result: object) -> StepResult:
     reward = result.reward
     if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
         raise EnvError(f"{where}: reward {reward!r} is not a finite number")
+    correct = result.info.get("correct", 0) if isinstance(result.info, dict) else 0
+    if not isinstance(correct, int | float):  # bool is an int
+        raise EnvError(f"{where}: info['correct'] {correct!r} is not a number or bool (nonzero: correct)")
     return result
 
 

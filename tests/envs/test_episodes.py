@@ -50,6 +50,37 @@ def test_the_example_env_from_its_file_gives_partial_credit() -> None:
     ]  # correct: full marks only, not partial credit
 
 
+def test_an_env_says_what_correct_means_with_its_max_reward_or_its_own_flag(tmp_path: Path) -> None:
+    body = """
+    from loopline.envs.base import StepResult
+
+
+    class E:
+        max_reward = 2.0  # full marks are 2 here
+
+        def reset(self, row):
+            self.answer = row.answer
+
+        def step(self, text):
+            reward = float(text.count("a"))
+            info = {"correct": text == "flagged"} if text.startswith("flag") else {}
+            return StepResult("", reward, True, info)
+
+
+    def make():
+        return E()
+    """
+    rows = [PromptRow(i, "q", "x") for i in range(5)]
+    verdicts = score_chunk(_user_env(tmp_path, body), (["aa", "aaa", "a", "flagged", "flagaaa"], rows))
+    assert [v.correct for v in verdicts] == [
+        True,
+        True,
+        False,
+        True,
+        False,
+    ]  # reward >= 2, else the env's flag
+
+
 def _user_env(tmp_path: Path, body: str) -> str:
     path = tmp_path / f"env_{abs(hash(body))}.py"
     path.write_text(textwrap.dedent(body))
@@ -76,6 +107,13 @@ def _user_env(tmp_path: Path, body: str) -> str:
             "    def step(self, text): return StepResult('', 'high', True)\n"
             "def make(): return E()\n",
             "reward 'high' is not a finite number",
+        ),
+        (
+            "from loopline.envs.base import StepResult\n"
+            "class E:\n    def reset(self, row): pass\n"
+            "    def step(self, text): return StepResult('', 1.0, True, {'correct': 'yes'})\n"
+            "def make(): return E()\n",
+            "info\\['correct'\\] 'yes' is not a number or bool",
         ),
         (
             "class E:\n    def reset(self, row): pass\n    def step(self, text): return 1.0\n"
