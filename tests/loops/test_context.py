@@ -100,6 +100,8 @@ def test_evaluate_scores_held_out_rows_and_keeps_the_rng(ctx):
     result = evaluate(ctx)
     assert torch.equal(torch.get_rng_state(), rng)
     assert set(result) == {"eval_accuracy", "eval_reward_mean", "eval_response_len"}
-    assert result["eval_reward_mean"] == result["eval_accuracy"]  # the addition task pays 1 exactly when correct
+    assert (
+        result["eval_reward_mean"] == result["eval_accuracy"]
+    )  # the addition task pays 1 exactly when correct
     assert 0 < result["eval_response_len"] <= ctx.cfg.eval.sampling.max_new_tokens
     assert evaluate(ctx) == result  # greedy: the same model gives the same score
