@@ -20,6 +20,7 @@ from loopline.checkpoint.run_dir import RESUMED_PHASES
 from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.k8s.config import MAX_NAME, K8sConfig, PodPlacement, WorkerGroupConfig, is_dns_label
+from loopline.k8s.memory import group_memory, head_memory
 from loopline.k8s.staging import refuse_local
 from loopline.runtime.placement import PoolConfig
 
@@ -167,7 +168,7 @@ def _volumes(k8s: K8sConfig, name: str, config: bool) -> tuple[list[dict], list[
 
 def _head(cfg: RunConfig, name: str) -> dict[str, Any]:
     k8s, head = cfg.k8s, cfg.k8s.head
-    resources = {"cpu": _number(head.cpu), "memory": head.memory}
+    resources = {"cpu": _number(head.cpu), "memory": head.memory or head_memory(cfg)}
     if head.gpu:
         resources["nvidia.com/gpu"] = str(head.gpu)
     volumes, mounts = _volumes(k8s, name, config=True)
@@ -204,7 +205,8 @@ def _worker_group(cfg: RunConfig, pool: PoolConfig, roles: tuple[str, ...], name
     replicas = pool.bundles // per_pod
     cpus = _whole(pool, "CPU", per_pod, "CPU count (Ray's num-cpus)")
     gpus = _whole(pool, "GPU", per_pod, "GPU count")
-    resources = {"cpu": str(max(cpus, 1)), "memory": group.memory}
+    memory = group.memory or group_memory(cfg, pool.name, per_pod, gpu=gpus > 0)
+    resources = {"cpu": str(max(cpus, 1)), "memory": memory}
     params = {"num-cpus": str(cpus)}
     if gpus:
         resources["nvidia.com/gpu"] = str(gpus)

@@ -21,6 +21,8 @@ from pydantic import BaseModel
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
+from loopline.k8s.config import WorkerGroupConfig
+from loopline.k8s.memory import group_memory, head_memory
 from loopline.section import LocalPath
 
 INPUTS = "inputs"  # under the run's directory on the volume: <mount_path>/<name>/inputs/<field>/<file name>
@@ -130,16 +132,24 @@ def stage_plan(cfg: RunConfig, name: str) -> list[Staged]:
 
 
 def staged_config(cfg: RunConfig, plan: list[Staged], name: str) -> RunConfig:
-    """The run's config with every staged field pointing at its copy on the volume, and k8s.name pinned to `name`
-    (the volume's claim is named after the job: a config that renders another name would mount another volume)."""
+    """The run's config with every staged field pointing at its copy on the volume, k8s.name pinned to `name`
+    (the volume's claim is named after the job: a config that renders another name would mount another volume),
+    and the pods' memory estimated now, while the model's config.json is still readable here."""
     tree = cfg.model_dump(mode="json")
+    k8s = tree["k8s"]
+    k8s["head"]["memory"] = cfg.k8s.head.memory or head_memory(cfg)
+    for pool in cfg.runtime.pools().pools if cfg.runtime.backend == "ray" else []:
+        group = cfg.k8s.groups.get(pool.name, WorkerGroupConfig())
+        gpu = pool.resources.get("GPU", 0.0) > 0
+        memory = group.memory or group_memory(cfg, pool.name, group.bundles_per_pod, gpu)
+        k8s["groups"][pool.name] = {**group.model_dump(mode="json"), "memory": memory}
     for s in plan:
         *parents, last = s.field.key.split(".")
         node: Any = tree
         for part in parents:
             node = node[int(part)] if isinstance(node, list) else node[part]
         node[last] = s.field.with_path(s.volume)
-    tree["k8s"]["name"] = name
+    k8s["name"] = name
     return RunConfig.model_validate(tree)
 
 
