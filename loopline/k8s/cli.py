@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loopline.config import check_preference, load_config
+from loopline.config import RunConfig, check_preference, load_config
 from loopline.errors import UserError
 from loopline.k8s.render import JOB_COMMANDS, manifest_yaml, manifests_yaml
 
@@ -103,7 +103,8 @@ def _rendered(config: str | None, overrides: list[str], command: str = "train") 
     return objects
 
 
-def _notes(cfg: Any) -> None:
+def _notes(cfg: RunConfig) -> None:
+    """Say which absolute paths are left for the pods' image to hold (neither here nor on the volume)."""
     from loopline.k8s.staging import image_paths
 
     for note in image_paths(cfg):

@@ -6,6 +6,11 @@ from or sent to a cluster.
 Each placement pool (runtime.placement, or the default one pool per role) becomes a worker group: its bundles
 are packed k8s.groups.<pool>.bundles_per_pod to a pod, CPU and GPU become the pod's requests and Ray's
 num-cpus/num-gpus, other resources (custom ones such as {env_node: 1}) Ray resources through rayStartParams.
+A pod's memory is k8s.head.memory / k8s.groups.<pool>.memory, or estimated from the model (loopline.k8s.memory).
+
+The pods see the image and the run's volume only: a config field naming a file on this machine is refused
+(loopline.k8s.staging, which plans the copies `loopline k8s stage` makes). The config travels in the ConfigMap as
+a YAML file, printed as a literal block so that it reads as the pod reads it.
 """
 
 from __future__ import annotations
@@ -83,10 +88,14 @@ def manifest_yaml(obj: dict[str, Any]) -> str:
     return yaml.dump(obj, Dumper=_ManifestDumper, sort_keys=False)
 
 
+def _entrypoint(command: str) -> str:
+    return f"loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved"
+
+
 def run_yaml(cfg: RunConfig, name: str, command: str) -> str:
     """The config file the head pod runs (pod_config), with a header that says what it is."""
     header = (
-        f"# The config of run {name} as its pods run it: `loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume`.\n"
+        f"# The config of run {name} as its pods run it: `{_entrypoint(command)}`.\n"
         "# Written by `loopline k8s render`; every field, defaults included, so the run does not depend on the\n"
         "# defaults of the loopline in the image.\n"
     )
@@ -306,7 +315,7 @@ def render(cfg: RunConfig, command: str = "train", stage_command: str = STAGE_HI
     spec: dict[str, Any] = {
         # a retried job (a lost pod) reruns this: it continues from the newest checkpoint, or starts again
         # from step 0 if the first attempt died before its first save
-        "entrypoint": f"loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved",
+        "entrypoint": _entrypoint(command),
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": k8s.ttl_after_finished_s,
         "backoffLimit": k8s.backoff_limit,
