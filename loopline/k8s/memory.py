@@ -4,7 +4,7 @@ the roles each pod holds. A stand-in until `loopline plan` (memory per role) exi
 The sum, per pod: a fixed overhead per Python process (torch and transformers imported, the allocator's slack),
 plus per rank on a CPU pod a trainer's weights, gradients and Adam's two moments (sharded over the trainer ranks,
 as FSDP2 shards them) and one micro-batch's logits; an engine's weights and the KV cache of its rows; a
-reference's or reward model's weights. On a GPU pod the model lives in GPU memory and the host keeps one copy of
+reference's or reward model's weights; an env worker of the code env its sandbox's memory cap. On a GPU pod the model lives in GPU memory and the host keeps one copy of
 the weights (loading, the checkpoint's whole-model gather). Then HEADROOM over the sum, rounded up to a GiB.
 """
 
@@ -19,7 +19,10 @@ from loopline.config import RunConfig
 from loopline.errors import UserError
 
 GIB = 2**30
-PROCESS_OVERHEAD = int(1.5 * GIB)  # a Python process with torch and transformers imported
+# A Python process with torch and transformers imported. Measured here (2026-12-04): the default job's whole process
+# tree peaked at 0.63 GiB RSS on the local backend (two processes), 2.42 GiB on ray (driver, GCS, raylet, dashboard,
+# three actors and Ray's idle workers); 1 GiB leaves room for allocator slack and larger tokenizers.
+PROCESS_OVERHEAD = 1 * GIB
 RAY_HEAD_OVERHEAD = 1 * GIB  # the head node's GCS, raylet and dashboard agent
 RAY_NODE_OVERHEAD = GIB // 2  # a worker node's raylet
 HEADROOM = 1.25  # over the estimate: fragmentation, Ray's object store in /dev/shm, what the sum leaves out
@@ -108,8 +111,10 @@ def role_rank_bytes(cfg: RunConfig, role: str, gpu: bool) -> int:
     shape = model_shape(cfg)
     width = DTYPE_BYTES[cfg.model.dtype]
     weights = shape.params * width
-    if role == "env":
-        return 0
+    if (
+        role == "env"
+    ):  # no model; env.name=code runs each program in a sandbox capped at env.sandbox.memory_mb
+        return cfg.env.sandbox.memory_mb * 2**20 if cfg.env.name == "code" else 0
     if gpu:
         return weights  # the model is on the GPU; the host stages one copy of the weights
     seq = _seq_len(cfg, shape)

@@ -100,6 +100,10 @@ def test_what_must_grow_grows(qwen):
     kl = load_config(None, [*base, "grpo.kl_coef=0.01"])  # the reference joins the actor's pods
     assert _gib(group_memory(kl, "actor", 1, False)) > _gib(group_memory(cfg, "actor", 1, False))
     assert _gib(group_memory(cfg, "env", 1, False)) < 4  # env workers hold no model
+    code = load_config(None, [*base, "env.name=code", "env.sandbox.memory_mb=4096"])
+    assert _gib(group_memory(code, "env", 1, False)) >= 4 + _gib(
+        group_memory(cfg, "env", 1, False)
+    )  # a sandbox
 
 
 def test_an_example_s_pools_get_estimates_where_the_config_gives_none():
