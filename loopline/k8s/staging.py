@@ -171,7 +171,7 @@ def refuse_local(cfg: RunConfig, stage_command: str) -> None:
 
 
 def stage_pod(cfg: RunConfig, name: str, claim: str) -> dict[str, Any]:
-    """A pod that only mounts the run's volume, for `kubectl cp` to copy into; deleted once the copies are done."""
+    """A pod that only mounts the run's volume, for stage.sh to copy into; deleted once the copies are done."""
     k8s = cfg.k8s
     return {
         "apiVersion": "v1",
@@ -186,8 +186,8 @@ def stage_pod(cfg: RunConfig, name: str, claim: str) -> dict[str, Any]:
             "containers": [
                 {
                     "name": "stage",
-                    "image": k8s.head.image
-                    or k8s.image,  # the run's image: it has the tar that kubectl cp needs
+                    # the run's image: it has the sh and tar that stage.sh runs in the pod
+                    "image": k8s.head.image or k8s.image,
                     "imagePullPolicy": k8s.image_pull_policy,
                     "command": ["sleep", "86400"],
                     "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
@@ -200,8 +200,10 @@ def stage_pod(cfg: RunConfig, name: str, claim: str) -> dict[str, Any]:
 
 
 def stage_script(cfg: RunConfig, name: str, plan: list[Staged]) -> str:
-    """The kubectl commands that copy the plan's files onto the volume through the stage pod (idempotent: each
-    target is replaced, so the script can run again after a local file changed)."""
+    """The commands that copy the plan's files onto the volume through the stage pod: each file or directory as a
+    tar stream into `kubectl exec` (symbolic links followed: a Hugging Face cache's snapshot is links into its blobs,
+    which would dangle on the volume). Idempotent: each target is replaced, so the script can run again after a
+    local file changed."""
     ns, pod = cfg.k8s.namespace, f"{name}-stage"
     q = shlex.quote
     lines = [
@@ -210,6 +212,7 @@ def stage_script(cfg: RunConfig, name: str, plan: list[Staged]) -> str:
         "# KUBECTL='kubectl --context other' picks another cluster than kubectl's current context.",
         "set -eu",
         'KUBECTL="${KUBECTL:-kubectl}"',
+        "export COPYFILE_DISABLE=1  # macOS tar: no ._ resource-fork files in the copies",
         'here="$(dirname "$0")"',
         f'$KUBECTL apply -f "$here/{STAGE_OBJECTS}"',
         f"$KUBECTL wait -n {ns} --for=condition=Ready pod/{pod} --timeout=600s",
@@ -219,12 +222,13 @@ def stage_script(cfg: RunConfig, name: str, plan: list[Staged]) -> str:
         if s.volume in done:
             continue
         done.add(s.volume)
-        parent = str(PurePosixPath(s.volume).parent)
+        parent = str(PurePosixPath(s.volume).parent)  # the copy keeps the local name: <parent>/<local name>
+        unpack = f"rm -rf {q(s.volume)} && mkdir -p {q(parent)} && tar -C {q(parent)} -xf -"
         lines.append(f"# {s.field.key}")
         lines.append(
-            f"$KUBECTL exec -n {ns} {pod} -- sh -c {q(f'rm -rf {q(s.volume)} && mkdir -p {q(parent)}')}"
+            f"tar -C {q(str(s.local.parent))} -chf - {q(s.local.name)} | "
+            f"$KUBECTL exec -i -n {ns} {pod} -- sh -c {q(unpack)}"
         )
-        lines.append(f"$KUBECTL cp {q(str(s.local))} {q(f'{ns}/{pod}:{s.volume}')}")
     lines.append(f"$KUBECTL delete -n {ns} pod/{pod} --wait=false")
     lines.append(f'echo "staged; now: loopline k8s render $here/{STAGE_CONFIG} (or submit it)"')
     return "\n".join(lines) + "\n"

@@ -209,11 +209,10 @@ def test_stage_bad_input(files, capsys):
 
 
 FAKE_KUBECTL = """#!/bin/sh
-# kubectl as stage.sh uses it, with the stage pod as this machine: exec runs here, cp copies here
+# kubectl as stage.sh uses it, with the stage pod as this machine: exec runs its command here, on stdin
 echo "$*" >> "$KUBECTL_LOG"
 case "$1" in
-  exec) shift 4; shift; exec "$@" ;;
-  cp) exec cp -r "$2" "${3#*:}" ;;
+  exec) shift 5; shift; exec "$@" ;;
   *) exit 0 ;;
 esac
 """
@@ -221,7 +220,12 @@ esac
 
 def test_the_stage_script_copies_each_file_to_its_place_and_runs_again(files, tmp_path, capsys):
     """stage.sh against a kubectl whose pod is this machine (the volume: a local directory): every file lands at
-    the path the staged config names, paths with spaces included, and a second run replaces, not nests."""
+    the path the staged config names, paths with spaces included, symbolic links as the files they point at (a
+    Hugging Face cache's snapshot), and a second run replaces, not nests."""
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    blob.write_text("weights")
+    (files / "my model" / "model.safetensors").symlink_to(blob)
     volume = tmp_path / "volume"
     volume.mkdir()
     args = [*LOCAL, f"k8s.storage.mount_path={volume}"]
@@ -233,14 +237,17 @@ def test_the_stage_script_copies_each_file_to_its_place_and_runs_again(files, tm
     for _ in range(2):
         subprocess.run(["sh", "staged/stage.sh"], env=env, check=True, capture_output=True)
     staged = load_config("staged/run.yaml")
-    assert (Path(staged.model.path) / "config.json").read_text() == "{}"
-    assert not (Path(staged.model.path) / "my model").exists()  # the second copy replaced the first
+    model = Path(staged.model.path)
+    assert (model / "config.json").read_text() == "{}"
+    weights = model / "model.safetensors"
+    assert not weights.is_symlink() and weights.read_text() == "weights"
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]  # not nested
     assert Path(staged.data.train_path).read_text() == (files / "train.jsonl").read_text()
     env_file = staged.env.name.split(":")[1]
     assert Path(env_file).read_text() == (files / "my_env.py").read_text()
     log = (tmp_path / "log").read_text().splitlines()
     assert log[0] == "apply -f staged/stage-objects.yaml" and log[-1].startswith("delete -n default pod/")
-    assert sum(line.startswith("cp ") for line in log) == 2 * 3  # 3 files (eval shares train's copy), twice
+    assert sum(line.startswith("exec -i ") for line in log) == 2 * 3  # 3 files (eval shares train's), twice
 
 
 def test_stage_plan_and_staged_config_as_functions(files):
