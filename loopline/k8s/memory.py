@@ -129,6 +129,8 @@ def role_rank_bytes(cfg: RunConfig, role: str, gpu: bool) -> int:
         rows = cfg.runtime.engine_max_rows or math.ceil(batch / cfg.runtime.engines)
         rows = max(rows, cfg.eval.batch_size)
         kv = rows * seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * width
+        if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
+            kv = cfg.rollout.vllm.cpu_kv_cache_gib * GIB
         return weights + kv
     # ref and reward: frozen weights (the reference sharded like the actor), a forward's logits
     rows = max(cfg.grpo.micro_batch_size, cfg.reward.batch_size if role == "reward" else 0)
@@ -162,8 +164,9 @@ def _wanted(cfg: RunConfig) -> list[str]:
 
 
 def head_memory(cfg: RunConfig) -> str:
-    """The head pod's memory: on the local backend the whole run (one process with every model role, and the env
-    worker processes); on ray the driver and Ray's head services."""
+    """The head pod's memory, estimated (the stand-in until `loopline plan` gives memory per role): on the local
+    backend the whole run (one process with every model role, and the env worker processes); on ray the driver
+    and Ray's head services."""
     if cfg.runtime.backend == "ray":
         return quantity(PROCESS_OVERHEAD + RAY_HEAD_OVERHEAD)
     ranks = {r: 1 for r in ("actor", "rollout", *_wanted(cfg))}
@@ -172,8 +175,9 @@ def head_memory(cfg: RunConfig) -> str:
 
 
 def group_memory(cfg: RunConfig, pool: str, per_pod: int, gpu: bool) -> str:
-    """A worker group's pod memory: the ranks of each role on `pool` that one pod holds (one per bundle), the
-    critic and reference beside the actor unless placed elsewhere."""
+    """A worker group's pod memory, estimated (the stand-in until `loopline plan` gives memory per role): the ranks
+    of each role on `pool` that one pod holds (one per bundle), the critic and reference beside the actor unless
+    placed elsewhere."""
     placement = cfg.runtime.pools()
     roles = list(placement.roles_on(pool))
     if "actor" in roles:

@@ -92,6 +92,8 @@ def test_what_must_grow_grows(qwen):
     cfg = load_config(None, base)
     more_rows = load_config(None, [*base, "grpo.prompts_per_step=512", "eval.batch_size=8"])
     assert role_rank_bytes(more_rows, "rollout", False) > role_rank_bytes(cfg, "rollout", False)
+    vllm = load_config(None, [*base, "rollout.engine=vllm", "rollout.vllm.cpu_kv_cache_gib=20"])
+    assert role_rank_bytes(vllm, "rollout", False) == role_rank_bytes(vllm, "rollout", True) + 20 * GIB
     sharded = load_config(
         None, [*base, "runtime.trainer_ranks=4", "grpo.micro_batch_size=1", "sft.micro_batch_size=1"]
     )
