@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "k8s",
         add_help=False,
-        help="the run as a KubeRay RayJob: render, submit, status, logs, delete (see `loopline k8s -h`)",
+        help="the run as a KubeRay RayJob: render, stage, submit, status, logs, delete (see `loopline k8s -h`)",
     )
     p.add_argument("args", nargs=argparse.REMAINDER)
 

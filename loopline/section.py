@@ -7,6 +7,8 @@ reads it in any room (tests/test_layering.py checks this); loopline.config compo
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,3 +105,27 @@ def read_tree(path: str | Path | None = None, overrides: list[str] | None = None
             raise ConfigError(f"config file '{p}' must hold a mapping at the top level")
         tree = loaded
     return merge_trees(tree, parse_overrides(overrides or []))
+
+
+@dataclass(frozen=True)
+class LocalPath:
+    """Marks a config field whose value names a file or directory on the machine that reads the config
+    (`Annotated[str, LocalPath("model directory")]`), so that tools that move a run elsewhere (`loopline k8s
+    render`, `loopline k8s stage`) find every such field from the models instead of from a list of names.
+
+    what: what the path holds, for messages. inside: a regex whose group `path` is the path when the value holds
+    more than a path (env.name's python:FILE.py:FACTORY); a value it does not match names no file.
+    """
+
+    what: str
+    inside: str = ""
+
+    def find(self, value: str) -> tuple[int, int] | None:
+        """The (start, end) of the path within `value`, or None when the value names no file (empty, a URL,
+        or not matching `inside`)."""
+        if not value or "://" in value:
+            return None
+        if not self.inside:
+            return 0, len(value)
+        match = re.match(self.inside, value)
+        return match.span("path") if match else None

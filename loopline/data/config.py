@@ -4,11 +4,11 @@ data.datasets, data.tasks, data.preference). Pydantic only, so loading a config 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from loopline.section import Section
+from loopline.section import LocalPath, Section
 
 
 class TaskConfig(Section):
@@ -46,8 +46,12 @@ class DataConfig(Section):
         description="builtin: generated problems (the addition task; env.name=calculator or code: their own), or a "
         "file/dataset on disk.",
     )
-    train_path: str = Field("", description="Training prompts (file or saved HF dataset directory).")
-    eval_path: str = Field("", description="Held-out prompts; empty = no held-out set for file sources.")
+    train_path: Annotated[str, LocalPath("dataset")] = Field(
+        "", description="Training prompts (file or saved HF dataset directory)."
+    )
+    eval_path: Annotated[str, LocalPath("dataset")] = Field(
+        "", description="Held-out prompts; empty = no held-out set for file sources."
+    )
     prompt_field: str = Field("prompt", description="Row field holding the prompt text.")
     answer_field: str = Field("answer", description="Row field holding the reference answer.")
     completion_field: str = Field("completion", description="Row field holding an SFT target completion.")
@@ -73,8 +77,12 @@ class PreferenceDataConfig(Section):
     source: Literal["builtin", "jsonl"] = Field(
         "builtin", description="builtin: pairs from the task (correct vs a wrong sum); jsonl: files."
     )
-    train_path: str = Field("", description="Training pairs (jsonl).")
-    eval_path: str = Field("", description="Held-out pairs (jsonl); empty = no held-out metrics.")
+    train_path: Annotated[str, LocalPath("preference pairs")] = Field(
+        "", description="Training pairs (jsonl)."
+    )
+    eval_path: Annotated[str, LocalPath("preference pairs")] = Field(
+        "", description="Held-out pairs (jsonl); empty = no held-out metrics."
+    )
     prompt_field: str = Field("prompt", description="Row field holding the prompt (text or messages).")
     chosen_field: str = Field("chosen", description="Row field holding the preferred completion.")
     rejected_field: str = Field("rejected", description="Row field holding the dispreferred completion.")

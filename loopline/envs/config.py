@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from loopline.envs.sandbox.config import SandboxConfig
-from loopline.section import Section
+from loopline.section import LocalPath, Section
 
 # name -> what it checks; made by envs.episodes
 BUILTIN_ENVS = {
@@ -34,6 +34,8 @@ ROW_FIELDS = {"code": ("entry_point", "test"), "code:mbpp": ("test_list",)}
 # ... and those it reads when a row has them (MBPP's imports and setup code that its asserts need).
 OPTIONAL_ROW_FIELDS = {"code:mbpp": ("test_imports", "test_setup_code")}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
+# The file in python:FILE.py:FACTORY (a dotted module name is imported from the installed packages instead)
+ENV_FILE = r"^python:(?P<path>[^:]+\.py):[A-Za-z_][A-Za-z0-9_]*$"
 
 
 def _enough(task: CalculatorConfig | CodeTaskConfig, space: int, hint: str) -> None:
@@ -125,7 +127,7 @@ class EnvConfig(Section):
     """The environment of the RL loop: one episode per completion, stepped on the env workers (runtime.env_workers:
     processes on the local backend, Ray actors in the env pool's bundles on ray), never in the controller."""
 
-    name: str = Field(
+    name: Annotated[str, LocalPath("env file", inside=ENV_FILE)] = Field(
         "addition",
         description="A built-in env ("
         + ", ".join(BUILTIN_ENVS)

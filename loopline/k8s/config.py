@@ -48,7 +48,11 @@ DnsLabel = Annotated[str, AfterValidator(_label)]
 class PodPlacement(Section):
     """Where and how big a group's pods are: Kubernetes scheduling on top of the pool's Ray resources."""
 
-    memory: Quantity = Field("8Gi", description="Memory of one pod (request = limit), a Kubernetes quantity.")
+    memory: Quantity | None = Field(
+        None,
+        description="Memory of one pod (request = limit), a Kubernetes quantity; null = estimated from the model "
+        "and the roles on the pod (loopline.k8s.memory).",
+    )
     node_selector: dict[str, str] = Field(
         default_factory=dict,
         description="Node labels the pods must run on, e.g. {node.kubernetes.io/instance-type: ...}.",

@@ -6,6 +6,11 @@ from or sent to a cluster.
 Each placement pool (runtime.placement, or the default one pool per role) becomes a worker group: its bundles
 are packed k8s.groups.<pool>.bundles_per_pod to a pod, CPU and GPU become the pod's requests and Ray's
 num-cpus/num-gpus, other resources (custom ones such as {env_node: 1}) Ray resources through rayStartParams.
+A pod's memory is k8s.head.memory / k8s.groups.<pool>.memory, or estimated from the model (loopline.k8s.memory).
+
+The pods see the image and the run's volume only: a config field naming a file on this machine is refused
+(loopline.k8s.staging, which plans the copies `loopline k8s stage` makes). The config travels in the ConfigMap as
+a YAML file, printed as a literal block so that it reads as the pod reads it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from loopline.checkpoint.run_dir import RESUMED_PHASES
 from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.k8s.config import MAX_NAME, K8sConfig, PodPlacement, WorkerGroupConfig, is_dns_label
+from loopline.k8s.memory import group_memory, head_memory
+from loopline.k8s.staging import refuse_local
 from loopline.runtime.placement import PoolConfig
 
 CONFIG_MOUNT = "/etc/loopline"
@@ -59,6 +66,42 @@ def _autoscaled(k8s: K8sConfig, pools: list[PoolConfig]) -> bool:
     return any(k8s.groups.get(p.name, WorkerGroupConfig()).max_replicas is not None for p in pools)
 
 
+class _ManifestDumper(yaml.SafeDumper):
+    """YAML for people: a multi-line string (the ConfigMap's run.yaml) as a literal block, as written."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None  # PyYAML falls back to quotes where a block cannot hold the text
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_ManifestDumper.add_representer(str, _str)
+
+
+def manifests_yaml(objects: list[dict[str, Any]]) -> str:
+    """The objects as one YAML stream, multi-line strings (the run's config) kept readable as literal blocks."""
+    return yaml.dump_all(objects, Dumper=_ManifestDumper, sort_keys=False)
+
+
+def manifest_yaml(obj: dict[str, Any]) -> str:
+    """One object as YAML, as manifests_yaml writes it."""
+    return yaml.dump(obj, Dumper=_ManifestDumper, sort_keys=False)
+
+
+def _entrypoint(command: str) -> str:
+    return f"loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved"
+
+
+def run_yaml(cfg: RunConfig, name: str, command: str) -> str:
+    """The config file the head pod runs (pod_config), with a header that says what it is."""
+    header = (
+        f"# The config of run {name} as its pods run it: `{_entrypoint(command)}`.\n"
+        "# Written by `loopline k8s render`; every field, defaults included, so the run does not depend on the\n"
+        "# defaults of the loopline in the image.\n"
+    )
+    return header + yaml.safe_dump(pod_config(cfg, name).model_dump(mode="json"), sort_keys=False)
+
+
 def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "loopline", "app.kubernetes.io/instance": name}
 
@@ -94,9 +137,29 @@ def _pod_spec(k8s: K8sConfig, pods: PodPlacement, container: dict, volumes: list
     return spec
 
 
+def claim_name(k8s: K8sConfig, name: str) -> str:
+    """The run volume's PersistentVolumeClaim: k8s.storage.claim, or <name>-runs (rendered)."""
+    return k8s.storage.claim or f"{name}-runs"
+
+
+def claim_objects(cfg: RunConfig, name: str) -> list[dict[str, Any]]:
+    """The run volume's PersistentVolumeClaim to create, or none when k8s.storage.claim names an existing one."""
+    k8s = cfg.k8s
+    if k8s.storage.claim:
+        return []
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteMany"],  # every pod mounts it: checkpoints written by all trainer ranks
+        "resources": {"requests": {"storage": k8s.storage.size}},
+    }
+    if k8s.storage.storage_class:
+        claim["storageClassName"] = k8s.storage.storage_class
+    meta = {"name": f"{name}-runs", "namespace": k8s.namespace, "labels": _labels(name)}
+    return [{"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim}]
+
+
 def _volumes(k8s: K8sConfig, name: str, config: bool) -> tuple[list[dict], list[dict]]:
     """(volumes, mounts): the run volume and /dev/shm on every pod; the config only where the driver runs."""
-    claim = k8s.storage.claim or f"{name}-runs"
+    claim = claim_name(k8s, name)
     # /dev/shm in memory: Ray's object store and torch's shared tensors outgrow a container's default 64 MiB
     volumes: list[dict] = [
         {"name": "runs", "persistentVolumeClaim": {"claimName": claim}},
@@ -114,7 +177,7 @@ def _volumes(k8s: K8sConfig, name: str, config: bool) -> tuple[list[dict], list[
 
 def _head(cfg: RunConfig, name: str) -> dict[str, Any]:
     k8s, head = cfg.k8s, cfg.k8s.head
-    resources = {"cpu": _number(head.cpu), "memory": head.memory}
+    resources = {"cpu": _number(head.cpu), "memory": head.memory or head_memory(cfg)}
     if head.gpu:
         resources["nvidia.com/gpu"] = str(head.gpu)
     volumes, mounts = _volumes(k8s, name, config=True)
@@ -151,7 +214,8 @@ def _worker_group(cfg: RunConfig, pool: PoolConfig, roles: tuple[str, ...], name
     replicas = pool.bundles // per_pod
     cpus = _whole(pool, "CPU", per_pod, "CPU count (Ray's num-cpus)")
     gpus = _whole(pool, "GPU", per_pod, "GPU count")
-    resources = {"cpu": str(max(cpus, 1)), "memory": group.memory}
+    memory = group.memory or group_memory(cfg, pool.name, per_pod, gpu=gpus > 0)
+    resources = {"cpu": str(max(cpus, 1)), "memory": memory}
     params = {"num-cpus": str(cpus)}
     if gpus:
         resources["nvidia.com/gpu"] = str(gpus)
@@ -214,43 +278,35 @@ def _check_groups(cfg: RunConfig) -> list[PoolConfig]:
 JOB_COMMANDS = tuple(RESUMED_PHASES)
 
 
-def render(cfg: RunConfig, command: str = "train") -> list[dict[str, Any]]:
+# What render's refusal of a local file says to run when it does not know the command line (render() called
+# from Python; the CLI passes the user's own arguments)
+STAGE_HINT = "loopline k8s stage CONFIG [OVERRIDES] --out DIR"
+
+
+def render(cfg: RunConfig, command: str = "train", stage_command: str = STAGE_HINT) -> list[dict[str, Any]]:
     """The run's objects, in the order to create them: ConfigMap, PersistentVolumeClaim (unless
     k8s.storage.claim names one), RayJob running `loopline <command>`. Raises UserError naming the config field
-    that cannot be rendered."""
+    that cannot be rendered, one line per file the config names on this machine only (with `stage_command`, which
+    copies them onto the run's volume)."""
     if command not in JOB_COMMANDS:
         raise UserError(
             f"a job runs one of {', '.join(JOB_COMMANDS)} (they resume when retried), not {command!r}"
         )
+    refuse_local(cfg, stage_command)
     k8s = cfg.k8s
     name = job_name(cfg)
     pools = _check_groups(cfg)
     placement = cfg.runtime.pools()
     meta = {"namespace": k8s.namespace, "labels": _labels(name)}
-    run_yaml = yaml.safe_dump(pod_config(cfg, name).model_dump(mode="json"), sort_keys=False)
     objects: list[dict[str, Any]] = [
         {
             "apiVersion": "v1",
             "kind": "ConfigMap",
             "metadata": {"name": f"{name}-config", **meta},
-            "data": {CONFIG_FILE: run_yaml},
+            "data": {CONFIG_FILE: run_yaml(cfg, name, command)},
         }
     ]
-    if not k8s.storage.claim:
-        claim: dict[str, Any] = {
-            "accessModes": ["ReadWriteMany"],  # every pod mounts it: checkpoints written by all trainer ranks
-            "resources": {"requests": {"storage": k8s.storage.size}},
-        }
-        if k8s.storage.storage_class:
-            claim["storageClassName"] = k8s.storage.storage_class
-        objects.append(
-            {
-                "apiVersion": "v1",
-                "kind": "PersistentVolumeClaim",
-                "metadata": {"name": f"{name}-runs", **meta},
-                "spec": claim,
-            }
-        )
+    objects += claim_objects(cfg, name)
     job_labels = _labels(name)
     if k8s.queue:
         job_labels["kueue.x-k8s.io/queue-name"] = k8s.queue
@@ -259,7 +315,7 @@ def render(cfg: RunConfig, command: str = "train") -> list[dict[str, Any]]:
     spec: dict[str, Any] = {
         # a retried job (a lost pod) reruns this: it continues from the newest checkpoint, or starts again
         # from step 0 if the first attempt died before its first save
-        "entrypoint": f"loopline {command} {CONFIG_MOUNT}/{CONFIG_FILE} --resume --restart-unsaved",
+        "entrypoint": _entrypoint(command),
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": k8s.ttl_after_finished_s,
         "backoffLimit": k8s.backoff_limit,

@@ -4,11 +4,11 @@ and its LoRA adapters. Read by models.load and training.lora; pydantic only, so 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from loopline.section import Section
+from loopline.section import LocalPath, Section
 
 
 class TinyModelConfig(Section):
@@ -49,7 +49,9 @@ class LoRAConfig(Section):
 class ModelConfig(Section):
     """Which policy model and tokenizer to train."""
 
-    path: str = Field("", description="Local Hugging Face model directory; empty = the built-in tiny model.")
+    path: Annotated[str, LocalPath("Hugging Face model directory")] = Field(
+        "", description="Local Hugging Face model directory; empty = the built-in tiny model."
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Built-in model shape.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     use_chat_template: bool = Field(

@@ -6,12 +6,12 @@ reads them. Pydantic only, so loading a config stays light.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from loopline.rollout.config import SamplingConfig
-from loopline.section import Section
+from loopline.section import LocalPath, Section
 
 
 class OptimConfig(Section):
@@ -301,7 +301,9 @@ class RewardConfig(Section):
         "verifier",
         description="verifier; model: model_coef * RM score; sum: verifier + model_coef * RM score.",
     )
-    model_path: str = Field("", description="A reward model directory written by `loopline rm`.")
+    model_path: Annotated[str, LocalPath("reward model directory")] = Field(
+        "", description="A reward model directory written by `loopline rm`."
+    )
     model_coef: float = Field(1.0, description="Weight of the reward model's score.")
     model_norm: Literal["none", "batch"] = Field(
         "none",

@@ -18,7 +18,7 @@ from loopline.cli import main
 from loopline.config import RunConfig, load_config
 from loopline.errors import UserError
 from loopline.k8s.checks import check, problems
-from loopline.k8s.render import render
+from loopline.k8s.render import manifests_yaml, render
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -44,7 +44,7 @@ def _pod_resources(group: dict) -> dict:
 )
 def test_rendered_manifests_match_the_golden_files_and_pass_every_check(name, config, overrides):
     objects = render(load_config(config, overrides))
-    text = yaml.safe_dump_all(objects, sort_keys=False)
+    text = manifests_yaml(objects)
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("LOOPLINE_UPDATE_GOLDEN"):
         path.write_text(text)
@@ -260,3 +260,18 @@ def test_a_job_runs_train_sft_or_dpo_each_resumed_when_retried(capsys):
     capsys.readouterr()
     assert main(["k8s", "render", "--command", "dpo", *pipelined]) == 2
     assert "does not run through the pipeline" in capsys.readouterr().err
+
+
+def test_the_config_travels_as_a_readable_yaml_file_that_the_pod_loads(tmp_path, capsys):
+    """The ConfigMap's run.yaml is printed as a literal block (the file as the pod reads it, line by line, not one
+    escaped string), with a header saying what it is; mounted as a file, `load_config` reads it back whole."""
+    assert main(["k8s", "render", "--out", str(tmp_path / "m")]) == 0
+    text = (tmp_path / "m" / "00-configmap.yaml").read_text()
+    assert "  run.yaml: |\n    # The config of run loopline-default as its pods run it" in text
+    assert "\n    out_dir: /runs/loopline-default\n" in text and "\\n" not in text
+    run = yaml.safe_load(text)["data"]["run.yaml"]
+    mounted = tmp_path / "run.yaml"
+    mounted.write_text(run)
+    assert load_config(str(mounted)) == _load(run)
+    printed = main(["k8s", "render"]) == 0 and capsys.readouterr().out
+    assert "  run.yaml: |\n" in printed
