@@ -100,6 +100,8 @@ def config_rows(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str,
             elif origin is dict:
                 key += ".<name>"
                 yield key, type_name(field.annotation), default_text(field), field.description or ""
+            elif origin in (typing.Union, types.UnionType):  # an optional section: unset by default
+                yield key, type_name(field.annotation), default_text(field), field.description or ""
             yield from config_rows(inner, key + ".")
         else:
             yield key, type_name(field.annotation), default_text(field), field.description or ""
