@@ -6,7 +6,7 @@ run:
 	scripts/setup tensorboard
 	.venv/bin/loopline train $(ARGS)
 
-# The default job over seeds 0,1,2 (threads 1) and seed 0 with threads 2, then the table against the README's targets
+# The default job over seeds 0,1,2 (threads 1) and seed 0 with threads 2, then the table against the targets (docs/background/reproducibility.md)
 reproduce:
 	scripts/setup tensorboard
 	.venv/bin/python scripts/reproduce --out runs/reproduce $(ARGS)

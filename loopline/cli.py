@@ -321,8 +321,8 @@ def _benchmarks() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(loopline.bench.__path__) if not m.name.startswith("_"))
 
 
-# `loopline agent`: the agentic example's settings for `loopline train env.name=calculator`. Measured (see the
-# README): the copies the task needs (expression into the call, result into the answer) are learned suddenly,
+# `loopline agent`: the agentic example's settings for `loopline train env.name=calculator`. Measured (see
+# docs/guide/agents.md): the copies the task needs (expression into the call, result into the answer) are learned suddenly,
 # between SFT steps ~250 and ~375 at lr 1e-3; T=0.7 keeps GRPO groups mixed (right and wrong answers); GRPO at
 # lr 3e-5, since Adam's first steps move every weight by ~lr whatever its (sparse) gradient.
 AGENT = [

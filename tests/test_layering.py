@@ -1,8 +1,8 @@
-"""DESIGN.md's rooms, checked: every import in loopline/ (module-level and function-local, `from x import y`
+"""The rooms of docs/architecture.md, checked: every import in loopline/ (module-level and function-local, `from x import y`
 resolving y when it is a submodule) points down the layer table below or within its own layer, and no
 modules import each other in a circle. Run alone: `pytest tests/test_layering.py` (no imports, just `ast`).
 
-The table is DESIGN's rooms as the code has them (its list is "roughly" the order; `algorithms` uses only
+The table is the rooms as the code has them (docs/architecture.md#rooms summarises it; `algorithms` uses only
 torch, `loops` uses everything). A module takes the layer of its longest matching prefix; higher layers
 may import lower ones."""
 
@@ -133,7 +133,7 @@ def test_no_import_runs_up_the_rooms():
             up.append(
                 f"{importer} ({room_a}, layer {layer_a}) imports {imported} ({room_b}, layer {layer_b})"
             )
-    assert not up, "imports up DESIGN.md's rooms:\n" + "\n".join(up)
+    assert not up, "imports up the rooms (docs/architecture.md#rooms):\n" + "\n".join(up)
     stale = [pair for pair in ALLOWED_UP if pair[1] not in graph.get(pair[0], set())]
     assert not stale, f"ALLOWED_UP lists imports that are gone: {stale}"
 

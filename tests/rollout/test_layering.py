@@ -1,4 +1,4 @@
-"""DESIGN.md's layering: the rollout layer (engines, the chat-completions server, trajectories, tool-call
+"""The layering of docs/architecture.md#rooms: the rollout layer (engines, the chat-completions server, trajectories, tool-call
 parsing) imports nothing from envs, which sits above it."""
 
 from __future__ import annotations

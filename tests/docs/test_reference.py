@@ -1,0 +1,44 @@
+"""The generated reference pages (config fields, commands and flags, metrics keys) match the code: a change to
+a config field, a parser or metrics/keys.py without `python scripts/gen_docs.py` fails here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def gen_docs() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_generated_pages_are_current() -> None:
+    stale = gen_docs().stale()
+    assert not stale, f"stale generated docs {stale}: run `python scripts/gen_docs.py` and commit the pages"
+
+
+def test_a_changed_page_is_found_stale(tmp_path: Path) -> None:
+    module = gen_docs()
+    for path, make in module.PAGES.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(make())
+    assert module.stale(tmp_path) == []
+    page = tmp_path / "docs/reference/config.md"
+    page.write_text(page.read_text().replace("| `seed` | `int` | `0` |", "| `seed` | `int` | `1` |"))
+    assert module.stale(tmp_path) == ["docs/reference/config.md"]
+
+
+def test_every_config_field_is_on_the_page() -> None:
+    from loopline.config import describe
+
+    page = (ROOT / "docs/reference/config.md").read_text()
+    for line in describe():
+        key = line.split(" = ", 1)[0]
+        # a list or a map of sections shows as name[] or name.<name>, its items' fields below it
+        assert any(f"| `{key}{suffix}` |" in page for suffix in ("", "[]", ".<name>")), key
