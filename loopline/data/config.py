@@ -31,10 +31,22 @@ class TaskConfig(Section):
         "dropped (042+079=0011 for 0121); the RL reward still checks the true sum. 0 = a perfect teacher.",
     )
 
+    def distinct_problems(self) -> int:
+        """How many distinct 'a+b=' problems these operand lengths allow."""
+        return sum(9 * 10 ** (d - 1) + (d == 1) for d in range(self.min_digits, self.max_digits + 1)) ** 2
+
     @model_validator(mode="after")
     def _digits_order(self) -> TaskConfig:
         if self.min_digits > self.max_digits:
             raise ValueError(f"min_digits ({self.min_digits}) must be <= max_digits ({self.max_digits})")
+        # Checked here, not when the rows are drawn, so a bad size fails at load with one line.
+        count, space = self.num_train + self.num_eval + self.num_val, self.distinct_problems()
+        if count > space // 2:
+            raise ValueError(
+                f"asks for {count} distinct problems (num_train + num_eval + num_val) but "
+                f"{self.min_digits}-{self.max_digits} digit operands allow {space} (at most half are drawn); "
+                "lower num_train/num_eval/num_val or raise max_digits"
+            )
         return self
 
 

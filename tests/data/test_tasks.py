@@ -41,10 +41,19 @@ def test_digit_range_is_respected():
     assert any(x < 100 for x in values) and any(x >= 100 for x in values)
 
 
-def test_asking_for_more_problems_than_exist_fails():
-    # 1-digit operands: 10 * 10 = 100 distinct problems; more than half of them is refused
-    with pytest.raises(ValueError, match="only 100 exist"):
-        arithmetic_splits(TaskConfig(min_digits=1, max_digits=1, num_train=50, num_eval=10), seed=0)
+def test_asking_for_more_problems_than_exist_fails_at_load():
+    # 1-digit operands: 10 * 10 = 100 distinct problems; more than half of them is refused when the config
+    # is built (a one-line config error), not when the rows are drawn (a traceback, once)
+    with pytest.raises(ValueError, match="operands allow 100"):
+        TaskConfig(min_digits=1, max_digits=1, num_train=30, num_eval=10, num_val=11)
+    assert (
+        len(
+            arithmetic_splits(
+                TaskConfig(min_digits=1, max_digits=1, num_train=30, num_eval=10, num_val=10), 0
+            )[0]
+        )
+        == 30
+    )
 
 
 @pytest.mark.parametrize(
