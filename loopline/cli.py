@@ -81,7 +81,27 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
+    if config is not None and not Path(config).exists() and _looks_like_key(config):
+        # `loopline train grpo.steps 4`: a space for the '=' (else "config file 'grpo.steps' does not exist")
+        value = overrides[0] if overrides and "=" not in overrides[0] else "VALUE"
+        raise ConfigError(f"'{config}' looks like a setting, not a config file: write {config}={value}")
     return config, overrides
+
+
+def _looks_like_key(word: str) -> bool:
+    """A word that names a config key (or a section's key spelt like one), not a file: dotted words with no
+    path separator and no YAML suffix, or a top-level key."""
+    from loopline.section import leaf_keys
+
+    if word in leaf_keys(RunConfig):
+        return True
+    parts = word.split(".")
+    return (
+        len(parts) > 1
+        and not word.endswith((".yaml", ".yml", ".json"))
+        and all(p.isidentifier() for p in parts)
+        and parts[0] in RunConfig.model_fields
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -204,7 +204,7 @@ def load_config(
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, RunConfig)) from None
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
