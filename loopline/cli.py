@@ -14,7 +14,8 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from loopline.checkpoint.run_dir import RESUMABLE
+from loopline import config_rules
+from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.rollout.config import VLLM_INSTALL_HINT
@@ -307,6 +308,38 @@ def check_run(cfg: RunConfig, command: str) -> None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
+    if command == "eval":
+        _check_eval_set(cfg)
+
+
+# What a model learned that eval must score it on: a default here means the built-in addition task.
+SCORED_ON = ("env.name", "data.source", "data.eval_path")
+
+
+def _check_eval_set(cfg: RunConfig) -> None:
+    """`loopline eval` scores a model exported from a run on what that run learned unless told otherwise: given no
+    data or env settings, an exported model of another task is refused (it scored the built-in addition task
+    without a word). (No held-out rows at all is refused once the data has loaded: commands.eval.)"""
+    run_config = Path(cfg.model.path) / RUN_CONFIG if cfg.model.path else None
+    if run_config is None or not run_config.is_file():
+        return
+    trained = load_config(run_config)
+    if config_rules.changed_keys(cfg) & {*SCORED_ON, "data.train_path"}:
+        return  # the user chose what to score it on
+    differ = [f"{k}={_value(trained, k)}" for k in SCORED_ON if _value(trained, k) != _value(cfg, k)]
+    if differ:
+        raise UserError(
+            f"model.path {cfg.model.path} was trained with {' '.join(differ)} ({run_config}), but eval was given "
+            "no data or env settings and would score the built-in addition task: give them (the same, or others "
+            "on purpose)"
+        )
+
+
+def _value(cfg: RunConfig, key: str) -> object:
+    node: object = cfg
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -400,6 +433,12 @@ def _run(argv: list[str]) -> int:
         if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
             print("\n".join(describe(cfg)))
             return 0
+        warnings = config_rules.check(cfg, args.command)  # a refused combination raises ConfigError
+        if (
+            args.command in WRITING_COMMANDS
+        ):  # they say what a run would train; eval of a run's config need not
+            for warning in warnings:
+                config_rules.warn(warning)
         check_run(
             cfg, args.command
         )  # missing files and an out_dir that cannot be written fail before torch too

@@ -312,9 +312,33 @@ def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[Run
 def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:  # noqa: A001
     """Held-out accuracy of model.path (a model, checkpoint or run directory) or the built-in model."""
     with _read_only_context(config, overrides) as ctx:
+        if not ctx.eval_rows:  # it printed {} and exited 0
+            cfg = ctx.cfg
+            raise UserError(
+                f"eval has no held-out rows to score: data.source={cfg.data.source} with data.eval_path empty; give "
+                "data.eval_path=FILE (rows like the training file's)"
+            )
+        print(f"loopline: scoring {_held_out(ctx)}", file=sys.stderr, flush=True)
         sync_engine(ctx, version=0)
         print(json.dumps(evaluate(ctx)))
     return 0
+
+
+def _held_out(ctx: RunContext) -> str:
+    """Which held-out rows eval scores and how, in words: said at the start, so a default is never a surprise."""
+    cfg = ctx.cfg
+    n = min(len(ctx.eval_rows), cfg.eval.num_prompts)
+    if cfg.data.source != "builtin":
+        rows = f"{n} rows of {cfg.data.eval_path}"
+    elif cfg.env.name in ("calculator", "code"):
+        rows = f"{n} problems of the built-in {cfg.env.name} task's held-out split"
+    else:
+        task = cfg.data.task
+        rows = (
+            f"{n} problems of the built-in addition task's held-out split ({task.min_digits}-{task.max_digits} "
+            "digit operands; data.source=jsonl data.eval_path=FILE scores your own)"
+        )
+    return f"{rows} with env.name={cfg.env.name}"
 
 
 def generate(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:

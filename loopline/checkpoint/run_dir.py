@@ -27,6 +27,9 @@ from loopline.config import RunConfig, load_config
 from loopline.errors import UserError
 
 HISTORY_FILE = "config_history.jsonl"
+# The run's config beside a model it exported (config.json there is the model's): what data, env and task it
+# learned, read by `loopline eval` of that model.
+RUN_CONFIG = "loopline_run.yaml"
 
 # What a run writes into its out_dir: --overwrite deletes these and nothing else.
 RUN_ENTRIES = (
