@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -394,7 +395,12 @@ class WorkerPool(Generic[T, R]):
 
 
 def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
-    """Body of a local worker process: answer (token, item) messages until told to stop."""
+    """Body of a local worker process: answer (token, item) messages until told to stop.
+
+    Ctrl-C in a terminal sends SIGINT to the whole process group, workers included: they ignore it (each printed a
+    KeyboardInterrupt traceback and died), since the run's process handles it, finishes the step (whose scoring
+    needs the workers) and then stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         conn.send(_READY)
     except OSError:  # the pool closed before this worker was up (a short run, a run that failed early)
