@@ -18,6 +18,7 @@ from loopline import config_rules
 from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
+from loopline.models.config import missing_tokenizer
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -291,6 +292,10 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json; "
                 "`loopline export` makes one from a checkpoint)"
             )
+        if (path / "config.json").is_file() and missing_tokenizer(path):
+            raise UserError(
+                missing_tokenizer(path)
+            )  # else: a one-token tokenizer, and a traceback seconds later
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:

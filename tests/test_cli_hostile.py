@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from loopline.cli import main
+from loopline.errors import UserError
 
 TINY = [
     "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
@@ -142,6 +143,28 @@ def test_eval_says_what_it_scores_and_refuses_to_score_the_wrong_thing(run, tmp_
     save_config(trained, model / "config.yaml")  # `loopline eval DIR` takes DIR/config.yaml as the run's
     assert main(["eval", str(model)]) == 2
     _one_line_error(capsys.readouterr().err, "no held-out rows", "data.eval_path=FILE")
+
+
+def test_a_model_without_tokenizer_files_is_refused_at_start(run, tmp_path, capsys):
+    """Was: a one-token tokenizer built from the model's type, then after seconds `WorkerError: ... sft_step():
+    raised RuntimeError: There are 0 sized dimensions...`."""
+    import shutil
+
+    from loopline.config import load_config
+    from loopline.models import load_policy
+
+    exported = tmp_path / "exported"
+    assert main(["export", str(run), str(exported)]) == 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(exported / name, bare / name)
+    capsys.readouterr()
+    assert main(["sft", "sft.steps=1", f"model.path={bare}", f"out_dir={tmp_path / 'run'}"]) == 2
+    _one_line_error(capsys.readouterr().err, f"'{bare}'", "no tokenizer files", "tokenizer.json")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="no tokenizer files"):  # and where the model loads, whoever calls
+        load_policy(load_config(overrides=[f"model.path={bare}"]).model)
 
 
 def test_generate_n_samples_are_sampled(run, capsys):
