@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from loopline import config_rules
-from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG
+from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.models.config import missing_tokenizer
@@ -444,6 +444,11 @@ def _run(argv: list[str]) -> int:
         ):  # they say what a run would train; eval of a run's config need not
             for warning in warnings:
                 config_rules.warn(warning)
+        resume = getattr(args, "resume", False) and not args.restart_unsaved
+        if resume and not holds_run(
+            cfg.out_dir
+        ):  # before check_run makes out_dir: a typo leaves nothing behind
+            raise UserError(no_run_to_resume(cfg.out_dir))
         check_run(
             cfg, args.command
         )  # missing files and an out_dir that cannot be written fail before torch too

@@ -20,7 +20,7 @@ from loopline.checkpoint.state import (
     checkpoint_root,
     newest_whole_checkpoint,
 )
-from loopline.config import RunConfig, load_config
+from loopline.config import RunConfig, absolute_paths, load_config
 from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
@@ -55,7 +55,8 @@ def _run_config(
     if getattr(args, "resume", False):
         if args.overwrite:
             raise UserError("--resume continues the run in out_dir, --overwrite deletes it: give one of them")
-        cfg, changes = resume_config(config, overrides, args.allow_config_change)
+        fresh_ok = getattr(args, "restart_unsaved", False)
+        cfg, changes = resume_config(config, overrides, args.allow_config_change, fresh_ok)
         run_dir = Path(cfg.out_dir)
         metrics = run_dir / "metrics.jsonl"
         newest, _ = newest_whole_checkpoint(run_dir)  # raises, before anything is written, if all are damaged
@@ -70,7 +71,8 @@ def _run_config(
                 f"{run_dir} stopped before its first checkpoint: --restart-unsaved starts it again from step 0"
             )
         return cfg, changes
-    cfg = load_config(config, overrides)
+    # paths absolute in the run's saved config: a resume from another directory reads the same files
+    cfg = absolute_paths(load_config(config, overrides), Path.cwd())
     prepare_new_run(cfg.out_dir, args.overwrite, command)
     return cfg, {}
 
