@@ -26,6 +26,8 @@ TINY = [
     "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
 ]  # fmt: skip
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# TINY for runs on a file dataset: without the built-in task's settings (config_rules warns of them: a line more)
+FILE_TINY = [t for t in TINY if not t.startswith("data.task.")]
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str, str, bool]:
@@ -291,8 +293,7 @@ def test_data_errors_after_start_up_are_one_line(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "run"
-    files = [t for t in TINY if not t.startswith("data.task.")]  # (the built-in task's: else a warning line)
-    assert main(["train", *files, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"]) == 2
+    assert main(["train", *FILE_TINY, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"]) == 2
     _one_line_error(capsys.readouterr().err, str(empty), "no usable rows")
     pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "chosen": "2"}])  # no 'rejected'
     dpo = ["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}"]
@@ -348,7 +349,7 @@ def test_bad_utf8_names_file_and_row_and_can_be_skipped(tmp_path, capsys):
     rows = _jsonl(tmp_path / "rows.jsonl", GOOD[:3], raw=[b'{"prompt": "caf\xe9", "answer": "1"}', b"{nope"])
     args = [
         "sft",
-        *TINY,
+        *FILE_TINY,
         "sft.steps=1",
         "data.source=jsonl",
         f"data.train_path={rows}",
@@ -420,9 +421,7 @@ def test_chat_rows_without_answer_refused_for_rl(tmp_path, chat_model, capsys):
         tmp_path / "chat.jsonl", [{**c, "answer": c["messages"][1]["content"]} for c in chat[:2]] + chat[2:]
     )
     data = ["data.source=jsonl", f"data.train_path={rows}", f"model.path={chat_model}"]
-    shape = [
-        t for t in TINY if not t.startswith("model.tiny.")
-    ]  # the model has its shape (else a warning line)
+    shape = [t for t in FILE_TINY if not t.startswith("model.tiny.")]  # (else two warning lines)
     assert main(["train", *shape, *data, f"out_dir={tmp_path / 'rl'}"]) == 2
     _one_line_error(capsys.readouterr().err, f"{rows}: row 3", "chat row without 'answer'")
     # skipped with skip_bad_rows: RL on the two rows that have answers
