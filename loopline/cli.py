@@ -292,10 +292,9 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json; "
                 "`loopline export` makes one from a checkpoint)"
             )
+        # without tokenizer files: a one-token tokenizer, and a traceback seconds later
         if (path / "config.json").is_file() and missing_tokenizer(path):
-            raise UserError(
-                missing_tokenizer(path)
-            )  # else: a one-token tokenizer, and a traceback seconds later
+            raise UserError(missing_tokenizer(path))
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -331,20 +330,14 @@ def _check_eval_set(cfg: RunConfig) -> None:
     trained = load_config(run_config)
     if config_rules.changed_keys(cfg) & {*SCORED_ON, "data.train_path"}:
         return  # the user chose what to score it on
-    differ = [f"{k}={_value(trained, k)}" for k in SCORED_ON if _value(trained, k) != _value(cfg, k)]
+    value = config_rules.value_at
+    differ = [f"{k}={value(trained, k)}" for k in SCORED_ON if value(trained, k) != value(cfg, k)]
     if differ:
         raise UserError(
             f"model.path {cfg.model.path} was trained with {' '.join(differ)} ({run_config}), but eval was given "
-            "no data or env settings and would score the built-in addition task: give them (the same, or others "
-            "on purpose)"
+            "no data or env settings and would score its default, the built-in addition task: give them (the same, "
+            "or others on purpose)"
         )
-
-
-def _value(cfg: RunConfig, key: str) -> object:
-    node: object = cfg
-    for part in key.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -438,16 +431,14 @@ def _run(argv: list[str]) -> int:
         if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
             print("\n".join(describe(cfg)))
             return 0
-        warnings = config_rules.check(cfg, args.command)  # a refused combination raises ConfigError
-        if (
-            args.command in WRITING_COMMANDS
-        ):  # they say what a run would train; eval of a run's config need not
+        # a refused combination raises ConfigError; the warnings say what a run would train (eval and generate of
+        # a run's saved config need not hear them)
+        warnings = config_rules.check(cfg, args.command)
+        if args.command in WRITING_COMMANDS:
             for warning in warnings:
                 config_rules.warn(warning)
-        resume = getattr(args, "resume", False) and not args.restart_unsaved
-        if resume and not holds_run(
-            cfg.out_dir
-        ):  # before check_run makes out_dir: a typo leaves nothing behind
+        # before check_run makes out_dir: a misspelt one is refused and leaves nothing behind
+        if getattr(args, "resume", False) and not args.restart_unsaved and not holds_run(cfg.out_dir):
             raise UserError(no_run_to_resume(cfg.out_dir))
         check_run(
             cfg, args.command

@@ -157,7 +157,7 @@ def stop_at_accuracy_without_a_validation_split(cfg: RunConfig, command: str, ch
     """sft/grpo.stop_at_accuracy with a file dataset: there is no validation split to read, all steps run."""
     builtin_val = cfg.data.source == "builtin"  # the addition task, or calculator/code: their own problems
     keys = [k for k in ("sft.stop_at_accuracy", "grpo.stop_at_accuracy") if k in changed]
-    keys = [k for k in keys if _get(cfg, k) is not None]
+    keys = [k for k in keys if value_at(cfg, k) is not None]
     if builtin_val or not keys:
         return ""
     return (
@@ -166,7 +166,8 @@ def stop_at_accuracy_without_a_validation_split(cfg: RunConfig, command: str, ch
     )
 
 
-def _get(cfg: RunConfig, key: str) -> Any:
+def value_at(cfg: RunConfig, key: str) -> Any:
+    """The value of a dotted key ('data.source') in cfg."""
     node: Any = cfg
     for part in key.split("."):
         node = getattr(node, part)
