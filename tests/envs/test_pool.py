@@ -285,6 +285,14 @@ def test_sigint_leaves_local_workers_quiet_and_working(capfd) -> None:
         assert [w.pid for w in pool.workers()] == pids and pool.workers_lost == 0
     assert all(o.ok and o.attempts == 1 for o in outcomes.values())
     assert "KeyboardInterrupt" not in capfd.readouterr().err
+    # and while they start (importing for seconds): a Ctrl-C in the run's first seconds
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        for w in pool.workers():
+            os.kill(w.pid, signal.SIGINT)
+        outcomes = pool.map({i: i for i in range(4)})
+        assert pool.workers_lost == 0
+    assert all(o.ok and o.attempts == 1 for o in outcomes.values())
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
 
 
 def test_bad_config_names_the_field() -> None:
