@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from loopline.checkpoint.ledger import read_ledger
-from loopline.checkpoint.run_dir import HISTORY_FILE, config_changes
+from loopline.checkpoint.run_dir import HISTORY_FILE, config_changes, resume_config
 from loopline.checkpoint.state import checkpoint_fault
 from loopline.cli import main
 from loopline.config import load_config
@@ -423,6 +423,10 @@ def test_resume_of_an_out_dir_holding_no_run_is_refused(run, tmp_path, capsys):
     assert main(["sft", "--resume", f"out_dir={typo}"]) == 2
     assert f"out_dir {typo} holds no run" in capsys.readouterr().err
     assert list(typo.iterdir()) == []
+    # a job controller's first attempt (loopline k8s: `--resume --restart-unsaved` every time) starts the run
+    fresh = tmp_path / "new"
+    cfg, changes = resume_config(None, [f"out_dir={fresh}"], allow_change=False, fresh_ok=True)
+    assert cfg.out_dir == str(fresh) and changes == {}
 
 
 def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch, capsys):
