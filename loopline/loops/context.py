@@ -115,7 +115,11 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
             optional=cfg.env.optional_row_fields,
         )
         val_rows = arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else []
-    cut = config_rules.targets_fit(cfg, generation_lengths(cfg, tokenizer, train_rows[:TARGETS_CHECKED]))
+    checked = train_rows[:TARGETS_CHECKED]
+    what = "SFT targets" + (
+        f" (the first {len(checked)} of {len(train_rows)})" if len(checked) < len(train_rows) else ""
+    )
+    cut = config_rules.targets_fit(cfg, generation_lengths(cfg, tokenizer, checked), what)
     if cut:
         config_rules.warn(cut)
     # the run directory only once model and data have loaded: a bad row leaves no half-made run behind
