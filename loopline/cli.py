@@ -14,9 +14,11 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from loopline.checkpoint.run_dir import RESUMABLE
+from loopline import config_rules
+from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
+from loopline.models.config import missing_tokenizer
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -81,7 +83,27 @@ def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     if config is not None and "=" in config:
         overrides.insert(0, config)
         config = None
+    if config is not None and not Path(config).exists() and _looks_like_key(config):
+        # `loopline train grpo.steps 4`: a space for the '=' (else "config file 'grpo.steps' does not exist")
+        value = overrides[0] if overrides and "=" not in overrides[0] else "VALUE"
+        raise ConfigError(f"'{config}' looks like a setting, not a config file: write {config}={value}")
     return config, overrides
+
+
+def _looks_like_key(word: str) -> bool:
+    """A word that names a config key (or a section's key spelt like one), not a file: dotted words with no
+    path separator and no YAML suffix, or a top-level key."""
+    from loopline.section import leaf_keys
+
+    if word in leaf_keys(RunConfig):
+        return True
+    parts = word.split(".")
+    return (
+        len(parts) > 1
+        and not word.endswith((".yaml", ".yml", ".json"))
+        and all(p.isidentifier() for p in parts)
+        and parts[0] in RunConfig.model_fields
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -270,6 +292,9 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json; "
                 "`loopline export` makes one from a checkpoint)"
             )
+        # without tokenizer files: a one-token tokenizer, and a traceback seconds later
+        if (path / "config.json").is_file() and missing_tokenizer(path):
+            raise UserError(missing_tokenizer(path))
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -287,6 +312,32 @@ def check_run(cfg: RunConfig, command: str) -> None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
+    if command == "eval":
+        _check_eval_set(cfg)
+
+
+# What a model learned that eval must score it on: a default here means the built-in addition task.
+SCORED_ON = ("env.name", "data.source", "data.eval_path")
+
+
+def _check_eval_set(cfg: RunConfig) -> None:
+    """`loopline eval` scores a model exported from a run on what that run learned unless told otherwise: given no
+    data or env settings, an exported model of another task is refused (it scored the built-in addition task
+    without a word). (No held-out rows at all is refused once the data has loaded: commands.eval.)"""
+    run_config = Path(cfg.model.path) / RUN_CONFIG if cfg.model.path else None
+    if run_config is None or not run_config.is_file():
+        return
+    trained = load_config(run_config)
+    if config_rules.changed_keys(cfg) & {*SCORED_ON, "data.train_path"}:
+        return  # the user chose what to score it on
+    value = config_rules.value_at
+    differ = [f"{k}={value(trained, k)}" for k in SCORED_ON if value(trained, k) != value(cfg, k)]
+    if differ:
+        raise UserError(
+            f"model.path {cfg.model.path} was trained with {' '.join(differ)} ({run_config}), but eval was given "
+            "no data or env settings and would score its default, the built-in addition task: give them (the same, "
+            "or others on purpose)"
+        )
 
 
 def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -380,6 +431,15 @@ def _run(argv: list[str]) -> int:
         if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
             print("\n".join(describe(cfg)))
             return 0
+        # a refused combination raises ConfigError; the warnings say what a run would train (eval and generate of
+        # a run's saved config need not hear them)
+        warnings = config_rules.check(cfg, args.command)
+        if args.command in WRITING_COMMANDS:
+            for warning in warnings:
+                config_rules.warn(warning)
+        # before check_run makes out_dir: a misspelt one is refused and leaves nothing behind
+        if getattr(args, "resume", False) and not args.restart_unsaved and not holds_run(cfg.out_dir):
+            raise UserError(no_run_to_resume(cfg.out_dir))
         check_run(
             cfg, args.command
         )  # missing files and an out_dir that cannot be written fail before torch too

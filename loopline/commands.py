@@ -20,7 +20,7 @@ from loopline.checkpoint.state import (
     checkpoint_root,
     newest_whole_checkpoint,
 )
-from loopline.config import RunConfig, load_config
+from loopline.config import RunConfig, absolute_paths, load_config
 from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
@@ -55,7 +55,8 @@ def _run_config(
     if getattr(args, "resume", False):
         if args.overwrite:
             raise UserError("--resume continues the run in out_dir, --overwrite deletes it: give one of them")
-        cfg, changes = resume_config(config, overrides, args.allow_config_change)
+        fresh_ok = getattr(args, "restart_unsaved", False)
+        cfg, changes = resume_config(config, overrides, args.allow_config_change, fresh_ok)
         run_dir = Path(cfg.out_dir)
         metrics = run_dir / "metrics.jsonl"
         newest, _ = newest_whole_checkpoint(run_dir)  # raises, before anything is written, if all are damaged
@@ -70,7 +71,8 @@ def _run_config(
                 f"{run_dir} stopped before its first checkpoint: --restart-unsaved starts it again from step 0"
             )
         return cfg, changes
-    cfg = load_config(config, overrides)
+    # paths absolute in the run's saved config: a resume from another directory reads the same files
+    cfg = absolute_paths(load_config(config, overrides), Path.cwd())
     prepare_new_run(cfg.out_dir, args.overwrite, command)
     return cfg, {}
 
@@ -321,9 +323,33 @@ def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[Run
 def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:  # noqa: A001
     """Held-out accuracy of model.path (a model, checkpoint or run directory) or the built-in model."""
     with _read_only_context(config, overrides) as ctx:
+        if not ctx.eval_rows:  # it printed {} and exited 0
+            cfg = ctx.cfg
+            raise UserError(
+                f"eval has no held-out rows to score: data.source={cfg.data.source} with data.eval_path empty; give "
+                "data.eval_path=FILE (rows like the training file's)"
+            )
+        print(f"loopline: scoring {_held_out(ctx)}", file=sys.stderr, flush=True)
         sync_engine(ctx, version=0)
         print(json.dumps(evaluate(ctx)))
     return 0
+
+
+def _held_out(ctx: RunContext) -> str:
+    """Which held-out rows eval scores and how, in words: said at the start, so a default is never a surprise."""
+    cfg = ctx.cfg
+    n = min(len(ctx.eval_rows), cfg.eval.num_prompts)
+    if cfg.data.source != "builtin":
+        rows = f"{n} rows of {cfg.data.eval_path}"
+    elif cfg.env.name in ("calculator", "code"):
+        rows = f"{n} problems of the built-in {cfg.env.name} task's held-out split"
+    else:
+        task = cfg.data.task
+        rows = (
+            f"{n} problems of the built-in addition task's held-out split ({task.min_digits}-{task.max_digits} "
+            "digit operands; data.source=jsonl data.eval_path=FILE scores your own)"
+        )
+    return f"{rows} with env.name={cfg.env.name}"
 
 
 def generate(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:

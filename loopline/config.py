@@ -11,6 +11,7 @@ RunConfig, holds the checks across sections, and re-exports every section so tha
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -47,6 +48,9 @@ from loopline.training.config import (
 )
 
 __all__ = [
+    "PATH_KEYS",
+    "absolute_paths",
+    "relative_paths",
     "CheckpointConfig",
     "ClusterConfig",
     "ConfigError",
@@ -204,7 +208,38 @@ def load_config(
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e)) from None
+        raise ConfigError(format_validation_error(e, RunConfig)) from None
+
+
+# The fields that name files or directories on this machine: a run's saved config holds them absolute, so that a
+# resume, an env worker or `loopline eval RUN` started in another directory reads the same files.
+PATH_KEYS = (
+    "model.path", "data.train_path", "data.eval_path", "preference.train_path", "preference.eval_path",
+    "reward.model_path",
+)  # fmt: skip
+
+
+def relative_paths(cfg: RunConfig) -> dict[str, str]:
+    """{dotted key: value} of the PATH_KEYS set to a relative path."""
+    out = {}
+    for key in PATH_KEYS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value and not Path(value).is_absolute():
+            out[key] = value
+    return out
+
+
+def absolute_paths(cfg: RunConfig, base: str | Path) -> RunConfig:
+    """`cfg` with its relative PATH_KEYS made absolute against `base` (a copy; cfg itself is left as it is)."""
+    relative = relative_paths(cfg)
+    if not relative:
+        return cfg
+    cfg = cfg.model_copy(deep=True)
+    for key, value in relative.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, os.path.normpath(Path(base) / value))
+    return cfg
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:

@@ -7,6 +7,7 @@ reads it in any room (tests/test_layering.py checks this); loopline.config compo
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,16 +29,67 @@ class ConfigError(UserError):
     """A config file or override is wrong; the message names the key and what is accepted."""
 
 
-def format_validation_error(err: ValidationError) -> str:
+def _section_at(root: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The section class that `loc` (a dotted key's parts) points into, or None past a leaf."""
+    node = root
+    for part in loc:
+        field = node.model_fields.get(part)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        node = annotation
+    return node
+
+
+def leaf_keys(root: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a section class (e.g. 'grpo.sampling.max_new_tokens')."""
+    keys = []
+    for name, field in root.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            keys.extend(leaf_keys(annotation, f"{prefix}{name}."))
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+def nearest_keys(root: type[BaseModel], key: str) -> list[str]:
+    """Valid keys a misspelt or misplaced dotted `key` likely meant: its section's fields spelt alike
+    (grpo.stepz: grpo.steps), else keys of the same first section ending in the same name
+    (grpo.max_new_tokens: grpo.sampling.max_new_tokens), else dotted keys spelt alike."""
+    parts = key.split(".")
+    section = _section_at(root, tuple(parts[:-1]))
+    if section is not None:
+        prefix = ".".join(parts[:-1]) + "." if len(parts) > 1 else ""
+        close = difflib.get_close_matches(parts[-1], list(section.model_fields), n=3, cutoff=0.7)
+        if close:
+            return [prefix + c for c in close]
+    leaves = leaf_keys(root)
+    same_name = [k for k in leaves if k.endswith("." + parts[-1]) and k.split(".")[0] == parts[0]]
+    if same_name:
+        return same_name[:3]
+    return difflib.get_close_matches(key, leaves, n=3, cutoff=0.8)
+
+
+def format_validation_error(err: ValidationError, root: type[BaseModel] | None = None) -> str:
     """A pydantic error as one line per bad key ('unknown config key ...', 'config key ...: why'),
-    so that every command built on a config Section reports bad input alike."""
+    so that every command built on a config Section reports bad input alike. root: the section class
+    validated, to name the nearest valid key of a misspelt one."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = e.get("input")
         if e["type"] == "extra_forbidden":
-            lines.append(f"unknown config key '{key}'")
+            near = nearest_keys(root, key) if root is not None else []
+            maybe = f": did you mean {' or '.join(near)}?" if near else ""
+            lines.append(f"unknown config key '{key}'{maybe}")
+        elif e["type"] == "list_type":
+            # a bare word for a list: show the list syntax with the word in it
+            word = got if isinstance(got, str | int | float) and not isinstance(got, bool) else "a"
+            lines.append(
+                f"config key '{key}': {e['msg']} (got {got!r}): write a list as {key}=[{word}] or {key}=[{word},b]"
+            )
         else:
-            got = e.get("input")
             # a section's own check names its fields in the message; its input is the whole section
             shown = "" if isinstance(got, dict) else f" (got {got!r})"
             lines.append(f"config key '{key}': {e['msg']}{shown}")
@@ -58,8 +110,11 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Turn ["a.b=1", "c=x"] into a nested dict; values are parsed as YAML scalars/lists."""
     tree: dict[str, Any] = {}
-    for item in overrides:
+    for i, item in enumerate(overrides):
         if "=" not in item:
+            after = overrides[i + 1] if i + 1 < len(overrides) else ""
+            if after and "=" not in after:  # `grpo.steps 4`: a space for the '='
+                raise ConfigError(f"override '{item}' looks like a setting: write {item}={after}")
             raise ConfigError(f"override '{item}' must look like key.path=value")
         key, raw = item.split("=", 1)
         if not key:

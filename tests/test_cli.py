@@ -104,3 +104,26 @@ def test_sandbox_help_lists_its_subcommands(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "{run,check}" in out and "passed: N/M" in out
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (
+            ["train", "grpo.steps", "4"],
+            "'grpo.steps' looks like a setting, not a config file: write grpo.steps=4",
+        ),
+        (["eval", "sft.optim.lr", "1e-3"], "write sft.optim.lr=1e-3"),
+        (["train", "seed", "3"], "write seed=3"),
+        (
+            ["train", "sft.steps=1", "grpo.steps", "4"],
+            "override 'grpo.steps' looks like a setting: write grpo.steps=4",
+        ),
+        (["train", "run.yaml"], "config file 'run.yaml' does not exist"),  # a file name stays a file name
+    ],
+)
+def test_a_setting_written_with_a_space_is_named_as_one(argv, said, capsys, tmp_path, monkeypatch):
+    # was: "config file 'grpo.steps' does not exist"
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err

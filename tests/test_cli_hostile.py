@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from loopline.cli import main
+from loopline.errors import UserError
 
 TINY = [
     "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
@@ -25,6 +26,8 @@ TINY = [
     "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
 ]  # fmt: skip
 ENV = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# TINY for runs on a file dataset: without the built-in task's settings (config_rules warns of them: a line more)
+FILE_TINY = [t for t in TINY if not t.startswith("data.task.")]
 
 
 def _cli(args: list[str], cwd: Path, timeout: float = 300) -> tuple[int, str, str, bool]:
@@ -114,6 +117,56 @@ def test_eval_takes_a_checkpoint_or_a_run_directory(run, tmp_path, monkeypatch, 
     assert main(["generate", str(run), "--prompt", "3+4="]) == 0
     assert list(tmp_path.iterdir()) == []
     assert _snapshot(run) == before
+
+
+def test_eval_says_what_it_scores_and_refuses_to_score_the_wrong_thing(run, tmp_path, capsys):
+    from loopline.config import load_config, save_config
+
+    model = tmp_path / "model"
+    assert main(["export", str(run), str(model)]) == 0
+    assert (model / "loopline_run.yaml").is_file()  # what it learned travels with the exported model
+    capsys.readouterr()
+    assert main(["eval", *TINY, f"model.path={model}"]) == 0  # the built-in task, as it was trained: said
+    assert (
+        "loopline: scoring 8 problems of the built-in addition task's held-out split"
+        in capsys.readouterr().err
+    )
+    rows = _jsonl(tmp_path / "rows.jsonl", GOOD)
+    trained = load_config(model / "loopline_run.yaml")
+    trained.data.source, trained.data.train_path, trained.data.eval_path = "jsonl", str(rows), str(rows)
+    save_config(trained, model / "loopline_run.yaml")  # a model trained on a file: no default scores it
+    assert main(["eval", *TINY, f"model.path={model}"]) == 2  # was: the built-in task, silently
+    _one_line_error(capsys.readouterr().err, f"model.path {model}", "data.source=jsonl", "built-in addition")
+    assert main(["eval", *TINY, f"model.path={model}", "data.source=jsonl", f"data.eval_path={rows}",
+                 f"data.train_path={rows}"]) == 0  # fmt: skip
+    assert f"scoring 8 rows of {rows}" in capsys.readouterr().err
+    # a run on a file without a held-out file: was `{}` and exit status 0
+    trained.data.eval_path = ""
+    save_config(trained, model / "config.yaml")  # `loopline eval DIR` takes DIR/config.yaml as the run's
+    assert main(["eval", str(model)]) == 2
+    _one_line_error(capsys.readouterr().err, "no held-out rows", "data.eval_path=FILE")
+
+
+def test_a_model_without_tokenizer_files_is_refused_at_start(run, tmp_path, capsys):
+    """Was: a one-token tokenizer built from the model's type, then after seconds `WorkerError: ... sft_step():
+    raised RuntimeError: There are 0 sized dimensions...`."""
+    import shutil
+
+    from loopline.config import load_config
+    from loopline.models import load_policy
+
+    exported = tmp_path / "exported"
+    assert main(["export", str(run), str(exported)]) == 0
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(exported / name, bare / name)
+    capsys.readouterr()
+    assert main(["sft", "sft.steps=1", f"model.path={bare}", f"out_dir={tmp_path / 'run'}"]) == 2
+    _one_line_error(capsys.readouterr().err, f"'{bare}'", "no tokenizer files", "tokenizer.json")
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(UserError, match="no tokenizer files"):  # and where the model loads, whoever calls
+        load_policy(load_config(overrides=[f"model.path={bare}"]).model)
 
 
 def test_generate_n_samples_are_sampled(run, capsys):
@@ -240,7 +293,7 @@ def test_data_errors_after_start_up_are_one_line(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = tmp_path / "run"
-    assert main(["train", *TINY, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"]) == 2
+    assert main(["train", *FILE_TINY, "data.source=jsonl", f"data.train_path={empty}", f"out_dir={out}"]) == 2
     _one_line_error(capsys.readouterr().err, str(empty), "no usable rows")
     pairs = _jsonl(tmp_path / "pairs.jsonl", [{"prompt": "1+1=", "chosen": "2"}])  # no 'rejected'
     dpo = ["dpo", *TINY, "sft.steps=0", "preference.source=jsonl", f"preference.train_path={pairs}"]
@@ -273,7 +326,8 @@ def test_a_10mb_row_fails_or_is_skipped_at_once(tmp_path, capsys):
     _one_line_error(err, f"{huge}: row 2", "data.max_prompt_tokens=504", "data.overlong=skip")
     maxrss_gb = int(proc.stderr.split("MAXRSS_KB ")[1].split()[0]) / 2**20
     assert maxrss_gb < 2  # the old loader took 20 GB before failing
-    assert main(["eval", *TINY, "data.source=jsonl", f"data.train_path={huge}", "data.overlong=skip"]) == 0
+    files = [f"data.train_path={huge}", f"data.eval_path={huge}"]
+    assert main(["eval", *TINY, "data.source=jsonl", *files, "data.overlong=skip"]) == 0
     assert f"{huge}: skipped 1 of 9 rows: 1 too long" in capsys.readouterr().err
 
 
@@ -284,7 +338,7 @@ def test_token_limits_name_file_and_row(tmp_path, capsys):
     _one_line_error(
         capsys.readouterr().err, f"{rows}: row 9", "prompt of 44 tokens > data.max_prompt_tokens=20"
     )
-    assert main([*args, "data.max_prompt_tokens=20", "data.overlong=skip"]) == 0
+    assert main([*args, f"data.eval_path={rows}", "data.max_prompt_tokens=20", "data.overlong=skip"]) == 0
     assert "skipped 1 of 9 rows: 1 too long" in capsys.readouterr().err
     # the default: the model's positions (here 16) minus max_new_tokens (8)
     assert main([*args, "model.tiny.max_position_embeddings=16"]) == 2
@@ -295,7 +349,7 @@ def test_bad_utf8_names_file_and_row_and_can_be_skipped(tmp_path, capsys):
     rows = _jsonl(tmp_path / "rows.jsonl", GOOD[:3], raw=[b'{"prompt": "caf\xe9", "answer": "1"}', b"{nope"])
     args = [
         "sft",
-        *TINY,
+        *FILE_TINY,
         "sft.steps=1",
         "data.source=jsonl",
         f"data.train_path={rows}",
@@ -367,10 +421,11 @@ def test_chat_rows_without_answer_refused_for_rl(tmp_path, chat_model, capsys):
         tmp_path / "chat.jsonl", [{**c, "answer": c["messages"][1]["content"]} for c in chat[:2]] + chat[2:]
     )
     data = ["data.source=jsonl", f"data.train_path={rows}", f"model.path={chat_model}"]
-    assert main(["train", *TINY, *data, f"out_dir={tmp_path / 'rl'}"]) == 2
+    shape = [t for t in FILE_TINY if not t.startswith("model.tiny.")]  # (else two warning lines)
+    assert main(["train", *shape, *data, f"out_dir={tmp_path / 'rl'}"]) == 2
     _one_line_error(capsys.readouterr().err, f"{rows}: row 3", "chat row without 'answer'")
     # skipped with skip_bad_rows: RL on the two rows that have answers
-    assert main(["eval", *TINY, *data, "data.skip_bad_rows=true"]) == 0
+    assert main(["eval", *TINY, *data, f"data.eval_path={rows}", "data.skip_bad_rows=true"]) == 0
     assert "skipped 2 of 4 rows: 2 without an answer" in capsys.readouterr().err
     # SFT learns the assistant turns: no answer needed
     assert main(["sft", *TINY, "sft.steps=1", *data, f"out_dir={tmp_path / 'sft'}"]) == 0

@@ -161,3 +161,34 @@ def test_describe_lists_every_leaf_with_value_and_description():
     assert "grpo.steps = 3  # RL steps (one rollout + update each; at most, with stop_at_accuracy)." in lines
     # every leaf field has a description
     assert all(not line.endswith("# ") for line in lines), [line for line in lines if line.endswith("# ")]
+
+
+@pytest.mark.parametrize(
+    "override,hint",
+    [
+        ("grpo.stepz=4", "unknown config key 'grpo.stepz': did you mean grpo.steps?"),
+        ("grpo.max_new_tokens=4", "did you mean grpo.sampling.max_new_tokens?"),  # a level too high
+        ("sed=1", "did you mean seed?"),
+    ],
+)
+def test_unknown_key_names_the_nearest_valid_one(override, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[override])
+    assert hint in str(err.value)
+    with pytest.raises(ConfigError) as err:  # nothing close: no guess is better than a wrong one
+        load_config(overrides=["model.tiny.widht=3"])
+    assert "did you mean" not in str(err.value)
+
+
+def test_a_bare_word_for_a_list_shows_the_list_syntax():
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=["model.lora.target_modules=q_proj"])
+    assert "write a list as model.lora.target_modules=[q_proj]" in str(err.value)
+    assert load_config(overrides=["model.lora.target_modules=[q_proj]"]).model.lora.target_modules == [
+        "q_proj"
+    ]
+
+
+def test_a_space_for_the_equals_sign_says_so():
+    with pytest.raises(ConfigError, match="override 'grpo.steps' looks like a setting: write grpo.steps=4"):
+        parse_overrides(["sft.steps=2", "grpo.steps", "4"])

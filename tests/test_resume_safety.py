@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from loopline.checkpoint.ledger import read_ledger
-from loopline.checkpoint.run_dir import HISTORY_FILE, config_changes
+from loopline.checkpoint.run_dir import HISTORY_FILE, config_changes, resume_config
 from loopline.checkpoint.state import checkpoint_fault
 from loopline.cli import main
 from loopline.config import load_config
@@ -403,3 +403,64 @@ def test_sft_resumes_and_extends_like_one_longer_run(tmp_path, capsys):
     capsys.readouterr()
     assert main(["sft", "--resume", f"out_dir={train}"]) == 2
     assert "is of phase 'grpo'" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. --resume of an out_dir that holds no run; a resume from another working directory
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_resume_of_an_out_dir_holding_no_run_is_refused(run, tmp_path, capsys):
+    # was: "no checkpoint in ...: starting fresh", a whole new run in the misspelt directory
+    typo = tmp_path / "rnu"
+    assert main(["train", "--resume", f"out_dir={typo}"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"--resume: out_dir {typo} does not exist; runs beside it: {run}" in err and "\n" not in err.strip()
+    )
+    assert not typo.exists()
+    typo.mkdir()
+    assert main(["sft", "--resume", f"out_dir={typo}"]) == 2
+    assert f"out_dir {typo} holds no run" in capsys.readouterr().err
+    assert list(typo.iterdir()) == []
+    # a job controller's first attempt (loopline k8s: `--resume --restart-unsaved` every time) starts the run
+    fresh = tmp_path / "new"
+    cfg, changes = resume_config(None, [f"out_dir={fresh}"], allow_change=False, fresh_ok=True)
+    assert cfg.out_dir == str(fresh) and changes == {}
+
+
+def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch, capsys):
+    """The run's saved config holds its paths absolute (they were relative as given: a resume from elsewhere
+    failed, for model.path with a traceback); an older run's relative paths are resolved against the directory
+    it was started from, where recorded, else refused in one line."""
+    here, elsewhere, run = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "run"
+    here.mkdir(), elsewhere.mkdir()
+    (here / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": f"{i + 1}"}) + "\n"
+                                             for i in range(8)))  # fmt: skip
+    sft = [t for t in TINY if t.startswith(("sft.", "checkpoint", "progress", "tensorboard", "threads"))]
+    files = ["data.source=jsonl", "data.train_path=rows.jsonl", "data.eval_path=rows.jsonl"]
+    monkeypatch.chdir(here)
+    assert main(["sft", *sft, *files, "sft.steps=1", f"out_dir={run}"]) == 0
+    assert load_config(run / "config.yaml").data.train_path == str(here / "rows.jsonl")
+    monkeypatch.chdir(elsewhere)
+    assert main(["sft", "--resume", "sft.steps=2", f"out_dir={run}"]) == 0
+    # a run saved before paths were stored absolute: its start line says where it began
+    saved = load_config(run / "config.yaml")
+    saved.data.train_path = saved.data.eval_path = "rows.jsonl"
+    (run / "config.yaml").write_text(
+        (run / "config.yaml").read_text().replace(str(here / "rows.jsonl"), "rows.jsonl")
+    )
+    assert main(["sft", "--resume", "sft.steps=3", f"out_dir={run}"]) == 0
+    # ... and one that did not record it either
+    history = _history(run)
+    (run / HISTORY_FILE).write_text("".join(json.dumps({k: v for k, v in h.items() if k != "cwd"}) + "\n"
+                                            for h in history))  # fmt: skip
+    (run / "config.yaml").write_text(
+        (run / "config.yaml").read_text().replace(str(here / "rows.jsonl"), "rows.jsonl")
+    )
+    capsys.readouterr()
+    assert main(["sft", "--resume", "sft.steps=4", f"out_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train_path='rows.jsonl'" in err and "resume from that directory" in err
+    monkeypatch.chdir(here)  # from where it began: found
+    assert main(["sft", "--resume", "sft.steps=4", f"out_dir={run}"]) == 0

@@ -8,11 +8,13 @@ them, so this works whether or not the checkpoint kept model/model.safetensors (
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from loopline.checkpoint.run_dir import RUN_CONFIG
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
@@ -56,6 +58,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     weights = merged_state_dict(model) if lora is not None else None
     model.save_pretrained(out, safe_serialization=True, state_dict=weights)
     AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(out)
+    if (ckpt / "config.yaml").is_file():  # what the model was trained on: `loopline eval` of it reads this
+        shutil.copyfile(ckpt / "config.yaml", out / RUN_CONFIG)
     return out
 
 

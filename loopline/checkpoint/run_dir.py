@@ -16,17 +16,22 @@ No torch here: these checks run before any model is built.
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import shutil
 import time
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from loopline.config import RunConfig, load_config
+from loopline.config import RunConfig, absolute_paths, load_config, relative_paths
 from loopline.errors import UserError
 
 HISTORY_FILE = "config_history.jsonl"
+# The run's config beside a model it exported (config.json there is the model's): what data, env and task it
+# learned, read by `loopline eval` of that model.
+RUN_CONFIG = "loopline_run.yaml"
 
 # What a run writes into its out_dir: --overwrite deletes these and nothing else.
 RUN_ENTRIES = (
@@ -105,21 +110,85 @@ def resumable(key: str) -> bool:
     return any(fnmatch(key, pattern) for pattern in RESUMABLE)
 
 
+def _nearby_runs(run_dir: Path) -> list[str]:
+    """Run directories beside `run_dir` (its parent's), the likeliest meant first (spelt alike), at most five."""
+    parent = run_dir.parent if str(run_dir.parent) else Path(".")
+    try:
+        runs = sorted(str(p) for p in parent.iterdir() if p.is_dir() and holds_run(p))
+    except OSError:  # no parent, or one that cannot be read
+        return []
+    alike = difflib.get_close_matches(str(run_dir), runs, n=5, cutoff=0.6)
+    return [*alike, *(r for r in runs if r not in alike)][:5]
+
+
+def no_run_to_resume(run_dir: str | Path) -> str:
+    """The error of --resume given an out_dir that holds no run: a typo would start a whole run in the wrong place."""
+    run_dir = Path(run_dir)
+    what = (
+        "does not exist"
+        if not run_dir.exists()
+        else "holds no run (no config.yaml, metrics.jsonl or checkpoints/)"
+    )
+    nearby = _nearby_runs(run_dir)
+    beside = f"; runs beside it: {', '.join(nearby)}" if nearby else ""
+    return (
+        f"--resume: out_dir {run_dir} {what}{beside}. Check the out_dir, or start a new run there without --resume "
+        "(--restart-unsaved starts one where there is nothing to resume, as job controllers rerunning one command do)"
+    )
+
+
+def started_in(run_dir: str | Path) -> Path | None:
+    """The working directory the run in `run_dir` was started from (config_history.jsonl), None if not recorded."""
+    history = Path(run_dir) / HISTORY_FILE
+    if not history.is_file():
+        return None
+    for line in history.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry.get("event") == "start" and entry.get("cwd"):
+            return Path(entry["cwd"])
+    return None
+
+
+def _saved_paths_absolute(saved: RunConfig, saved_path: Path) -> RunConfig:
+    """A saved config's relative paths (runs saved before paths were stored absolute) made absolute against the
+    directory the run was started from; not recorded: against this one if they are there, else a clear error."""
+    relative = relative_paths(saved)
+    if not relative:
+        return saved
+    start = started_in(saved_path.parent)
+    if start is None and not all(Path(v).exists() for v in relative.values()):
+        listed = ", ".join(f"{k}='{v}'" for k, v in relative.items())
+        raise UserError(
+            f"the run's config ({saved_path}) holds paths relative to the directory the run was started from, "
+            f"which it did not record: {listed}; resume from that directory, or give the paths absolute "
+            "(with --allow-config-change)"
+        )
+    return absolute_paths(saved, start or Path.cwd())
+
+
 def resume_config(
-    path: str | None, overrides: list[str], allow_change: bool
+    path: str | None, overrides: list[str], allow_change: bool, fresh_ok: bool = False
 ) -> tuple[RunConfig, dict[str, tuple[Any, Any]]]:
-    """The config of a resumed run, and what differs from its saved one.
+    """The config of a resumed run, and what differs from its saved one; its paths absolute (PATH_KEYS).
 
     The run's saved config.yaml is the base; the config file and overrides given apply on top. A difference
     outside RESUMABLE raises UserError (one line) naming each field with the saved and the given value, unless
-    allow_change. A run directory without config.yaml (nothing to resume yet) takes the given config as is.
+    allow_change. An out_dir that holds no run is refused (a typo would start a new run in the wrong place) unless
+    fresh_ok (--restart-unsaved: a job controller's first attempt); a run directory without config.yaml
+    (nothing to resume yet) takes the given config as is.
     """
-    given = load_config(path, overrides)
-    saved_path = Path(given.out_dir) / "config.yaml"
+    given = absolute_paths(load_config(path, overrides), Path.cwd())
+    run_dir = Path(given.out_dir)
+    if not holds_run(run_dir) and not fresh_ok:
+        raise UserError(no_run_to_resume(run_dir))
+    saved_path = run_dir / "config.yaml"
     if not saved_path.is_file():
         return given, {}
-    saved = load_config(saved_path)
-    resumed = load_config(path, overrides, base=saved)
+    saved = _saved_paths_absolute(load_config(saved_path), saved_path)
+    resumed = absolute_paths(load_config(path, overrides, base=saved), Path.cwd())
     changes = config_changes(saved, resumed)
     refused = {k: v for k, v in changes.items() if not resumable(k)}
     if refused and not allow_change:
@@ -142,6 +211,7 @@ def record_config(
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "changes": {k: list(v) for k, v in changes.items()},
         "forced": sorted(k for k in changes if not resumable(k)),
+        **({"cwd": os.getcwd()} if event == "start" else {}),  # what a saved config's relative paths meant
         **extra,
     }
     with (Path(run_dir) / HISTORY_FILE).open("a") as f:

@@ -40,23 +40,42 @@ SKIP_REASONS = {
 
 
 class _BadRow(DataError):
-    """A row that data.skip_bad_rows (or data.overlong=skip) may skip; `reason` is a key of SKIP_REASONS."""
+    """A row that data.skip_bad_rows (or data.overlong=skip) may skip; `reason` is a key of SKIP_REASONS.
+    `hint`: the fix when it is not skipping (a field named otherwise in the file: the setting that reads it)."""
 
-    def __init__(self, message: str, reason: str = "fields") -> None:
+    def __init__(self, message: str, reason: str = "fields", hint: str = "") -> None:
         super().__init__(message)
         self.reason = reason
+        self.hint = hint
+
+
+# Names files give the prompt and the answer under, checked in this order when the configured field is missing:
+# a row with one of them gets the setting that reads it as its hint, not data.skip_bad_rows (every row would go).
+PROMPT_NAMES = ("question", "problem", "input", "instruction", "query", "text", "prompt")
+ANSWER_NAMES = ("solution", "target", "output", "label", "ground_truth", "final_answer", "result", "answer")
+
+
+def _field_hint(setting: str, names: tuple[str, ...], have: list[str] | dict[str, Any]) -> str:
+    """'set data.prompt_field=question ...' when the row or table has a field that likely holds it, else ''."""
+    found = next((n for n in names if n in have), "")
+    return f"set {setting}={found} if that field holds it" if found else ""
 
 
 def _columns_check(path: Path, columns: list[str], cfg: DataConfig, need_answer: bool) -> None:
     """A table whose columns cannot make prompt rows fails at once, listing the columns it has."""
     has = ", ".join(columns) or "none"
     if cfg.prompt_field not in columns and cfg.messages_field not in columns:
+        hint = _field_hint("data.prompt_field", PROMPT_NAMES, columns)
         raise DataError(
             f"{path}: no column '{cfg.prompt_field}' (data.prompt_field) or '{cfg.messages_field}' "
-            f"(data.messages_field); its columns: {has}"
+            f"(data.messages_field); its columns: {has}" + (f" ({hint})" if hint else "")
         )
     if need_answer and cfg.answer_field not in columns:
-        raise DataError(f"{path}: no column '{cfg.answer_field}' (data.answer_field); its columns: {has}")
+        hint = _field_hint("data.answer_field", ANSWER_NAMES, columns)
+        raise DataError(
+            f"{path}: no column '{cfg.answer_field}' (data.answer_field); its columns: {has}"
+            + (f" ({hint})" if hint else "")
+        )
 
 
 def _iter_raw(path: Path, cfg: DataConfig, need_answer: bool) -> Iterator[tuple[int, Any]]:
@@ -168,7 +187,8 @@ def _to_row(
         return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages), extra=extra)
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
-        raise _BadRow(f"{where}: missing or empty string field '{cfg.prompt_field}' {has}")
+        hint = "" if cfg.prompt_field in raw else _field_hint("data.prompt_field", PROMPT_NAMES, raw)
+        raise _BadRow(f"{where}: missing or empty string field '{cfg.prompt_field}' {has}", hint=hint)
     answer = raw.get(cfg.answer_field)
     answer = "" if answer is None else answer
     completion = raw.get(cfg.completion_field)
@@ -176,7 +196,8 @@ def _to_row(
     if need_answer and not isinstance(answer, str | int | float):
         raise _BadRow(f"{where}: field '{cfg.answer_field}' must be a string or number")
     if need_answer and str(answer) == "":
-        raise _BadRow(f"{where}: missing field '{cfg.answer_field}' {has}", "no_answer")
+        hint = "" if cfg.answer_field in raw else _field_hint("data.answer_field", ANSWER_NAMES, raw)
+        raise _BadRow(f"{where}: missing field '{cfg.answer_field}' {has}", "no_answer", hint)
     if not isinstance(completion, str):
         raise _BadRow(f"{where}: field '{cfg.completion_field}' must be a string")
     extra = _extra(raw, fields, where, has, optional)
@@ -235,7 +256,9 @@ def load_rows(
             row = _to_row(raw, len(rows), cfg, where, need_answer, fields, optional)
         except _BadRow as e:
             if not cfg.skip_bad_rows:
-                raise DataError(f"{e} (set data.skip_bad_rows=true to skip such rows)") from None
+                raise DataError(
+                    f"{e} ({e.hint or 'set data.skip_bad_rows=true to skip such rows'})"
+                ) from None
             skipped[e.reason] += 1
             continue
         too_long = _over_limit(row, limits) if limits is not None else ""

@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 import time
 from collections import deque
@@ -394,7 +395,15 @@ class WorkerPool(Generic[T, R]):
 
 
 def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
-    """Body of a local worker process: answer (token, item) messages until told to stop."""
+    """Body of a local worker process: answer (token, item) messages until told to stop.
+
+    Ctrl-C in a terminal sends SIGINT to the whole process group, workers included: they ignore it (each printed a
+    KeyboardInterrupt traceback and died), since the run's process handles it, finishes the step (whose scoring
+    needs the workers) and then stops them."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(
+        signal.SIG_UNBLOCK, {signal.SIGINT}
+    )  # blocked since start(): a pending one is dropped
     try:
         conn.send(_READY)
     except OSError:  # the pool closed before this worker was up (a short run, a run that failed early)
@@ -435,7 +444,13 @@ class _LocalBackend:
     def start(self, name: str) -> _Worker:
         ours, theirs = self.ctx.Pipe()
         process = self.ctx.Process(target=_local_worker_main, args=(theirs, self.fn), name=name, daemon=True)
-        process.start()
+        # the child starts with SIGINT blocked (a signal mask survives fork and exec) until its main ignores it: a
+        # Ctrl-C while it imports is no KeyboardInterrupt traceback either. Only this thread's mask, for a moment.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         theirs.close()
         return _Worker(name, _LocalHandle(process, ours))
 

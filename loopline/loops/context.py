@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline import config_rules
 from loopline.checkpoint.ledger import Ledger
 from loopline.checkpoint.state import Checkpointer
 from loopline.config import ConfigError, RunConfig, save_config
@@ -97,6 +98,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     seed_everything(cfg.seed)
     env_factory(cfg.env)  # a user's env imports here first: a bad module fails before anything starts
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
+    config_rules.chat_template_present(cfg, bool(getattr(tokenizer, "chat_template", None)))
     limits = length_limits(cfg, model, tokenizer)
     if cfg.env.name == "calculator" and cfg.data.source == "builtin":  # the calculator's own problems
         (train_rows, eval_rows), skipped = calculator_splits(cfg.env.calculator, cfg.seed), {}
@@ -115,6 +117,13 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
             optional=cfg.env.optional_row_fields,
         )
         val_rows = arithmetic_validation(cfg.data.task, cfg.seed) if cfg.data.source == "builtin" else []
+    checked = train_rows[:TARGETS_CHECKED]
+    what = "SFT targets" + (
+        f" (the first {len(checked)} of {len(train_rows)})" if len(checked) < len(train_rows) else ""
+    )
+    cut = config_rules.targets_fit(cfg, generation_lengths(cfg, tokenizer, checked), what)
+    if cut:
+        config_rules.warn(cut)
     # the run directory only once model and data have loaded: a bad row leaves no half-made run behind
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -140,6 +149,26 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
         roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic, val_rows=val_rows,
         restart_group=roles.restart_group,
     )  # fmt: skip
+
+
+TARGETS_CHECKED = 1000  # training rows whose SFT target length is checked against the generation budgets
+
+
+def generation_lengths(
+    cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, rows: Sequence[PromptRow]
+) -> list[int]:
+    """The tokens each row's SFT target takes to generate: its text, plus EOS unless it ends in a stop string."""
+    stops = tuple(s for s in (*cfg.grpo.sampling.stop, *cfg.eval.sampling.stop) if s)
+    lengths = []
+    for row in rows:
+        if row.messages and row.messages[-1]["role"] == "assistant":
+            target = row.messages[-1]["content"]
+        else:
+            target = row.completion or row.answer
+        if target:
+            ends = target.endswith(stops) or tokenizer.eos_token_id is None
+            lengths.append(len(tokenizer(target, add_special_tokens=False)["input_ids"]) + (0 if ends else 1))
+    return lengths
 
 
 def length_limits(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> LengthLimits:

@@ -4,6 +4,7 @@ and its LoRA adapters. Read by models.load and training.lora; pydantic only, so 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -70,4 +71,21 @@ class ModelConfig(Section):
         description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "
         "group) attend to its KV cache: the padded log-probs up to float reordering, and group_size times less "
         "prompt compute in training and scoring. false = every row its own full forward.",
+    )
+
+
+# Files a Hugging Face tokenizer is loaded from (one is enough): without any, AutoTokenizer still builds one from
+# the model's type, with a vocabulary of one token, and training fails seconds later deep in a worker.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+)  # fmt: skip
+
+
+def missing_tokenizer(path: str | Path) -> str:
+    """'' when the model directory `path` holds tokenizer files, else the one-line error that says so."""
+    if any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return ""
+    return (
+        f"model.path: '{path}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): save the "
+        "tokenizer beside the model (tokenizer.save_pretrained(DIR)), as `loopline export` does"
     )

@@ -14,7 +14,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from loopline.models.config import ModelConfig, TinyModelConfig
+from loopline.errors import UserError
+from loopline.models.config import ModelConfig, TinyModelConfig, missing_tokenizer
 from loopline.models.tokenizer import build_byte_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -48,7 +49,9 @@ def load_policy(cfg: ModelConfig, seed: int = 0) -> tuple[PreTrainedModel, PreTr
     if cfg.path:
         path = Path(cfg.path)
         if not (path / "config.json").is_file():
-            raise ValueError(f"model.path '{path}' is not a Hugging Face model directory (no config.json)")
+            raise UserError(f"model.path '{path}' is not a Hugging Face model directory (no config.json)")
+        if missing_tokenizer(path):
+            raise UserError(missing_tokenizer(path))
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
     else:

@@ -233,3 +233,32 @@ def test_malformed_parquet_and_hf_disk_rows_name_file_and_row(tmp_path, source, 
     rows, skipped = load_rows(path, DataConfig(source=source, skip_bad_rows=True, **MAPPING))
     assert skipped == {reason: 1}
     _check_rows(rows)  # the other rows kept, indices dense over them
+
+
+def test_a_field_named_otherwise_gets_the_setting_that_reads_it(tmp_path):
+    """A file whose rows say 'question'/'solution': the hint is the field setting, not data.skip_bad_rows (which
+    would skip every row and then find none)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps({"question": "1+1=", "solution": "2"}) + "\n")
+    cfg = DataConfig(source="jsonl", train_path=str(path))
+    with pytest.raises(DataError) as err:
+        load_rows(path, cfg)
+    assert "set data.prompt_field=question" in str(err.value) and "skip_bad_rows" not in str(err.value)
+    with pytest.raises(DataError) as err:
+        load_rows(path, cfg.model_copy(update={"prompt_field": "question"}))
+    assert "set data.answer_field=solution" in str(err.value)
+    rows, _ = load_rows(path, cfg.model_copy(update={"prompt_field": "question", "answer_field": "solution"}))
+    assert (rows[0].prompt, rows[0].answer) == ("1+1=", "2")
+    path.write_text(json.dumps({"prompt": "", "answer": "2"}) + "\n")  # there but empty: nothing to rename
+    with pytest.raises(DataError, match="skip_bad_rows"):
+        load_rows(path, cfg)
+
+
+def test_a_column_named_otherwise_gets_the_setting_that_reads_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist([{"problem": "1+1=", "answer": "2"}]), path)
+    with pytest.raises(DataError, match="set data.prompt_field=problem"):
+        load_rows(path, DataConfig(source="parquet", train_path=str(path)))

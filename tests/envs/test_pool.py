@@ -273,6 +273,28 @@ def test_idle_worker_death_is_repaired_without_using_attempts() -> None:
     assert all(o.ok and o.attempts == 1 for o in outcomes.values())
 
 
+def test_sigint_leaves_local_workers_quiet_and_working(capfd) -> None:
+    """Ctrl-C reaches every process of the terminal's group: the run's process stops the run at the step's end,
+    and its workers must go on scoring that step, without a KeyboardInterrupt traceback each."""
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        pool.map({"warm": 1})
+        pids = [w.pid for w in pool.workers()]
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        outcomes = pool.map({i: i for i in range(4)})
+        assert [w.pid for w in pool.workers()] == pids and pool.workers_lost == 0
+    assert all(o.ok and o.attempts == 1 for o in outcomes.values())
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+    # and while they start (importing for seconds): a Ctrl-C in the run's first seconds
+    with WorkerPool(square_slowly, EnvPoolConfig(num_workers=2)) as pool:
+        for w in pool.workers():
+            os.kill(w.pid, signal.SIGINT)
+        outcomes = pool.map({i: i for i in range(4)})
+        assert pool.workers_lost == 0
+    assert all(o.ok and o.attempts == 1 for o in outcomes.values())
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+
+
 def test_bad_config_names_the_field() -> None:
     with pytest.raises(ValueError, match="max_attempts"):
         EnvPoolConfig(max_attempts=0)
