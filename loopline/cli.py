@@ -270,6 +270,11 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json; "
                 "`loopline export` makes one from a checkpoint)"
             )
+    for key in ("config", "tokenizer"):  # model.init=random's shape, a local tokenizer: directories
+        if getattr(cfg.model, key):
+            _check_file(f"model.{key}", getattr(cfg.model, key), want_dir=True)
+    if cfg.model.config and not (Path(cfg.model.config) / "config.json").is_file():
+        raise UserError(f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)")
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:

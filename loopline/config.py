@@ -181,7 +181,7 @@ class RunConfig(Section):
     def _pipeline_fits(self) -> RunConfig:
         rt = self.runtime
         stages = rt.trainer_pp * rt.trainer_pp_virtual
-        if not self.model.path and self.model.tiny.num_layers % stages:
+        if self.model.builtin and self.model.tiny.num_layers % stages:
             raise ValueError(
                 f"model.tiny.num_layers ({self.model.tiny.num_layers}) must be divisible by runtime.trainer_pp * "
                 f"runtime.trainer_pp_virtual ({rt.trainer_pp} * {rt.trainer_pp_virtual}): each stage holds an "

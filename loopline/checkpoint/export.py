@@ -11,12 +11,13 @@ import argparse
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
 from loopline.models.config import LoRAConfig
+from loopline.models.tokenizer import load_tokenizer
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -55,7 +56,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     out = Path(out)
     weights = merged_state_dict(model) if lora is not None else None
     model.save_pretrained(out, safe_serialization=True, state_dict=weights)
-    AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(out)
+    load_tokenizer(ckpt / "model").save_pretrained(out)
     return out
 
 
