@@ -274,7 +274,9 @@ def check_run(cfg: RunConfig, command: str) -> None:
         if getattr(cfg.model, key):
             _check_file(f"model.{key}", getattr(cfg.model, key), want_dir=True)
     if cfg.model.config and not (Path(cfg.model.config) / "config.json").is_file():
-        raise UserError(f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)")
+        raise UserError(
+            f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)"
+        )
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:

@@ -81,6 +81,13 @@ class ModelConfig(Section):
         "log-probs. Faster when response lengths vary; the first packed forward checks the model keeps "
         "sequences apart.",
     )
+    logits_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        description="Log-probs and entropies from the LM head this many tokens at a time (each chunk's logits "
+        "recomputed in the backward), so no forward of the policy or reference holds the whole (rows x tokens x "
+        "vocabulary) float32 logits; 0 = all at once. Same values to rounding; 256-1024 at real vocabularies.",
+    )
     share_prompts: bool = Field(
         True,
         description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "
