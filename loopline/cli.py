@@ -307,7 +307,10 @@ def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | No
             f"'{path}' is not a model, checkpoint or run directory (no config.json, dcp/ or checkpoints/)"
         )
     base = path / "config.yaml"
-    return (str(base) if base.is_file() else None), [f"model.path={path}", *overrides]
+    # DIR holds the trained weights: a run built from a shape with random weights (model.init=random) is read back
+    # from them, not built afresh
+    trained = [f"model.path={path}", "model.init=pretrained", "model.preset=", "model.config="]
+    return (str(base) if base.is_file() else None), [*trained, *overrides]
 
 
 def _check_export(checkpoint: str, out: str) -> None:

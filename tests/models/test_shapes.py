@@ -193,3 +193,6 @@ def test_train_and_generate_at_a_real_vocabulary_size(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", "model.init=random", f"model.config={shape}", "--prompt", "1+2="]) == 0
     assert capsys.readouterr().out.strip()
+    # the run directory first: its trained weights, not a new random model from the run's shape settings
+    assert main(["eval", str(out)]) == 0
+    assert "eval_accuracy" in json.loads(capsys.readouterr().out.splitlines()[-1])
