@@ -135,9 +135,9 @@ def test_no_rows_by_tokens_by_vocabulary_tensor_exists_in_the_chunked_path(path)
     of positions, where the whole-logits path makes them over every row's every position."""
     vocab, chunk = 4099, 6  # a vocabulary no other dimension equals
     model = _model(torch.float32, vocab=vocab)
-    batch = _batch()
-    positions = int(batch.response_mask.numel())
-    assert positions > 4 * chunk
+    batch = _batch(groups=6, group_size=3)
+    positions = int(batch.response_mask.sum())  # real response tokens: what even the packed path must score
+    assert positions > 2 * max(chunk, model.config.hidden_size)
 
     def largest(chunk_tokens: int) -> int:
         model.zero_grad(set_to_none=True)
@@ -180,3 +180,34 @@ def test_the_pipelines_last_stage_chunks_its_head_with_the_same_values_and_gradi
     for got, whole in zip(results[1], results[0]):
         torch.testing.assert_close(got, whole, atol=1e-6, rtol=0)
     assert results[0][0].shape[-1] == 2 and results[0][3].shape[-1] == 3
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_backward_keeps_no_chunks_logits(path):
+    """What autograd saves for the backward (saved-tensor hooks): the whole-logits path keeps vocabulary-wide
+    tensors over every scored position; the chunked path keeps none (each chunk's logits are recomputed), only
+    the head's weight, which is the model's anyway."""
+    vocab = 4099
+    model = _model(torch.float32, vocab=vocab)
+    batch = _batch(groups=6, group_size=3)
+    weight = model.lm_head.weight
+
+    def kept_vocab_rows(chunk_tokens: int) -> int:
+        rows = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal rows
+            if t.dim() >= 1 and t.shape[-1] == vocab and t.untyped_storage().data_ptr() != weight.data_ptr():
+                rows += t.numel() // vocab
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, entropy = response_logprobs(
+                model, batch, with_entropy=True, chunk_tokens=chunk_tokens, **path
+            )
+        assert entropy is not None
+        ((logp + 0.1 * entropy) * batch.response_mask).sum().backward()
+        return rows
+
+    assert kept_vocab_rows(0) >= int(batch.response_mask.sum())
+    assert kept_vocab_rows(6) == 0
