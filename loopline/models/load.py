@@ -91,10 +91,9 @@ def _random_model(cfg: ModelConfig, seed: int) -> tuple[PreTrainedModel, PreTrai
         config.pad_token_id = tokenizer.pad_token_id
         config.bos_token_id = tokenizer.bos_token_id
         config.eos_token_id = tokenizer.eos_token_id
-    config._attn_implementation = "sdpa"
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype])
+    model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype], attn_implementation="sdpa")
     torch.random.set_rng_state(state)  # building a model must not move the caller's RNG
     return model, tokenizer
 
