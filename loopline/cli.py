@@ -293,8 +293,20 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 "`loopline export` makes one from a checkpoint)"
             )
         # without tokenizer files: a one-token tokenizer, and a traceback seconds later
-        if (path / "config.json").is_file() and missing_tokenizer(path):
+        if (
+            cfg.model.init == "pretrained"
+            and not cfg.model.tokenizer
+            and (path / "config.json").is_file()
+            and missing_tokenizer(path)
+        ):
             raise UserError(missing_tokenizer(path))
+    for key in ("config", "tokenizer"):  # model.init=random's shape, a local tokenizer: directories
+        if getattr(cfg.model, key):
+            _check_file(f"model.{key}", getattr(cfg.model, key), want_dir=True)
+    if cfg.model.config and not (Path(cfg.model.config) / "config.json").is_file():
+        raise UserError(
+            f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)"
+        )
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -351,7 +363,10 @@ def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | No
             f"'{path}' is not a model, checkpoint or run directory (no config.json, dcp/ or checkpoints/)"
         )
     base = path / "config.yaml"
-    return (str(base) if base.is_file() else None), [f"model.path={path}", *overrides]
+    # DIR holds the trained weights: a run built from a shape with random weights (model.init=random) is read back
+    # from them, not built afresh
+    trained = [f"model.path={path}", "model.init=pretrained", "model.preset=", "model.config="]
+    return (str(base) if base.is_file() else None), [*trained, *overrides]
 
 
 def _check_export(checkpoint: str, out: str) -> None:

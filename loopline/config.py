@@ -185,7 +185,7 @@ class RunConfig(Section):
     def _pipeline_fits(self) -> RunConfig:
         rt = self.runtime
         stages = rt.trainer_pp * rt.trainer_pp_virtual
-        if not self.model.path and self.model.tiny.num_layers % stages:
+        if self.model.builtin and self.model.tiny.num_layers % stages:
             raise ValueError(
                 f"model.tiny.num_layers ({self.model.tiny.num_layers}) must be divisible by runtime.trainer_pp * "
                 f"runtime.trainer_pp_virtual ({rt.trainer_pp} * {rt.trainer_pp_virtual}): each stage holds an "
@@ -214,8 +214,8 @@ def load_config(
 # The fields that name files or directories on this machine: a run's saved config holds them absolute, so that a
 # resume, an env worker or `loopline eval RUN` started in another directory reads the same files.
 PATH_KEYS = (
-    "model.path", "data.train_path", "data.eval_path", "preference.train_path", "preference.eval_path",
-    "reward.model_path",
+    "model.path", "model.config", "model.tokenizer", "data.train_path", "data.eval_path", "preference.train_path",
+    "preference.eval_path", "reward.model_path",
 )  # fmt: skip
 
 

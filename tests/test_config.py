@@ -192,3 +192,22 @@ def test_a_bare_word_for_a_list_shows_the_list_syntax():
 def test_a_space_for_the_equals_sign_says_so():
     with pytest.raises(ConfigError, match="override 'grpo.steps' looks like a setting: write grpo.steps=4"):
         parse_overrides(["sft.steps=2", "grpo.steps", "4"])
+
+
+def test_every_local_path_field_is_made_absolute_in_a_saved_run_config():
+    # PATH_KEYS (made absolute when a run's config is saved, so it resumes from any directory) must name every
+    # plain path field marked LocalPath; env.name's python:FILE spec is resolved where envs load it.
+    from loopline.config import PATH_KEYS, RunConfig
+    from loopline.k8s.staging import path_fields
+
+    cfg = RunConfig.model_validate(
+        {
+            "model": {"path": "m", "tokenizer": "t"},
+            "data": {"source": "jsonl", "train_path": "a.jsonl", "eval_path": "b.jsonl"},
+            "preference": {"train_path": "p.jsonl", "eval_path": "q.jsonl"},
+            "reward": {"model_path": "r"},
+        }
+    )
+    marked = {f.key for f in path_fields(cfg) if f.key != "env.name"}
+    assert marked <= set(PATH_KEYS), marked - set(PATH_KEYS)
+    assert {"model.config", "model.tokenizer"} <= set(PATH_KEYS)

@@ -12,13 +12,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from loopline.checkpoint.run_dir import RUN_CONFIG
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
 from loopline.models.config import LoRAConfig
+from loopline.models.tokenizer import load_tokenizer
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -57,7 +58,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     out = Path(out)
     weights = merged_state_dict(model) if lora is not None else None
     model.save_pretrained(out, safe_serialization=True, state_dict=weights)
-    AutoTokenizer.from_pretrained(ckpt / "model").save_pretrained(out)
+    load_tokenizer(ckpt / "model").save_pretrained(out)
     if (ckpt / "config.yaml").is_file():  # what the model was trained on: `loopline eval` of it reads this
         shutil.copyfile(ckpt / "config.yaml", out / RUN_CONFIG)
     return out

@@ -1,5 +1,5 @@
-"""The model sections: which policy to load (a Hugging Face directory or the built-in tiny model's shape)
-and its LoRA adapters. Read by models.load and training.lora; pydantic only, so loading a config stays light.
+"""The model sections: which policy to load (a Hugging Face directory, a real model's shape with random weights,
+or the built-in tiny model's shape) and its LoRA adapters. Read by models.load and training.lora; pydantic only, so loading a config stays light.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from loopline.models.presets import PRESETS
 from loopline.section import LocalPath, Section
 
 
@@ -53,6 +54,23 @@ class ModelConfig(Section):
     path: Annotated[str, LocalPath("Hugging Face model directory")] = Field(
         "", description="Local Hugging Face model directory; empty = the built-in tiny model."
     )
+    init: Literal["pretrained", "random"] = Field(
+        "pretrained",
+        description="pretrained = the weights in model.path (or the built-in model's seeded ones); random = build "
+        "the architecture of model.preset, model.config or model.path's config.json with seeded random weights.",
+    )
+    preset: str = Field(
+        "",
+        description=f"A public model's published shape for model.init=random: {', '.join(PRESETS)}.",
+    )
+    config: Annotated[str, LocalPath("Hugging Face model config directory")] = Field(
+        "", description="A directory holding a causal LM's config.json, for model.init=random."
+    )
+    tokenizer: Annotated[str, LocalPath("tokenizer directory")] = Field(
+        "",
+        description="A local tokenizer directory; empty = model.path's, or with model.init=random a byte-level "
+        "BPE trained here on the built-in task's text and padded to the config's vocab_size.",
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Built-in model shape.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype.")
     use_chat_template: bool = Field(
@@ -66,6 +84,13 @@ class ModelConfig(Section):
         "log-probs. Faster when response lengths vary; the first packed forward checks the model keeps "
         "sequences apart.",
     )
+    logits_chunk_tokens: int = Field(
+        0,
+        ge=0,
+        description="Log-probs and entropies from the LM head this many tokens at a time (each chunk's logits "
+        "recomputed in the backward), so no forward of the policy or reference holds the whole (rows x tokens x "
+        "vocabulary) float32 logits; 0 = all at once. Same values to rounding; 256-1024 at real vocabularies.",
+    )
     share_prompts: bool = Field(
         True,
         description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "
@@ -73,6 +98,30 @@ class ModelConfig(Section):
         "prompt compute in training and scoring. false = every row its own full forward.",
     )
 
+    @model_validator(mode="after")
+    def _one_shape(self) -> ModelConfig:
+        if self.preset and self.preset not in PRESETS:
+            raise ValueError(f"model.preset: unknown preset '{self.preset}'; known: {', '.join(PRESETS)}")
+        if self.preset and self.config:
+            raise ValueError("model.preset and model.config both give a shape: set one")
+        if self.init == "pretrained" and (self.preset or self.config):
+            which = "model.preset" if self.preset else "model.config"
+            raise ValueError(
+                f"{which} gives a shape, not weights (nothing is downloaded): set model.init=random"
+            )
+        if self.init == "random" and not (self.preset or self.config or self.path):
+            raise ValueError(
+                f"model.init=random needs a shape: model.preset ({', '.join(PRESETS)}), model.config=DIR or "
+                "model.path=DIR (a directory with a config.json)"
+            )
+        if self.init == "random" and self.path and (self.preset or self.config):
+            raise ValueError("model.path and model.preset/model.config both give a shape: set one")
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        """The built-in tiny model (model.tiny's shape), not one from a path, a preset or a config."""
+        return not (self.path or self.preset or self.config)
 
 # Files a Hugging Face tokenizer is loaded from (one is enough): without any, AutoTokenizer still builds one from
 # the model's type, with a vocabulary of one token, and training fails seconds later deep in a worker.

@@ -390,6 +390,7 @@ class TorchEngine:
             attention_mask=attention,
             position_ids=positions,
             use_cache=True,
+            logits_to_keep=1,  # the next token's logits only: not (rows x prompt tokens x vocabulary) of them
             **{self._cache_arg: cache},
         )
         return cache_of(out), out.logits[:, -1, :], attention, positions

@@ -162,6 +162,8 @@ class ActorWorker:
         self.mesh = pp_mesh(self.ranks, pp, tp, device_type)
         num_layers = len(self.model.model.layers)
         stages = split_model(self.model, self.mesh.get_coordinate()[0], pp, virtual)
+        for stage in stages:
+            stage.chunk_tokens = self.cfg.model.logits_chunk_tokens
         self.stages = parallelize_stages(stages, self.mesh)
         self.model = cast(PreTrainedModel, StageParts(self.stages))  # the other stages' layers are freed
         layer_stages = tuple(
@@ -202,7 +204,7 @@ class ActorWorker:
             group = self.dp_mesh.get_group() if self.mesh is not None else None
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                self.cfg.model.share_prompts,
+                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
             )  # fmt: skip
         if resume is not None:
             self.load_state(resume.dcp)
@@ -213,7 +215,11 @@ class ActorWorker:
             return _pipeline(self.trainer).logprobs(batch)
         model = self.cfg.model
         return frozen_logprobs(
-            self.model, to_device(batch, self.device), model.packing, model.share_prompts
+            self.model,
+            to_device(batch, self.device),
+            model.packing,
+            model.share_prompts,
+            model.logits_chunk_tokens,
         ).cpu()
 
     def behaviour_logprobs(self, batch: TokenBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,7 +230,7 @@ class ActorWorker:
         with torch.no_grad():
             trained, sampled = behaviour_logprobs(
                 self.model, to_device(batch, self.device), temperature, self.cfg.model.packing,
-                self.cfg.model.share_prompts,
+                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
             )  # fmt: skip
         return trained.cpu(), sampled.cpu()
 
@@ -296,7 +302,11 @@ class ActorWorker:
         with torch.no_grad():
             model = self.cfg.model
             return summed_logprobs(
-                self.model, to_device(batch, self.device), model.packing, model.share_prompts
+                self.model,
+                to_device(batch, self.device),
+                model.packing,
+                model.share_prompts,
+                model.logits_chunk_tokens,
             ).cpu()
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:

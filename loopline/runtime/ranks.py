@@ -60,13 +60,19 @@ def even_slices(batch: B, ranks: int) -> list[B]:
 
 
 def frozen_logprobs(
-    model: PreTrainedModel | None, batch: TokenBatch, packed: bool = False, share_prompts: bool = True
+    model: PreTrainedModel | None,
+    batch: TokenBatch,
+    packed: bool = False,
+    share_prompts: bool = True,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """The response tokens' log-probs under `model`, without gradients; `model` None: no reference was started."""
     if model is None:
         raise ValueError("no reference model: start the phase with reference=True (grpo.kl_coef > 0)")
     with torch.no_grad():
-        return response_logprobs(model, batch, packed=packed, share_prompts=share_prompts)[0]
+        return response_logprobs(
+            model, batch, packed=packed, share_prompts=share_prompts, chunk_tokens=chunk_tokens
+        )[0]
 
 
 def rank_and_world() -> tuple[int, int]:

@@ -79,7 +79,7 @@ class ReferenceWorker:
             return frozen_logprobs(None, batch)  # raises: no reference was started
         return frozen_logprobs(
             self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing,
-            self.cfg.model.share_prompts,
+            self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
         ).cpu()  # fmt: skip
 
     def save(self, path: str, blocking: bool) -> None:

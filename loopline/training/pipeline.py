@@ -40,6 +40,7 @@ from loopline.algorithms.losses import entropy_from_logprobs
 from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.training.config import OptimConfig
+from loopline.training.logits import at_least_float32, head_scores
 from loopline.training.parallel import apply_tp, clip_grads_with_norm, shard_model, total_grad_norm
 from loopline.training.policy import PolicyStepStats, SFTStepStats, apply_update, build_optimizer
 
@@ -187,6 +188,7 @@ class StageModule(nn.Module):
             getattr(model.config, "layer_types", None) or ["full_attention"] * len(layers)
         )
         self.temperature = 1.0  # eval's third channel: log-probs as sampled at this temperature
+        self.chunk_tokens = 0  # the head's logits this many positions at a time (model.logits_chunk_tokens)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.model.embed_tokens is not None else x
@@ -203,7 +205,9 @@ class StageModule(nn.Module):
             h = h[0] if isinstance(h, tuple) else h  # older transformers return (hidden, ...)
         if self.lm_head is None or self.model.norm is None:
             return h
-        logits = self.lm_head(self.model.norm(h)).float()  # (B, L, V)
+        if self.chunk_tokens:
+            return self._chunked_scores(self.lm_head, self.model.norm(h), labels)
+        logits = at_least_float32(self.lm_head(self.model.norm(h)))  # (B, L, V)
         every = torch.log_softmax(logits, dim=-1)
         logp = every.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
         channels = [logp, entropy_from_logprobs(every)]
@@ -212,6 +216,21 @@ class StageModule(nn.Module):
             tempered = torch.log_softmax(logits / t, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
             channels.append(logp if t in (0.0, 1.0) else tempered)
         return torch.stack(channels, dim=-1)  # (B, L, 2), or (B, L, 3) in eval
+
+    def _chunked_scores(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """forward's channels with the head's logits chunk_tokens positions at a time (training.logits)."""
+        t = self.temperature
+        tempered = not self.training and t not in (0.0, 1.0)
+        scores = head_scores(
+            head, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), self.chunk_tokens,
+            with_entropy=True, temperature=t if tempered else None,
+        )  # fmt: skip
+        channels = [scores.logp, scores.entropy]
+        if not self.training:
+            channels.append(scores.tempered if scores.tempered is not None else scores.logp)
+        return torch.stack(channels, dim=-1).view(
+            *labels.shape, len(channels)
+        )  # (B, L, 2), or (B, L, 3) in eval
 
 
 def check_split(model: nn.Module, pp: int, virtual: int = 1) -> int:

@@ -23,6 +23,7 @@ from loopline.algorithms.preference import (
 from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import DPOConfig, GRPOConfig, OptimConfig
+from loopline.training.logits import TokenScores, at_least_float32, head_scores, hidden_states_out
 from loopline.training.packing import pack, packed_forward
 from loopline.training.parallel import (
     all_reduce_sum,
@@ -138,10 +139,16 @@ DPO_LOSSES: dict[str, Callable[..., PreferenceLossOutput]] = {
 
 
 def sequence_logprobs(
-    model: PreTrainedModel, batch: TokenBatch, packed: bool = False, share_prompts: bool = True
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    packed: bool = False,
+    share_prompts: bool = True,
+    chunk_tokens: int = 0,
 ) -> torch.Tensor:
     """Summed log-prob of each row's response tokens under `model`, (B,)."""
-    logp, _ = response_logprobs(model, batch, packed=packed, share_prompts=share_prompts)
+    logp, _ = response_logprobs(
+        model, batch, packed=packed, share_prompts=share_prompts, chunk_tokens=chunk_tokens
+    )
     return (logp * batch.response_mask).sum(dim=1)
 
 
@@ -151,12 +158,20 @@ def response_logprobs(
     with_entropy: bool = False,
     packed: bool = False,
     share_prompts: bool = True,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked.
     packed: one forward over the real tokens only (model.packing); 0 on padding. share_prompts: padded rows
-    with the same prompt share one forward of it (model.share_prompts)."""
-    logits, targets, lay_out = _response_logits(model, batch, packed, share_prompts)
-    every = torch.log_softmax(logits, dim=-1)  # one pass serves the token log-probs and the entropy
+    with the same prompt share one forward of it (model.share_prompts). chunk_tokens: the head's logits
+    chunk_tokens positions at a time, never all of them (model.logits_chunk_tokens; 0 = all at once)."""
+    if chunk_tokens:
+        scores, lay_out = _chunked_scores(model, batch, packed, share_prompts, chunk_tokens, with_entropy)
+        entropy = lay_out(scores.entropy) if scores.entropy is not None else None
+        return lay_out(scores.logp), entropy
+    outputs, targets, lay_out = _response_outputs(model, batch, packed, share_prompts)
+    every = torch.log_softmax(
+        at_least_float32(outputs), dim=-1
+    )  # one pass serves the token log-probs and the entropy
     logp = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     entropy = lay_out(entropy_from_logprobs(every)) if with_entropy else None
     return lay_out(logp), entropy
@@ -168,40 +183,74 @@ def behaviour_logprobs(
     temperature: float,
     packed: bool = False,
     share_prompts: bool = True,
+    chunk_tokens: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Response-token log-probs (B, C) from one forward pass: as trained (T=1, the GRPO ratio's denominator)
     and as sampled (logits / temperature, what an engine reports; T=1 when greedy)."""
-    logits, targets, lay_out = _response_logits(model, batch, packed, share_prompts)
-    targets = targets.unsqueeze(-1)
+    tempered = temperature not in (0.0, 1.0)
+    if chunk_tokens:
+        scores, lay_out = _chunked_scores(
+            model, batch, packed, share_prompts, chunk_tokens, temperature=temperature if tempered else None
+        )
+        trained = lay_out(scores.logp)
+        return trained, lay_out(scores.tempered) if scores.tempered is not None else trained
+    logits, targets, lay_out = _response_outputs(model, batch, packed, share_prompts)
+    logits, targets = at_least_float32(logits), targets.unsqueeze(-1)
     trained = lay_out(torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1))
-    if temperature in (0.0, 1.0):
+    if not tempered:
         return trained, trained
     return trained, lay_out(torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets).squeeze(-1))
 
 
-def _response_logits(
+def _chunked_scores(
+    model: PreTrainedModel,
+    batch: TokenBatch,
+    packed: bool,
+    share_prompts: bool,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    temperature: float | None = None,
+) -> tuple[TokenScores, Callable[[torch.Tensor], torch.Tensor]]:
+    """The forwards of _response_outputs run to the hidden states, then the head chunk by chunk: per-token
+    scores over the flattened response positions, and what lays a (positions,) value out as (B, C)."""
+    with hidden_states_out(model) as head:
+        hidden, targets, lay_out = _response_outputs(model, batch, packed, share_prompts)
+    scores = head_scores(
+        head,
+        hidden.reshape(-1, hidden.shape[-1]),
+        targets.reshape(-1),
+        chunk_tokens,
+        with_entropy,
+        temperature,
+    )
+    shape = targets.shape
+    return scores, lambda values: lay_out(values.view(shape))
+
+
+def _response_outputs(
     model: PreTrainedModel, batch: TokenBatch, packed: bool, share_prompts: bool
 ) -> tuple[torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
-    """The float32 logits that predict the response tokens, those tokens, and what lays a value per token out
-    as (B, C). Padded: (B, C, V) logits, position t predicting token t + 1, each distinct prompt forwarded once
-    when rows share one (a GRPO group) and share_prompts. Packed: (N, V) for the N real response tokens only, each read at the
-    token before it in its packed row."""
+    """What the model outputs at the positions that predict the response tokens (its logits, or its hidden states
+    under hidden_states_out), those tokens, and what lays a value per token out as (B, C). Padded: (B, C, X),
+    position t predicting token t + 1, each distinct prompt forwarded once when rows share one (a GRPO group) and
+    share_prompts. Packed: (N, X) for the N real response tokens only, each read at the token before it in its
+    packed row."""
     p = batch.prompt_len
     targets = batch.input_ids[:, p:]  # (B, C)
     # a sharded model's ranks must all make the same forwards: it shares on every slice, distinct prompts or not
     shared = shared_prompts(batch, always=is_sharded(model)) if share_prompts and not packed else None
     if shared is not None:
-        logits = shared_prompt_logits(model, batch, shared)
-        if logits is not None:
-            return logits.float(), targets, lambda values: values
+        outputs = shared_prompt_logits(model, batch, shared)
+        if outputs is not None:
+            return outputs, targets, lambda values: values
     if not packed:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(
+        outputs = model(
             input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
         ).logits
-        return logits[:, p - 1 : -1, :].float(), targets, lambda values: values
+        return outputs[:, p - 1 : -1, :], targets, lambda values: values
     packing = pack(batch.input_ids, batch.attention_mask)
-    logits = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, V)
+    outputs = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, X)
     real = batch.attention_mask[:, p:].bool()  # (B, C)
     # a response token's predecessor is the token before it in its sequence (a prompt has at least one)
     before = (packing.slot[:, p:][real] - 1).clamp(min=0)
@@ -211,7 +260,7 @@ def _response_logits(
         out[real] = values
         return out
 
-    return logits[before].float(), targets[real], lay_out
+    return outputs[before], targets[real], lay_out
 
 
 def _share(micro: TokenBatch, totals: tuple[float, float], agg: str) -> float:
@@ -308,13 +357,16 @@ class PolicyTrainer:
         micro_batch_size: int | None = None,
         packed: bool = False,
         share_prompts: bool = True,
+        chunk_tokens: int = 0,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
         which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
-        (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts)."""
+        (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts);
+        chunk_tokens: the head's logits that many tokens at a time (model.logits_chunk_tokens; 0 = all)."""
         self.model = model
         self.packed = packed
         self.share_prompts = share_prompts
+        self.chunk_tokens = chunk_tokens
         self.cfg = optim
         self.group = group
         self.loss = loss
@@ -353,7 +405,11 @@ class PolicyTrainer:
         total = 0.0
         for micro in split_rows(batch, micro_batch_size):
             logp, _ = response_logprobs(
-                self.model, micro, packed=self.packed, share_prompts=self.share_prompts
+                self.model,
+                micro,
+                packed=self.packed,
+                share_prompts=self.share_prompts,
+                chunk_tokens=self.chunk_tokens,
             )
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
@@ -388,7 +444,12 @@ class PolicyTrainer:
             share = _share(micro, totals, loss_fn.agg)
             token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
             logp, entropy = response_logprobs(
-                self.model, micro, with_entropy=True, packed=self.packed, share_prompts=self.share_prompts
+                self.model,
+                micro,
+                with_entropy=True,
+                packed=self.packed,
+                share_prompts=self.share_prompts,
+                chunk_tokens=self.chunk_tokens,
             )
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current
@@ -424,11 +485,17 @@ class PolicyTrainer:
         for micro in pairs.micro_batches(cfg.micro_batch_size):
             share = len(micro) / rows  # every loss is a mean over pairs
             chosen_tokens, _ = response_logprobs(
-                self.model, micro.chosen, packed=self.packed, share_prompts=self.share_prompts
+                self.model,
+                micro.chosen,
+                packed=self.packed,
+                share_prompts=self.share_prompts,
+                chunk_tokens=self.chunk_tokens,
             )  # (b, C)
             mask = micro.chosen.response_mask
             chosen = (chosen_tokens * mask).sum(dim=1)  # (b,)
-            rejected = sequence_logprobs(self.model, micro.rejected, self.packed, self.share_prompts)  # (b,)
+            rejected = sequence_logprobs(
+                self.model, micro.rejected, self.packed, self.share_prompts, self.chunk_tokens
+            )  # (b,)
             out = dpo_loss(chosen, rejected, micro.ref_chosen, micro.ref_rejected, micro, cfg)
             # RPO: the chosen completion's NLL (per-token mean, then mean over pairs) anchors its likelihood
             nll = (-chosen / mask.sum(dim=1).clamp(min=1.0)).mean()

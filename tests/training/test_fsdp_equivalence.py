@@ -95,10 +95,12 @@ def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _cases() -> list[str | None]:
-    return [*LOSS_AGGS, None, PACKED]  # None = sft_step
+    return [*LOSS_AGGS, None, PACKED, CHUNKED]  # None = sft_step
 
 
 PACKED = "token_mean_packed"  # the sharded ranks on packed forwards (model.packing), one rank padded
+# the sharded ranks with the head's logits 4 tokens at a time (model.logits_chunk_tokens), one rank whole
+CHUNKED = "token_mean_chunked"
 
 
 def _rank_main(rank: int, world: int, batch: RolloutBatch, out: str) -> None:
@@ -111,9 +113,12 @@ def _rank_main(rank: int, world: int, batch: RolloutBatch, out: str) -> None:
     results = {}
     for case in _cases():
         model = shard_model(_model(), mesh)
-        trainer = PolicyTrainer(model, OPTIM, total_steps=10, group=mesh.get_group(), packed=case == PACKED)
+        trainer = PolicyTrainer(
+            model, OPTIM, total_steps=10, group=mesh.get_group(), packed=case == PACKED,
+            chunk_tokens=4 if case == CHUNKED else 0,
+        )  # fmt: skip
         grads: list = []
-        stats = _run(trainer, mine, "token_mean" if case == PACKED else case, micro=3, grads=grads)
+        stats = _run(trainer, mine, "token_mean" if case in (PACKED, CHUNKED) else case, micro=3, grads=grads)
         results[str(case)] = {"stats": stats, "grads": grads, "weights": full_model_state(model)}
     if rank == 0:
         torch.save(results, Path(out) / "ranks.pt")
@@ -130,7 +135,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     for case in _cases():
         model = _model()
         grads: list = []
-        loss_agg = "token_mean" if case == PACKED else case
+        loss_agg = "token_mean" if case in (PACKED, CHUNKED) else case
         stats = _run(
             PolicyTrainer(model, OPTIM, total_steps=10), copy.deepcopy(batch), loss_agg, micro=3, grads=grads
         )
@@ -138,7 +143,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     return single, sharded
 
 
-@pytest.mark.parametrize("case", [*LOSS_AGGS, "sft", PACKED])
+@pytest.mark.parametrize("case", [*LOSS_AGGS, "sft", PACKED, CHUNKED])
 def test_two_fsdp_ranks_update_like_one(results: tuple[dict, dict], case: str) -> None:
     single, sharded = (r["None" if case == "sft" else case] for r in results)
     # gradients of every step, whole: a wrong denominator or a factor of the world size shows here
