@@ -123,6 +123,7 @@ class ModelConfig(Section):
         """The built-in tiny model (model.tiny's shape), not one from a path, a preset or a config."""
         return not (self.path or self.preset or self.config)
 
+
 # Files a Hugging Face tokenizer is loaded from (one is enough): without any, AutoTokenizer still builds one from
 # the model's type, with a vocabulary of one token, and training fails seconds later deep in a worker.
 TOKENIZER_FILES = (
