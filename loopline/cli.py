@@ -303,7 +303,18 @@ def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | No
     return (str(base) if base.is_file() else None), [f"model.path={path}", *overrides]
 
 
-def _check_export(checkpoint: str, out: str) -> None:
+def checked_config(command: str, config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """What a run command is given (a config file and overrides, for eval and generate a model directory first), as
+    its commands.py function takes them, after the checks that need no torch: a bad config, a missing file and an
+    out_dir that cannot be written fail in a second, before torch is imported. The CLI and loopline.api both call
+    it before the command."""
+    if command in ("eval", "generate"):
+        config, overrides = _model_dir_first(config, overrides)
+    check_run(load_config(config, overrides), command)
+    return config, overrides
+
+
+def check_export(checkpoint: str, out: str) -> None:
     """Export reads a checkpoint and writes a new model directory: both checked before any work."""
     if not Path(checkpoint).is_dir():
         what = "does not exist" if not Path(checkpoint).exists() else "is not a directory"
@@ -372,22 +383,16 @@ def _run(argv: list[str]) -> int:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    if args.command in (*RUN_COMMANDS, "config"):
-        config, overrides = _split_config(args)
-        if args.command in ("eval", "generate"):
-            config, overrides = _model_dir_first(config, overrides)
-        cfg = load_config(config, overrides)  # a bad config fails in a second, before torch is imported
-        if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
-            print("\n".join(describe(cfg)))
-            return 0
-        check_run(
-            cfg, args.command
-        )  # missing files and an out_dir that cannot be written fail before torch too
+    if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
+        print("\n".join(describe(load_config(*_split_config(args)))))
+        return 0
+    if args.command in RUN_COMMANDS:
+        config, overrides = checked_config(args.command, *_split_config(args))
         from loopline import commands
 
         return getattr(commands, args.command)(config, overrides, args)
     if args.command == "export":
-        _check_export(args.checkpoint, args.out)
+        check_export(args.checkpoint, args.out)
         from loopline.checkpoint.export import main as export_main
 
         return export_main([args.checkpoint, args.out])

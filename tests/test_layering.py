@@ -45,10 +45,16 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.commands", 9, "what each CLI command runs"),
     ("loopline.bench", 9, "benchmarks the CLI runs"),
     ("loopline.cli", 10, "the `loopline` command"),
+    ("loopline.api", 11, "the Python API: the CLI's commands as functions (after cli's checks)"),
 ]
 
 # Imports up the table that are meant; (importer, imported): reason. Keep short: fix instead where cheap.
-ALLOWED_UP: dict[tuple[str, str], str] = {}
+ALLOWED_UP: dict[tuple[str, str], str] = {
+    (
+        "loopline",
+        "loopline.api",
+    ): "`loopline.train(...)`: the package serves the API's names, imported on first use",
+}
 
 
 def _module_name(path: Path) -> str:

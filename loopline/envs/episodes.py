@@ -39,6 +39,7 @@ from loopline.data.tasks import exact_match
 from loopline.envs.base import Env, StepResult, VerifierEnv
 from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
 from loopline.envs.math_equal import math_reward
+from loopline.envs.reward_fn import RewardFnEnv, is_reward_fn
 from loopline.errors import UserError
 
 EnvFactory = Callable[[], Env]
@@ -131,6 +132,8 @@ def _factory(env_json: str) -> EnvFactory:
     factory = getattr(module, match["factory"], None)
     if not callable(factory):
         raise EnvError(f"env.name={name}: {match['module']} has no callable {match['factory']!r}")
+    if is_reward_fn(factory):  # (prompt, completion, **row_fields) -> float: wrapped in a one-step env
+        return functools.partial(RewardFnEnv, factory)
     return factory
 
 
