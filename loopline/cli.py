@@ -17,6 +17,7 @@ from pathlib import Path
 from loopline.checkpoint.run_dir import RESUMABLE
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
+from loopline.metrics.config import WANDB_INSTALL_HINT
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -283,6 +284,8 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 _check_file(f"preference.{key}", getattr(cfg.preference, key))
     if command == "train" and cfg.reward.source != "verifier":
         _check_file("reward.model_path", cfg.reward.model_path, want_dir=True)
+    if command in WRITING_COMMANDS and cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError(WANDB_INSTALL_HINT + " (no module named 'wandb')")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
     if command in WRITING_COMMANDS:

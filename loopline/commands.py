@@ -298,7 +298,7 @@ def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[Run
 
     cfg = load_config(config, overrides).model_copy(deep=True)
     with tempfile.TemporaryDirectory(prefix="loopline-read-") as tmp:
-        cfg.out_dir, cfg.tensorboard = str(Path(tmp) / "run"), False
+        cfg.out_dir, cfg.tensorboard, cfg.metrics.wandb = str(Path(tmp) / "run"), False, False
         model = Path(cfg.model.path) if cfg.model.path else None
         if model is not None and not (model / "config.json").is_file():  # a checkpoint or a run directory
             cfg.model.path = str(export(model, Path(tmp) / "model"))

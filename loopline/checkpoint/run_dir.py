@@ -31,7 +31,7 @@ HISTORY_FILE = "config_history.jsonl"
 # What a run writes into its out_dir: --overwrite deletes these and nothing else.
 RUN_ENTRIES = (
     "config.yaml", HISTORY_FILE, "metrics.jsonl", "ledger.jsonl", "checkpoints", "tensorboard", "curves.png",
-    "model", "reward_model", "scale_request.json",
+    "model", "reward_model", "scale_request.json", "wandb_run.json", "wandb",
 )  # fmt: skip
 # Their presence makes a directory a run's: a new run there would mix with or destroy it.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -46,7 +46,7 @@ RESUMABLE = (
     "k8s.*",  # where it runs on Kubernetes (the pods' sizes, image, queue)
     "checkpoint.*", "checkpoint_every",
     "sft.eval_every", "grpo.eval_every", "dpo.eval_every", "eval.batch_size",  # when eval runs, not what it measures
-    "threads", "deterministic", "progress", "tensorboard",
+    "threads", "deterministic", "progress", "tensorboard", "metrics.*",  # where the metrics go, not what they are
 )  # fmt: skip
 
 
