@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from loopline.version import __version__
 
 # loopline.api's names, served from the package (PEP 562)
 API = ("train", "sft", "dpo", "rm", "evaluate", "generate", "export", "RunConfig", "RunResult", "Generation")

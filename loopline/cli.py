@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale, doctor."""
 
 from __future__ import annotations
 
@@ -178,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", help="the run's out_dir")
     p.add_argument("counts", nargs="+", help="engines=N and/or env_workers=M (applied between two steps)")
+
+    sub.add_parser(
+        "doctor",
+        help="versions, CPU features, GPUs, bubblewrap, Ray, and what each missing piece turns off (paste it in a "
+        "bug report)",
+    )
 
     p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
     p.add_argument("name", help=f"benchmark name ({', '.join(_benchmarks())})")
@@ -407,6 +413,10 @@ def _run(argv: list[str]) -> int:
         for path in plot_run(args.run_dir):
             print(path)
         return 0
+    if args.command == "doctor":
+        from loopline.doctor import main as doctor_main
+
+        return doctor_main()
     if args.command == "scale":
         return _scale(args.run_dir, args.counts)
     if args.command == "bench":
