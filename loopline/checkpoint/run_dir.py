@@ -25,6 +25,7 @@ from typing import Any
 
 from loopline.config import RunConfig, load_config
 from loopline.errors import UserError
+from loopline.version import version
 
 HISTORY_FILE = "config_history.jsonl"
 
@@ -142,6 +143,7 @@ def record_config(
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "changes": {k: list(v) for k, v in changes.items()},
         "forced": sorted(k for k in changes if not resumable(k)),
+        "loopline": version(),  # which code ran (the model card names it)
         **extra,
     }
     with (Path(run_dir) / HISTORY_FILE).open("a") as f:
