@@ -20,14 +20,17 @@ grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path
 so a run made here is a run directory like any other (`loopline train --resume out_dir=...` continues it). Bad
 input raises ValueError (loopline.errors.UserError, loopline.config.ConfigError) with the CLI's message.
 
-`reward_fn` must be importable by the env workers (spawned processes, or Ray actors): a module-level function of a
-.py file or an importable module (a script's own `__main__` functions work; they are loaded from its file, so the
-script's run must sit under `if __name__ == "__main__":`). Its run records it as `env.name=python:FILE:NAME`.
+`reward_fn` runs on the env workers (spawned processes, or Ray actors). A module-level function of a .py file or an
+importable module goes by reference: the run records it as `env.name=python:FILE:NAME` and the workers import it (a
+script's own functions are loaded from its file, so the script's run must sit under `if __name__ == "__main__":`).
+Any other function (a lambda, a closure, a notebook cell's) goes by value: pickled with cloudpickle into
+out_dir/reward_fn-<hash>.pkl, which env.name then names.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib
 import inspect
 import json
@@ -35,7 +38,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -78,37 +81,52 @@ class Generation:
 
 @dataclass
 class _Call:
-    """A command's arguments as commands.py takes them (a config file, overrides, the parsed options)."""
+    """A command's arguments as commands.py takes them (a config file, overrides), and a reward function that the
+    env workers cannot import by name, pickled by value, to be written where place_reward() says."""
 
     config: str | None
     overrides: list[str]
-    options: dict[str, Any] = field(default_factory=dict)
+    pickled: bytes | None = None
+    _reward_path: Path | None = None
+
+    def place_reward(self, directory: Path) -> None:
+        """The pickled reward function goes into `directory` (named by its hash: another function, another file);
+        env.name names it there (replacing an earlier placement)."""
+        if self.pickled is None:
+            return
+        if self._reward_path is not None:
+            self.overrides.pop()
+        digest = hashlib.sha256(self.pickled).hexdigest()[:12]
+        self._reward_path = directory.resolve() / f"reward_fn-{digest}.pkl"
+        self.overrides.append(f"env.name={json.dumps(f'python:{self._reward_path}:reward')}")
+
+    def write_reward(self) -> None:
+        """Write the pickled reward function (after the checks: nothing is written for a bad config)."""
+        if self._reward_path is not None and self.pickled is not None:
+            self._reward_path.parent.mkdir(parents=True, exist_ok=True)
+            self._reward_path.write_bytes(self.pickled)
 
 
-def reward_fn_spec(fn: Callable[..., float]) -> str:
-    """`env.name` for a reward function: python:FILE:NAME (a top-level module or a script, loaded by its file
-    wherever it runs) or python:PACKAGE.MODULE:NAME (a module of a package, imported by name)."""
+def _by_reference(fn: Callable[..., float]) -> str | None:
+    """`env.name` for a reward function the env workers can import: python:FILE:NAME (a top-level module or a
+    script, loaded by its file wherever it runs) or python:PACKAGE.MODULE:NAME (a module of a package, imported by
+    name); None for one they cannot (a lambda, a nested function, a notebook's), which goes by value."""
     name = getattr(fn, "__name__", "")
-    module_name = getattr(fn, "__module__", None)
-    module = sys.modules.get(module_name or "")
-    why = ""
-    if not callable(fn) or not name.isidentifier() or getattr(module, name, None) is not fn:
-        why = "is not a module-level function (a lambda, a nested function or a method cannot be imported)"
-    elif module is None or not getattr(module, "__file__", None):
-        why = "is defined in a notebook or an interactive session, which other processes cannot import"
-    if why:
-        raise UserError(
-            f"reward_fn {name or fn!r} {why}: the env workers import it by name; define it at the top level of a "
-            ".py file (e.g. rewards.py) and import it from there"
-        )
-    assert module is not None and module_name is not None
+    module_name = getattr(fn, "__module__", None) or ""
+    module = sys.modules.get(module_name)
+    if (
+        not name.isidentifier()
+        or getattr(module, name, None) is not fn
+        or not getattr(module, "__file__", None)
+    ):
+        return None
     if "." in module_name and module_name != "__main__":
         try:
             if getattr(importlib.import_module(module_name), name, None) is fn:
                 return f"python:{module_name}:{name}"
         except ImportError:
             pass
-    return f"python:{Path(inspect.getfile(module)).resolve()}:{name}"
+    return f"python:{Path(inspect.getfile(module)).resolve()}:{name}"  # type: ignore[arg-type]
 
 
 @contextmanager
@@ -116,10 +134,21 @@ def _call(
     config: ConfigLike, overrides: Sequence[str], reward_fn: Callable[..., float] | None
 ) -> Iterator[_Call]:
     """The command's (config file, overrides): a RunConfig or a dict is written to a temporary YAML file for the
-    command's own loader; reward_fn becomes an env.name override."""
+    command's own loader; reward_fn becomes an env.name override (by reference, or pickled: see _Call)."""
     words = [str(o) for o in overrides]
+    pickled = None
     if reward_fn is not None:
-        words.append(f"env.name={json.dumps(reward_fn_spec(reward_fn))}")  # a quoted YAML string
+        if not callable(reward_fn):
+            raise UserError(
+                f"reward_fn: a function (prompt, completion, **row_fields) -> float, not {reward_fn!r}"
+            )
+        spec = _by_reference(reward_fn)
+        if spec is not None:
+            words.append(f"env.name={json.dumps(spec)}")  # a quoted YAML string
+        else:
+            import cloudpickle  # by value: the function's code and the globals it uses
+
+            pickled = cloudpickle.dumps(reward_fn)
     with tempfile.TemporaryDirectory(prefix="loopline-api-") as tmp:
         path = Path(tmp) / "config.yaml"
         if isinstance(config, RunConfig):
@@ -128,9 +157,12 @@ def _call(
             path.write_text(yaml.safe_dump(json.loads(json.dumps(config, default=str)), sort_keys=False))
         elif config is not None and not isinstance(config, str | Path):
             raise UserError(f"config: a RunConfig, a dict, a YAML path or None, not {type(config).__name__}")
-        yield _Call(
-            str(path) if isinstance(config, RunConfig | dict) else (str(config) if config else None), words
-        )
+        file = str(path) if isinstance(config, RunConfig | dict) else (str(config) if config else None)
+        call = _Call(file, words, pickled)
+        call.place_reward(
+            Path(tmp)
+        )  # read-only commands: beside the temporary config (_run moves it to out_dir)
+        yield call
 
 
 def _final(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -172,7 +204,10 @@ def _run(
     from loopline import cli
 
     with _call(config, overrides, reward_fn) as call:
+        if call.pickled is not None:  # into the run directory, where a resume (or the CLI's) finds it again
+            call.place_reward(Path(load_config(call.config, call.overrides).out_dir))
         file, words = cli.checked_config(command, call.config, call.overrides)
+        call.write_reward()
         run_dir = Path(
             load_config(file, words).out_dir
         )  # a resumed run's too: its saved config is found there
@@ -271,6 +306,7 @@ def evaluate(
     config, words = _model_first(model, config, overrides)
     with _call(config, words, reward_fn) as call:
         file, words = cli.checked_config("eval", call.config, call.overrides)
+        call.write_reward()
         from loopline import commands
 
         return commands.evaluation(file, words)

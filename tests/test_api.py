@@ -108,6 +108,27 @@ def test_train_with_a_reward_function_on_ray(reward, ray_cluster, tmp_path: Path
     assert pids and os.getpid() not in pids and len(pids) <= 2  # the 2 env worker actors
 
 
+def test_a_lambda_goes_by_value_into_the_run_directory_and_the_cli_resumes_with_it(tmp_path: Path) -> None:
+    """As from a notebook: a function the env workers cannot import is pickled (cloudpickle) into out_dir."""
+    target = 0.625  # a global of the closure: it travels with the function
+
+    result = loopline.train(
+        {"out_dir": str(tmp_path / "run")},
+        TINY,
+        reward_fn=lambda prompt, completion, answer: target * answer.isdigit(),
+    )
+    assert result.metrics["reward_mean"] == 0.625
+    name = result.config.env.name
+    assert name.startswith(f"python:{tmp_path / 'run'}/reward_fn-") and name.endswith(".pkl:reward")
+    assert main(["train", "--resume", f"out_dir={tmp_path / 'run'}", "grpo.steps=3"]) == 0
+    resumed = loopline.train(
+        None, [f"out_dir={tmp_path / 'run'}", "grpo.steps=4"], resume=True
+    )  # and the API
+    assert resumed.run_dir == tmp_path / "run" and resumed.config.env.name == name
+    assert [r["reward_mean"] for r in resumed.history if "reward_mean" in r] == [0.625] * 4
+    assert resumed.checkpoints[-1].name == "grpo-000004"
+
+
 def test_sft_returns_its_model(tmp_path: Path) -> None:
     result = loopline.sft(None, [*TINY, f"out_dir={tmp_path / 'run'}"])
     assert result.command == "sft" and result.model == tmp_path / "run" / "model"
@@ -123,8 +144,10 @@ def test_bad_input_raises_value_error_with_the_cli_message(tmp_path: Path, capsy
     assert str(raised.value) in capsys.readouterr().err
     with pytest.raises(ValueError, match="unknown config key 'sft.stepz'"):
         loopline.sft({"sft": {"stepz": 1}, "out_dir": str(tmp_path / "run")})
-    with pytest.raises(ValueError, match="reward_fn '<lambda>' is not a module-level function"):
-        loopline.train({"out_dir": str(tmp_path / "run")}, reward_fn=lambda prompt, completion: 1.0)
+    with pytest.raises(
+        ValueError, match=r"reward_fn: a function \(prompt, completion, \*\*row_fields\) -> float"
+    ):
+        loopline.train({"out_dir": str(tmp_path / "run")}, reward_fn=0.5)
     with pytest.raises(ValueError, match="data.train_path: '.*nope.jsonl' does not exist"):
         loopline.train(
             None, [f"out_dir={tmp_path / 'run'}", "data.source=jsonl", "data.train_path=nope.jsonl"]

@@ -130,7 +130,8 @@ class EnvConfig(Section):
         description="A built-in env (" + ", ".join(BUILTIN_ENVS) + ") or your own: python:MODULE:NAME, where "
         "MODULE is a dotted module name or a path to a .py file (stored absolute) and NAME is a factory (NAME() "
         "returns a fresh envs.base.Env, one per episode) or a reward function NAME(prompt, completion, "
-        "**row_fields) -> float (a single-turn env; envs.reward_fn).",
+        "**row_fields) -> float (a single-turn env; envs.reward_fn). loopline.api writes python:FILE.pkl:reward for "
+        "a reward function it pickles by value (a lambda, a notebook's).",
     )
 
     code_reward: Literal["all", "fraction"] = Field(

@@ -28,8 +28,10 @@ import inspect
 import json
 import math
 import os
+import pickle
 import signal
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +88,12 @@ def _builtin(env: EnvConfig) -> EnvFactory:
 
 
 def _load_module(spec: str, name: str):  # -> types.ModuleType
-    """A dotted module name, or a path to a .py file (imported once per process under a name of its own)."""
+    """A dotted module name, a path to a .py file (imported once per process under a name of its own), or a .pkl of a
+    reward function pickled by value (loopline.api: a lambda, a notebook's function), served as the name `reward`."""
+    if spec.endswith(".pkl"):
+        if not Path(spec).is_file():
+            raise EnvError(f"env.name={name}: no file {spec}")
+        return types.SimpleNamespace(reward=pickle.loads(Path(spec).read_bytes()))
     if not spec.endswith(".py"):
         return importlib.import_module(spec)
     path = Path(spec).resolve()
