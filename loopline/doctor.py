@@ -170,6 +170,7 @@ def sandbox() -> list[Item]:
     if problem is None:
         out = subprocess.run(["bwrap", "--version"], capture_output=True, text=True)
         items[0] = Item("bubblewrap", f"usable ({out.stdout.strip() or 'bwrap'}; trial run ok)")
+    items.append(_process_fallback(problem is None))
     items.append(
         Item("util-linux", "prlimit, setpriv")
         if not missing
@@ -178,6 +179,27 @@ def sandbox() -> list[Item]:
         )
     )
     return items
+
+
+def _process_fallback(bwrap_works: bool) -> Item:
+    """The sandbox's isolation=process, tried as the sandbox runs it: what env.name=code falls back to without
+    bubblewrap."""
+    from loopline.envs.sandbox.config import SandboxConfig, SandboxError
+    from loopline.envs.sandbox.runner import Sandbox
+
+    off = (
+        ""
+        if bwrap_works
+        else "env.name=code: with neither bubblewrap nor this, no completion's tests can run"
+    )
+    try:
+        result = Sandbox(SandboxConfig(isolation="process", timeout_s=20)).run("print('ok')")
+    except SandboxError as e:
+        return Item("process fallback", f"not usable: {e}", off)
+    if result.exit_code != 0 or result.stdout.strip() != "ok":
+        why = f"exit {result.exit_code}: {result.stderr.strip()[-300:]}"
+        return Item("process fallback", f"not usable: trial run failed ({why})", off)
+    return Item("process fallback", "usable (rlimits only; trial run ok)")
 
 
 def ray_items() -> list[Item]:

@@ -65,6 +65,7 @@ def test_bubblewrap_as_the_sandbox_sees_it(report) -> None:
     cfg = SandboxConfig()
     problem = bwrap_problem(resolve_python(cfg.python), tuple(cfg.ro_binds), os.geteuid() == 0)
     line = report["sandbox"]["bubblewrap"]
+    assert report["sandbox"]["process fallback"].startswith(("usable (", "not usable: "))
     if problem is None:
         assert line.startswith("usable (") and "bubblewrap" not in report["turned off"]
     else:
