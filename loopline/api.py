@@ -159,9 +159,8 @@ def _call(
             raise UserError(f"config: a RunConfig, a dict, a YAML path or None, not {type(config).__name__}")
         file = str(path) if isinstance(config, RunConfig | dict) else (str(config) if config else None)
         call = _Call(file, words, pickled)
-        call.place_reward(
-            Path(tmp)
-        )  # read-only commands: beside the temporary config (_run moves it to out_dir)
+        # read-only commands: beside the temporary config (_run moves it into out_dir)
+        call.place_reward(Path(tmp))
         yield call
 
 
@@ -208,9 +207,8 @@ def _run(
             call.place_reward(Path(load_config(call.config, call.overrides).out_dir))
         file, words = cli.checked_config(command, call.config, call.overrides)
         call.write_reward()
-        run_dir = Path(
-            load_config(file, words).out_dir
-        )  # a resumed run's too: its saved config is found there
+        # a resumed run's too: its saved config is found there
+        run_dir = Path(load_config(file, words).out_dir)
         from loopline import commands
 
         args = argparse.Namespace(**{"restart_unsaved": False, "allow_config_change": False, **options})
@@ -231,9 +229,14 @@ def train(
 
     resume: continue the run in out_dir from its newest checkpoint; overwrite: delete a run already in out_dir."""
     return _run(
-        "train", config, overrides, reward_fn, resume=resume, overwrite=overwrite,
+        "train",
+        config,
+        overrides,
+        reward_fn,
+        resume=resume,
+        overwrite=overwrite,
         allow_config_change=allow_config_change,
-    )  # fmt: skip
+    )
 
 
 def sft(
@@ -248,9 +251,14 @@ def sft(
     """`loopline sft`: supervised fine-tuning only; the model is `result.model` (out_dir/model). reward_fn, when
     given, scores the held-out evals."""
     return _run(
-        "sft", config, overrides, reward_fn, resume=resume, overwrite=overwrite,
+        "sft",
+        config,
+        overrides,
+        reward_fn,
+        resume=resume,
+        overwrite=overwrite,
         allow_config_change=allow_config_change,
-    )  # fmt: skip
+    )
 
 
 def dpo(
@@ -264,9 +272,14 @@ def dpo(
 ) -> RunResult:
     """`loopline dpo`: SFT warm start then DPO on preference pairs; the model is `result.model`."""
     return _run(
-        "dpo", config, overrides, reward_fn, resume=resume, overwrite=overwrite,
+        "dpo",
+        config,
+        overrides,
+        reward_fn,
+        resume=resume,
+        overwrite=overwrite,
         allow_config_change=allow_config_change,
-    )  # fmt: skip
+    )
 
 
 def rm(

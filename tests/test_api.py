@@ -136,6 +136,33 @@ def test_sft_returns_its_model(tmp_path: Path) -> None:
     assert list(result.phases) == ["sft"] and result.metrics["step"] == 2 and "loss" in result.metrics
 
 
+PREFERENCE = [
+    "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
+    "data.task.num_train=100", "data.task.num_eval=8", "eval.num_prompts=8", "preference.num_train=16",
+    "progress=false", "tensorboard=false", "threads=1",
+    "model.tiny.hidden_size=32", "model.tiny.num_layers=2", "model.tiny.intermediate_size=64",
+    "dpo.steps=2", "dpo.batch_size=8", "dpo.micro_batch_size=8", "dpo.eval_every=0",
+    "rm.steps=2", "rm.batch_size=8", "rm.micro_batch_size=8", "rm.eval_every=0",
+]  # fmt: skip
+
+
+def test_dpo_and_rm_return_their_models(tmp_path: Path) -> None:
+    dpo = loopline.dpo({"out_dir": str(tmp_path / "dpo")}, PREFERENCE)
+    assert (
+        dpo.command == "dpo"
+        and dpo.model == tmp_path / "dpo" / "model"
+        and (dpo.model / "config.json").is_file()
+    )
+    assert (
+        list(dpo.phases) == ["sft", "dpo"]
+        and dpo.metrics["step"] == 2
+        and "eval_logp_accuracy" in dpo.metrics
+    )
+    rm = loopline.rm({"out_dir": str(tmp_path / "rm")}, PREFERENCE)
+    assert rm.command == "rm" and rm.model == tmp_path / "rm" / "reward_model"
+    assert list(rm.phases) == ["sft", "rm"] and "eval_pair_accuracy" in rm.metrics
+
+
 def test_bad_input_raises_value_error_with_the_cli_message(tmp_path: Path, capsys) -> None:
     bad = [f"out_dir={tmp_path / 'run'}", "grpo.stepz=3"]
     with pytest.raises(ValueError, match="unknown config key 'grpo.stepz'") as raised:
