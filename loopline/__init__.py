@@ -12,7 +12,7 @@ from loopline.version import __version__
 
 # loopline.api's names, served from the package (PEP 562)
 API = ("train", "sft", "dpo", "rm", "evaluate", "generate", "export", "RunConfig", "RunResult", "Generation")
-__all__ = ["__version__", *API]
+__all__ = ["__version__", "config", *API]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +20,8 @@ def __getattr__(name: str) -> Any:
         from loopline import api
 
         return getattr(api, name)
+    if name == "config":  # `loopline.config.GRPOConfig(...)` right after `import loopline`
+        import loopline.config  # not `from loopline import config`: that asks this function again
+
+        return loopline.config
     raise AttributeError(f"module 'loopline' has no attribute {name!r}")

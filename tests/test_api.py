@@ -127,6 +127,10 @@ def test_a_lambda_goes_by_value_into_the_run_directory_and_the_cli_resumes_with_
     assert resumed.run_dir == tmp_path / "run" and resumed.config.env.name == name
     assert [r["reward_mean"] for r in resumed.history if "reward_mean" in r] == [0.625] * 4
     assert resumed.checkpoints[-1].name == "grpo-000004"
+    # evaluate (which writes nothing) takes a lambda too: pickled beside its temporary config
+    assert (
+        loopline.evaluate(resumed.run_dir, reward_fn=lambda prompt, completion: 0.5)["eval_accuracy"] == 1.0
+    )
 
 
 def test_sft_returns_its_model(tmp_path: Path) -> None:
@@ -161,6 +165,20 @@ def test_dpo_and_rm_return_their_models(tmp_path: Path) -> None:
     rm = loopline.rm({"out_dir": str(tmp_path / "rm")}, PREFERENCE)
     assert rm.command == "rm" and rm.model == tmp_path / "rm" / "reward_model"
     assert list(rm.phases) == ["sft", "rm"] and "eval_pair_accuracy" in rm.metrics
+
+
+def test_the_typed_config_is_at_hand_after_import_loopline() -> None:
+    import subprocess
+
+    code = (
+        "import loopline; print(loopline.config.GRPOConfig(steps=3).steps, loopline.RunConfig().grpo.steps)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=os.environ, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["3", str(loopline.RunConfig().grpo.steps)], (
+        out.stderr
+    )
 
 
 def test_bad_input_raises_value_error_with_the_cli_message(tmp_path: Path, capsys) -> None:
