@@ -77,6 +77,7 @@ def _check_train(result: loopline.RunResult, out: Path, rewards_file: str) -> No
     assert result.model is None  # train leaves checkpoints; loopline.export makes the model
 
 
+@pytest.mark.e2e
 def test_train_with_a_reward_function_on_the_local_backend(reward, tmp_path: Path) -> None:
     fn, calls = reward
     seen = _calls(calls, set())
@@ -97,6 +98,7 @@ def test_train_with_a_reward_function_on_the_local_backend(reward, tmp_path: Pat
     )
 
 
+@pytest.mark.ray
 def test_train_with_a_reward_function_on_ray(reward, ray_cluster, tmp_path: Path) -> None:
     fn, calls = reward
     seen = _calls(calls, set())
@@ -108,6 +110,7 @@ def test_train_with_a_reward_function_on_ray(reward, ray_cluster, tmp_path: Path
     assert pids and os.getpid() not in pids and len(pids) <= 2  # the 2 env worker actors
 
 
+@pytest.mark.e2e
 def test_a_lambda_goes_by_value_into_the_run_directory_and_the_cli_resumes_with_it(tmp_path: Path) -> None:
     """As from a notebook: a function the env workers cannot import is pickled (cloudpickle) into out_dir."""
     target = 0.625  # a global of the closure: it travels with the function
@@ -133,6 +136,7 @@ def test_a_lambda_goes_by_value_into_the_run_directory_and_the_cli_resumes_with_
     )
 
 
+@pytest.mark.e2e
 def test_sft_returns_its_model(tmp_path: Path) -> None:
     result = loopline.sft(None, [*TINY, f"out_dir={tmp_path / 'run'}"])
     assert result.command == "sft" and result.model == tmp_path / "run" / "model"
@@ -150,6 +154,7 @@ PREFERENCE = [
 ]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_dpo_and_rm_return_their_models(tmp_path: Path) -> None:
     dpo = loopline.dpo({"out_dir": str(tmp_path / "dpo")}, PREFERENCE)
     assert (
@@ -167,6 +172,7 @@ def test_dpo_and_rm_return_their_models(tmp_path: Path) -> None:
     assert list(rm.phases) == ["sft", "rm"] and "eval_pair_accuracy" in rm.metrics
 
 
+@pytest.mark.e2e
 def test_the_typed_config_is_at_hand_after_import_loopline() -> None:
     import subprocess
 
@@ -181,6 +187,7 @@ def test_the_typed_config_is_at_hand_after_import_loopline() -> None:
     )
 
 
+@pytest.mark.e2e
 def test_bad_input_raises_value_error_with_the_cli_message(tmp_path: Path, capsys) -> None:
     bad = [f"out_dir={tmp_path / 'run'}", "grpo.stepz=3"]
     with pytest.raises(ValueError, match="unknown config key 'grpo.stepz'") as raised:

@@ -18,7 +18,7 @@ import transformers
 from loopline.envs.sandbox.commands import bwrap_problem, resolve_python
 from loopline.envs.sandbox.config import SandboxConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # the CLI's entry point, whole runs
 
 SECTIONS = ["versions", "cpu", "gpu", "sandbox", "ray", "logging", "turned off"]
 

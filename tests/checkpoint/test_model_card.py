@@ -14,7 +14,7 @@ from loopline.cli import main
 from loopline.metrics.logger import read_metrics
 from loopline.version import version
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # the CLI's entry point, whole runs
 
 TINY = [
     "sft.steps=2", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0",
