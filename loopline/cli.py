@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale, doctor."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.models.config import missing_tokenizer
+from loopline.metrics.config import WANDB_INSTALL_HINT
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's out_dir")
     p.add_argument("counts", nargs="+", help="engines=N and/or env_workers=M (applied between two steps)")
 
+    sub.add_parser(
+        "doctor",
+        help="versions, CPU features, GPUs, bubblewrap, Ray, and what each missing piece turns off (paste it in a "
+        "bug report)",
+    )
+
     p = sub.add_parser("bench", help="benchmarks: loopline bench NAME [options]")
     p.add_argument("name", help=f"benchmark name ({', '.join(_benchmarks())})")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -320,6 +327,8 @@ def check_run(cfg: RunConfig, command: str) -> None:
                 _check_file(f"preference.{key}", getattr(cfg.preference, key))
     if command == "train" and cfg.reward.source != "verifier":
         _check_file("reward.model_path", cfg.reward.model_path, want_dir=True)
+    if command in WRITING_COMMANDS and cfg.metrics.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError(WANDB_INSTALL_HINT + " (no module named 'wandb')")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
     if command in WRITING_COMMANDS:
@@ -369,7 +378,31 @@ def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | No
     return (str(base) if base.is_file() else None), [*trained, *overrides]
 
 
-def _check_export(checkpoint: str, out: str) -> None:
+def checked_config(
+    command: str, config: str | None, overrides: list[str], *, resume: bool = False
+) -> tuple[str | None, list[str]]:
+    """What a run command is given (a config file and overrides, for eval and generate a model directory first), as
+    its commands.py function takes them, after the checks that need no torch: a bad config, a refused combination
+    of settings (config_rules), a --resume of a directory that holds no run, a missing file and an out_dir that
+    cannot be written fail in a second, before torch is imported. The CLI and loopline.api both call it before the
+    command."""
+    if command in ("eval", "generate"):
+        config, overrides = _model_dir_first(config, overrides)
+    cfg = load_config(config, overrides)
+    # a refused combination raises ConfigError; the warnings say what a run would train (eval and generate of a
+    # run's saved config need not hear them)
+    warnings = config_rules.check(cfg, command)
+    if command in WRITING_COMMANDS:
+        for warning in warnings:
+            config_rules.warn(warning)
+    # before check_run makes out_dir: a misspelt one is refused and leaves nothing behind
+    if resume and not holds_run(cfg.out_dir):
+        raise UserError(no_run_to_resume(cfg.out_dir))
+    check_run(cfg, command)  # missing files and an out_dir that cannot be written fail before torch too
+    return config, overrides
+
+
+def check_export(checkpoint: str, out: str) -> None:
     """Export reads a checkpoint and writes a new model directory: both checked before any work."""
     if not Path(checkpoint).is_dir():
         what = "does not exist" if not Path(checkpoint).exists() else "is not a directory"
@@ -438,31 +471,17 @@ def _run(argv: list[str]) -> int:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
-    if args.command in (*RUN_COMMANDS, "config"):
-        config, overrides = _split_config(args)
-        if args.command in ("eval", "generate"):
-            config, overrides = _model_dir_first(config, overrides)
-        cfg = load_config(config, overrides)  # a bad config fails in a second, before torch is imported
-        if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
-            print("\n".join(describe(cfg)))
-            return 0
-        # a refused combination raises ConfigError; the warnings say what a run would train (eval and generate of
-        # a run's saved config need not hear them)
-        warnings = config_rules.check(cfg, args.command)
-        if args.command in WRITING_COMMANDS:
-            for warning in warnings:
-                config_rules.warn(warning)
-        # before check_run makes out_dir: a misspelt one is refused and leaves nothing behind
-        if getattr(args, "resume", False) and not args.restart_unsaved and not holds_run(cfg.out_dir):
-            raise UserError(no_run_to_resume(cfg.out_dir))
-        check_run(
-            cfg, args.command
-        )  # missing files and an out_dir that cannot be written fail before torch too
+    if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
+        print("\n".join(describe(load_config(*_split_config(args)))))
+        return 0
+    if args.command in RUN_COMMANDS:
+        resume = getattr(args, "resume", False) and not args.restart_unsaved
+        config, overrides = checked_config(args.command, *_split_config(args), resume=resume)
         from loopline import commands
 
         return getattr(commands, args.command)(config, overrides, args)
     if args.command == "export":
-        _check_export(args.checkpoint, args.out)
+        check_export(args.checkpoint, args.out)
         from loopline.checkpoint.export import main as export_main
 
         return export_main([args.checkpoint, args.out])
@@ -474,6 +493,10 @@ def _run(argv: list[str]) -> int:
         for path in plot_run(args.run_dir):
             print(path)
         return 0
+    if args.command == "doctor":
+        from loopline.doctor import main as doctor_main
+
+        return doctor_main()
     if args.command == "scale":
         return _scale(args.run_dir, args.counts)
     if args.command == "bench":

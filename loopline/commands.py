@@ -309,7 +309,7 @@ def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[Run
 
     cfg = load_config(config, overrides).model_copy(deep=True)
     with tempfile.TemporaryDirectory(prefix="loopline-read-") as tmp:
-        cfg.out_dir, cfg.tensorboard = str(Path(tmp) / "run"), False
+        cfg.out_dir, cfg.tensorboard, cfg.metrics.wandb = str(Path(tmp) / "run"), False, False
         model = Path(cfg.model.path) if cfg.model.path else None
         if model is not None and not (model / "config.json").is_file():  # a checkpoint or a run directory
             cfg.model.path = str(export(model, Path(tmp) / "model"))
@@ -320,8 +320,8 @@ def _read_only_context(config: str | None, overrides: list[str]) -> Iterator[Run
             ctx.close()
 
 
-def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:  # noqa: A001
-    """Held-out accuracy of model.path (a model, checkpoint or run directory) or the built-in model."""
+def evaluation(config: str | None, overrides: list[str]) -> dict[str, float]:
+    """`eval`'s result: held-out accuracy (and mean response length) of model.path or the built-in model."""
     with _read_only_context(config, overrides) as ctx:
         if not ctx.eval_rows:  # it printed {} and exited 0
             cfg = ctx.cfg
@@ -331,7 +331,12 @@ def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> 
             )
         print(f"loopline: scoring {_held_out(ctx)}", file=sys.stderr, flush=True)
         sync_engine(ctx, version=0)
-        print(json.dumps(evaluate(ctx)))
+        return evaluate(ctx)
+
+
+def eval(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:  # noqa: A001
+    """Held-out accuracy of model.path (a model, checkpoint or run directory) or the built-in model."""
+    print(json.dumps(evaluation(config, overrides)))
     return 0
 
 
@@ -352,25 +357,33 @@ def _held_out(ctx: RunContext) -> str:
     return f"{rows} with env.name={cfg.env.name}"
 
 
-def generate(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """Sample completions for --prompt texts; prints one JSON line per completion. With -n > 1 and greedy
-    eval sampling (the default), samples at temperature 1: n greedy samples would all be the same."""
+def generations(
+    config: str | None, overrides: list[str], prompts: list[str], n: int = 1, temperature: float | None = None
+) -> list[dict[str, str]]:
+    """`generate`'s result: {prompt, completion, finish} for each of n samples per prompt, in order."""
     from loopline.data.datasets import PromptRow
 
     with _read_only_context(config, overrides) as ctx:
         cfg = ctx.cfg
         sync_engine(ctx, version=0)
-        rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(args.prompt)]
-        prompts = encode_prompts(ctx.tokenizer, rows, cfg.model.use_chat_template)
+        rows = [PromptRow(index=i, prompt=p) for i, p in enumerate(prompts)]
+        encoded = encode_prompts(ctx.tokenizer, rows, cfg.model.use_chat_template)
         params = sampling_params(cfg.eval.sampling, seed=cfg.seed)
-        temperature = args.temperature
-        if temperature is None and args.n > 1 and params.temperature == 0:
+        if temperature is None and n > 1 and params.temperature == 0:
             temperature = 1.0
         if temperature is not None:
             params = dataclasses.replace(params, temperature=temperature)
-        for c in ctx.rollout.generate(prompts, params, n=args.n):
-            row = {"prompt": args.prompt[c.prompt_index], "completion": c.text, "finish": c.finish_reason}
-            print(json.dumps(row))
+        return [
+            {"prompt": prompts[c.prompt_index], "completion": c.text, "finish": c.finish_reason}
+            for c in ctx.rollout.generate(encoded, params, n=n)
+        ]
+
+
+def generate(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """Sample completions for --prompt texts; prints one JSON line per completion. With -n > 1 and greedy
+    eval sampling (the default), samples at temperature 1: n greedy samples would all be the same."""
+    for row in generations(config, overrides, args.prompt, args.n, args.temperature):
+        print(json.dumps(row))
     return 0
 
 

@@ -21,6 +21,7 @@ from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
 from loopline.envs.config import ROW_FIELDS, EnvConfig
 from loopline.k8s.config import K8sConfig
+from loopline.metrics.config import MetricsConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from loopline.rollout.config import EvalConfig, RolloutConfig, SamplingConfig, VllmConfig
 from loopline.runtime.cluster import ClusterConfig
@@ -62,6 +63,7 @@ __all__ = [
     "GRPOConfig",
     "K8sConfig",
     "LoRAConfig",
+    "MetricsConfig",
     "ModelConfig",
     "OptimConfig",
     "PlacementConfig",
@@ -108,6 +110,9 @@ class RunConfig(Section):
     )
     progress: bool = Field(True, description="Show a progress bar.")
     tensorboard: bool = Field(True, description="Also log to TensorBoard when it is installed.")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="Weights & Biases logging (curves and config)."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     env: EnvConfig = Field(default_factory=EnvConfig, description="What scores the RL loop's completions.")

@@ -2,7 +2,8 @@
 
 CKPT is a checkpoint directory (RUN_DIR/checkpoints/<phase>-<step>) or a run directory (its newest
 checkpoint). The weights come from the checkpoint's DCP shards, whatever number of trainer ranks wrote
-them, so this works whether or not the checkpoint kept model/model.safetensors (checkpoint.hf_model).
+them, so this works whether or not the checkpoint kept model/model.safetensors (checkpoint.hf_model). A model card
+(README.md: base model, data, algorithm, final metrics, loopline version) is written beside the weights.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from loopline.checkpoint.run_dir import RUN_CONFIG
+from loopline.checkpoint.model_card import model_card
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
@@ -42,7 +44,8 @@ def _lora_config(ckpt: Path) -> LoRAConfig | None:
 
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
-    """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer); returns `out`."""
+    """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer, and its model card README.md:
+    checkpoint.model_card); returns `out`."""
     if Path(out).exists() and not Path(out).is_dir():  # save_pretrained would only log an error and return
         raise UserError(f"export: destination '{out}' is a file: give a directory to write the model to")
     ckpt = resolve_checkpoint(checkpoint)
@@ -61,6 +64,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     load_tokenizer(ckpt / "model").save_pretrained(out)
     if (ckpt / "config.yaml").is_file():  # what the model was trained on: `loopline eval` of it reads this
         shutil.copyfile(ckpt / "config.yaml", out / RUN_CONFIG)
+    (out / "README.md").write_text(model_card(ckpt, out.resolve().name))
     return out
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from loopline.config import RunConfig, absolute_paths, load_config, relative_paths
 from loopline.errors import UserError
+from loopline.version import version
 
 HISTORY_FILE = "config_history.jsonl"
 # The run's config beside a model it exported (config.json there is the model's): what data, env and task it
@@ -36,7 +37,7 @@ RUN_CONFIG = "loopline_run.yaml"
 # What a run writes into its out_dir: --overwrite deletes these and nothing else.
 RUN_ENTRIES = (
     "config.yaml", HISTORY_FILE, "metrics.jsonl", "ledger.jsonl", "checkpoints", "tensorboard", "curves.png",
-    "model", "reward_model", "scale_request.json",
+    "model", "reward_model", "scale_request.json", "wandb_run.json", "wandb",
 )  # fmt: skip
 # Their presence makes a directory a run's: a new run there would mix with or destroy it.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
@@ -51,7 +52,7 @@ RESUMABLE = (
     "k8s.*",  # where it runs on Kubernetes (the pods' sizes, image, queue)
     "checkpoint.*", "checkpoint_every",
     "sft.eval_every", "grpo.eval_every", "dpo.eval_every", "eval.batch_size",  # when eval runs, not what it measures
-    "threads", "deterministic", "progress", "tensorboard",
+    "threads", "deterministic", "progress", "tensorboard", "metrics.*",  # where the metrics go, not what they are
 )  # fmt: skip
 
 
@@ -212,6 +213,7 @@ def record_config(
         "changes": {k: list(v) for k, v in changes.items()},
         "forced": sorted(k for k in changes if not resumable(k)),
         **({"cwd": os.getcwd()} if event == "start" else {}),  # what a saved config's relative paths meant
+        "loopline": version(),  # which code ran (the model card names it)
         **extra,
     }
     with (Path(run_dir) / HISTORY_FILE).open("a") as f:

@@ -129,11 +129,11 @@ class EnvConfig(Section):
 
     name: Annotated[str, LocalPath("env file", inside=ENV_FILE)] = Field(
         "addition",
-        description="A built-in env ("
-        + ", ".join(BUILTIN_ENVS)
-        + ") or your own: python:MODULE:FACTORY, where "
-        "MODULE is a dotted module name or a path to a .py file (stored absolute) and FACTORY() returns a fresh "
-        "envs.base.Env (one per episode).",
+        description="A built-in env (" + ", ".join(BUILTIN_ENVS) + ") or your own: python:MODULE:NAME, where "
+        "MODULE is a dotted module name or a path to a .py file (stored absolute) and NAME is a factory (NAME() "
+        "returns a fresh envs.base.Env, one per episode) or a reward function NAME(prompt, completion, "
+        "**row_fields) -> float (a single-turn env; envs.reward_fn). loopline.api writes python:FILE.pkl:reward for "
+        "a reward function it pickles by value (a lambda, a notebook's).",
     )
 
     code_reward: Literal["all", "fraction"] = Field(

@@ -29,8 +29,10 @@ import inspect
 import json
 import math
 import os
+import pickle
 import signal
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,6 +43,7 @@ from loopline.data.tasks import exact_match
 from loopline.envs.base import Env, StepResult, VerifierEnv, counts_correct, max_reward
 from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
 from loopline.envs.math_equal import math_reward
+from loopline.envs.reward_fn import RewardFnEnv, is_reward_fn
 from loopline.errors import UserError
 
 EnvFactory = Callable[[], Env]
@@ -94,7 +97,12 @@ def _builtin(env: EnvConfig) -> EnvFactory:
 
 
 def _load_module(spec: str, name: str):  # -> types.ModuleType
-    """A dotted module name, or a path to a .py file (imported once per process under a name of its own)."""
+    """A dotted module name, a path to a .py file (imported once per process under a name of its own), or a .pkl of a
+    reward function pickled by value (loopline.api: a lambda, a notebook's function), served as the name `reward`."""
+    if spec.endswith(".pkl"):
+        if not Path(spec).is_file():
+            raise EnvError(f"env.name={name}: no file {spec}")
+        return types.SimpleNamespace(reward=pickle.loads(Path(spec).read_bytes()))
     if not spec.endswith(".py"):
         return importlib.import_module(spec)
     path = Path(spec).resolve()
@@ -140,6 +148,8 @@ def _factory(env_json: str) -> EnvFactory:
     factory = getattr(module, match["factory"], None)
     if not callable(factory):
         raise EnvError(f"env.name={name}: {match['module']} has no callable {match['factory']!r}")
+    if is_reward_fn(factory):  # (prompt, completion, **row_fields) -> float: wrapped in a one-step env
+        return functools.partial(RewardFnEnv, factory)
     return factory
 
 

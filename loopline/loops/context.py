@@ -128,8 +128,11 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     run_dir = Path(cfg.out_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
+    # before the roles: a W&B run that cannot start (no account, no network) fails before any worker starts
+    logger = MetricsLogger(
+        run_dir, tensorboard=cfg.tensorboard, wandb=cfg.metrics, config=cfg.model_dump(mode="json")
+    )
     roles = build_roles(cfg, model, tokenizer)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.tensorboard)
     if skipped:  # rows the data config let go (skip_bad_rows, overlong=skip), by reason, on the next row
         logger.note(
             {

@@ -1,4 +1,4 @@
-"""Metrics: one JSON object per row in metrics.jsonl, TensorBoard when installed, a progress bar."""
+"""Metrics: one JSON object per row in metrics.jsonl, TensorBoard when installed, W&B when asked, a progress bar."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from loopline.errors import UserError
+from loopline.metrics.config import MetricsConfig
 
 log = logging.getLogger(__name__)
 
@@ -17,9 +18,21 @@ class MetricsLogger:
     """Appends rows to RUN_DIR/metrics.jsonl (and TensorBoard); a resumed run cuts the file back to its length at the
     checkpoint (checkpoint.state.truncate_run_files)."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        wandb: MetricsConfig | None = None,
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        """wandb: the metrics section; with wandb=true every row also goes to W&B, and `config` (the run's) with it."""
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._wandb = None
+        if wandb is not None and wandb.wandb:
+            from loopline.metrics.wandb_run import WandbRun
+
+            self._wandb = WandbRun(Path(run_dir), wandb, config or {})
         self._tb = None
         self._notes: dict[str, Any] = {}
         if tensorboard:
@@ -50,6 +63,8 @@ class MetricsLogger:
                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "step":
                     self._tb.add_scalar(f"{phase}/{k}", v, row["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean)
 
     def clear(self) -> None:
         """Start metrics.jsonl afresh: rows of an earlier run in the same directory must not mix in."""
@@ -58,6 +73,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
