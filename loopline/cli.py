@@ -18,8 +18,8 @@ from loopline import config_rules
 from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
-from loopline.models.config import missing_tokenizer
 from loopline.metrics.config import WANDB_INSTALL_HINT
+from loopline.models.config import missing_tokenizer
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from loopline.checkpoint.run_dir import RUN_CONFIG
 from loopline.checkpoint.model_card import model_card
+from loopline.checkpoint.run_dir import RUN_CONFIG
 from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
