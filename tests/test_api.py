@@ -70,8 +70,9 @@ def _check_train(result: loopline.RunResult, out: Path, rewards_file: str) -> No
     assert result.metrics["reward_mean"] == 0.375 and result.metrics["reward_std"] == 0.0
     grpo_rows = [r for r in result.history if r["phase"] == "grpo" and "reward_mean" in r]
     assert [r["reward_mean"] for r in grpo_rows] == [0.375, 0.375]
-    # every held-out answer scores 0.375 > 0: correct
-    assert result.metrics["eval_accuracy"] == 1.0 and result.phases["sft"]["eval_accuracy"] == 1.0
+    # every held-out answer scores 0.375, below full marks (1.0): none is correct, the mean reward says 0.375
+    assert result.metrics["eval_accuracy"] == 0.0 and result.phases["sft"]["eval_accuracy"] == 0.0
+    assert result.metrics["eval_reward_mean"] == 0.375 and result.phases["sft"]["eval_reward_mean"] == 0.375
     assert [p.name for p in result.checkpoints] == ["sft-000002", "grpo-000002"]
     assert all((p / "dcp").is_dir() for p in result.checkpoints)
     assert result.model is None  # train leaves checkpoints; loopline.export makes the model
@@ -89,7 +90,8 @@ def test_train_with_a_reward_function_on_the_local_backend(reward, tmp_path: Pat
 
     exported = loopline.export(result.run_dir, tmp_path / "model")
     assert (exported / "config.json").is_file()
-    assert loopline.evaluate(exported, None, ["eval.num_prompts=4"], reward_fn=fn)["eval_accuracy"] == 1.0
+    scores = loopline.evaluate(exported, None, ["eval.num_prompts=4"], reward_fn=fn)
+    assert scores["eval_reward_mean"] == 0.375 and scores["eval_accuracy"] == 0.0
     (sample,) = loopline.generate(["12+30="], exported, overrides=["eval.sampling.max_new_tokens=4"])
     assert (
         sample.prompt == "12+30="
@@ -131,9 +133,8 @@ def test_a_lambda_goes_by_value_into_the_run_directory_and_the_cli_resumes_with_
     assert [r["reward_mean"] for r in resumed.history if "reward_mean" in r] == [0.625] * 4
     assert resumed.checkpoints[-1].name == "grpo-000004"
     # evaluate (which writes nothing) takes a lambda too: pickled beside its temporary config
-    assert (
-        loopline.evaluate(resumed.run_dir, reward_fn=lambda prompt, completion: 0.5)["eval_accuracy"] == 1.0
-    )
+    scores = loopline.evaluate(resumed.run_dir, reward_fn=lambda prompt, completion: 1.0)
+    assert scores["eval_accuracy"] == 1.0 and scores["eval_reward_mean"] == 1.0
 
 
 @pytest.mark.e2e

@@ -8,7 +8,8 @@ a module-level function of a module or .py file that those processes can import.
 
 Row fields passed as keyword arguments: `answer` and the row's extra fields (env.fields, and those the env
 reads, e.g. the code task's `test`); a function with `**kwargs` gets them all, one without gets those it names.
-A response counts as correct (eval accuracy) when its reward is positive.
+A response counts as correct (eval accuracy) when its reward reaches full marks, 1.0 (envs.base.counts_correct);
+partial credit shows in the mean reward.
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ def test_every_field_that_names_a_file_is_marked_or_said_why_not():
     marked = {k for k, info in leaves.items() if any(isinstance(m, LocalPath) for m in info.metadata)}
     assert marked == {
         "model.path",
+        "model.config",
+        "model.tokenizer",
         "data.train_path",
         "data.eval_path",
         "preference.train_path",
