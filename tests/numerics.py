@@ -83,6 +83,7 @@ def assert_adam_updates_close(
     grads_a: Sequence[Mapping[str, torch.Tensor]] | None = None,
     grads_b: Sequence[Mapping[str, torch.Tensor]] | None = None,
     betas: tuple[float, float] = (0.9, 0.95),
+    first_step: int = 1,
     weight_decay: float = 0.0,
     atol: float = 1e-6,
     grad_rtol: float = 1e-4,
@@ -94,7 +95,8 @@ def assert_adam_updates_close(
     """Weights after len(lrs) AdamW steps on two layouts agree by the module's rule; returns the counts.
 
     `before`: the common starting weights; `after_a`/`after_b`: each layout's weights after the steps;
-    `lrs`: the learning rate of each step; `grads_a`/`grads_b`: each layout's gradients as AdamW saw them
+    `lrs`: the learning rate of each step (the first is AdamW's step `first_step`: 3 after a restored
+    checkpoint of two steps); `grads_a`/`grads_b`: each layout's gradients as AdamW saw them
     (after clipping), one mapping per step (see `record_grads`), or both None for the gradient-free form.
     A name missing from the gradients (a buffer, a frozen parameter) must not have moved on either side.
     """
@@ -108,7 +110,7 @@ def assert_adam_updates_close(
                 torch.testing.assert_close(
                     gb[name], ga[name], rtol=grad_rtol, atol=grad_atol, msg=f"{msg} step {step} grad {name}"
                 )
-    bounds = adam_ratio_bounds(len(lrs), betas)
+    bounds = adam_ratio_bounds(first_step + len(lrs) - 1, betas)[first_step - 1 :]
     moved = sum(lr * b for lr, b in zip(lrs, bounds))
     total = resolved = 0
     for name, wa in after_a.items():
@@ -171,11 +173,21 @@ def _alias(name: str, after_a: Mapping, after_b: Mapping, graded: Mapping) -> bo
     )
 
 
-def record_grads(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> tuple[list, object]:
-    """Record each step's whole gradients, as the optimizer sees them; returns (the list, the hook handle)."""
-    grads: list[dict[str, torch.Tensor]] = []
+class Recorded:
+    """Each optimizer step's whole gradients (as AdamW sees them: after clipping) and learning rate."""
 
-    def snapshot(*_: object) -> None:
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self.lrs: list[float] = []
+        self._model = model
+        self.hook = optimizer.register_step_pre_hook(self._snapshot)
 
-    return grads, optimizer.register_step_pre_hook(snapshot)
+    def _snapshot(self, optimizer: torch.optim.Optimizer, *_: object) -> None:
+        named = self._model.named_parameters()
+        self.grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+def record_grads(optimizer: torch.optim.Optimizer, model: torch.nn.Module) -> Recorded:
+    """Start recording `model`'s gradients and the learning rate at each step of `optimizer` (one process)."""
+    return Recorded(optimizer, model)
