@@ -26,9 +26,10 @@ The rule (`assert_adam_updates_close`):
    turn into "anything within lr".
 
 Without recorded gradients (a Ray run compared with a local one through their checkpoints), step 2 cannot
-be decided per element: then an element is taken as unresolved only if its weights differ by more than the
-tight tolerance, at most `max_unresolved` of the elements may (default 1e-3: measured fractions are
-~1e-4), and each such element must still pass step 3. Where exactness itself is the point (the same
+be decided per element: then an element is taken as unresolved only if its weights differ by more than
+atol + R_FREE x sum_t lr_t B_t (R_FREE = 1e-3: what a gradient ~2,000 times above its noise allows), at most
+`max_unresolved` of the elements may (default 1e-3; measured: 6e-5 of the built-in model after 3 TP steps at
+lr 1e-2, where a fixed 1e-6 left 2.5e-3 out), and each such element must still pass step 3. Where exactness itself is the point (the same
 gradients, one layout), compare bitwise or with SGD instead: this rule is only for two reduction orders.
 """
 
@@ -41,6 +42,7 @@ import torch
 
 NOISE_FLOOR = 1e3  # a gradient below this many eps_float32 of its tensor's largest is float noise
 R_MAX = 1e-2  # a gradient whose layouts differ by more than this, relative, is not resolved
+R_FREE = 1e-3  # without gradients: weights within atol + R_FREE x AdamW's largest move count as resolved
 EPS32 = torch.finfo(torch.float32).eps
 
 
@@ -125,7 +127,7 @@ def assert_adam_updates_close(
             ok, r = gradient_agreement([g[name] for g in grads_a], [g[name] for g in grads_b])
             ok, tol = ok.reshape(wa.shape), atol + 2.0 * moved * r.reshape(wa.shape)
         else:
-            tol = torch.full_like(wa, atol)
+            tol = torch.full_like(wa, atol + R_FREE * moved)
             ok = (wa - wb).abs() <= tol
         total += wa.numel()
         resolved += int(ok.sum())
