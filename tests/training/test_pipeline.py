@@ -300,18 +300,21 @@ def _assert_logprobs(got: list[torch.Tensor], batches: list[TokenBatch], tied: b
         torch.testing.assert_close(logp * mask, expected * mask, rtol=0, atol=1e-6)
 
 
+@pytest.mark.gloo  # spawned pipeline ranks (the rest of this module runs in one process: unit)
 @pytest.mark.parametrize("case", CASES_PP2, ids=[c.name for c in CASES_PP2])
 def test_pp2_updates_like_one_rank(pp2: tuple[dict, dict, dict], case: Case) -> None:
     single, merged, _ = pp2
     _assert_same_update(single[case.name], merged[case.name], case.tied)
 
 
+@pytest.mark.gloo  # spawned pipeline ranks (the rest of this module runs in one process: unit)
 @pytest.mark.parametrize("case", CASES_4, ids=[c.name for c in CASES_4])
 def test_pp2_dp2_and_pp2_tp2_update_like_one_rank(four: tuple[dict, dict, dict], case: Case) -> None:
     single, merged, _ = four
     _assert_same_update(single[case.name], merged[case.name], case.tied)
 
 
+@pytest.mark.gloo  # spawned pipeline ranks (the rest of this module runs in one process: unit)
 def test_every_rank_gets_the_last_stages_logprobs(pp2: tuple, four: tuple) -> None:
     """Log-probs computed on the last stage reach every stage's ranks, for each rank's own dp slice."""
     for world, cases, (_, _, by_case) in ((2, CASES_PP2, pp2), (4, CASES_4, four)):
