@@ -213,7 +213,8 @@ def add_ray_nodes(ray_cluster: Cluster) -> Iterator[Callable[[Sequence[Mapping[s
 # ---------------------------------------------------------------------------------------------------------
 
 LAYER_MARKS = ("unit", "gloo", "ray", "sandbox", "e2e", "cluster")
-# A test that uses the session's Ray is `ray`; otherwise its module's layer here; otherwise `unit`.
+# A test that uses the session's Ray is `ray`; otherwise its module's layer here; otherwise `unit`. A module of
+# unit tests with a few heavier ones marks those itself (@pytest.mark.gloo etc.): `make test-fast` runs `-m unit`.
 RAY_FIXTURES = {"ray_session", "ray_cluster", "add_ray_nodes"}
 MODULE_LAYERS = {
     **dict.fromkeys(
@@ -243,6 +244,7 @@ MODULE_LAYERS = {
     ),
     **dict.fromkeys(
         [
+            "tests/envs/test_bench_env.py",
             "tests/envs/test_bench_sandbox.py",
             "tests/envs/test_cli.py",
             "tests/envs/test_code.py",
@@ -258,7 +260,10 @@ MODULE_LAYERS = {
             "tests/envs/test_agent_e2e.py",
             "tests/k8s/test_entrypoint.py",
             "tests/loops/test_dpo_rm.py",
+            "tests/loops/test_env_in_loop.py",
             "tests/loops/test_grpo_variants.py",
+            "tests/loops/test_multi_turn_loop.py",
+            "tests/loops/test_openai_agent.py",
             "tests/loops/test_resume_exact.py",
             "tests/loops/test_resume_rl_state.py",
             "tests/loops/test_sft_stop.py",

@@ -50,7 +50,7 @@ from loopline.loops.context import (
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.loops.no_signal import NoSignalWatch, Sample, warn
-from loopline.loops.stream import RolloutStream
+from loopline.loops.stream import RolloutStream, too_stale
 from loopline.metrics.trace import Trace
 from loopline.rollout.engine import Completion, SamplingParams
 from loopline.rollout.trajectory import Trajectory
@@ -492,7 +492,7 @@ def _grpo_step(
     scored, waited = stream.take(state.step)
     if waited:
         ctx.trace.span("trainer", "wait", asked, asked + waited)
-    dropped = sum(state.step - c.policy_version > cfg.max_staleness for c in scored.completions)
+    dropped = sum(too_stale(state.step, c.policy_version, cfg.max_staleness) for c in scored.completions)
     if dropped:  # only a run resumed with a smaller max_staleness: this batch is collected again, now
         log.warning(
             "grpo step %d: %d samples were generated more than grpo.max_staleness=%d versions ago: dropped, and "

@@ -29,6 +29,12 @@ T = TypeVar("T")
 S = TypeVar("S")
 
 
+def too_stale(step: int, policy_version: int, max_staleness: int) -> bool:
+    """Whether a sample generated under `policy_version` is too old to train at `step`: it may be up to
+    max_staleness versions behind (k kept), not one more (k + 1 dropped)."""
+    return step - policy_version > max_staleness
+
+
 class RolloutStream(Generic[T, S]):
     """Batches first, first + 1, ... from `produce(b)`, at most k policy versions ahead of the trainer."""
 

@@ -7,6 +7,7 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from loopline.checkpoint.state import CheckpointParts, RunState, checkpoint_root, latest_checkpoint, rng_state
@@ -58,6 +59,34 @@ def test_latest_points_at_the_newest_whole_checkpoint(tmp_path, small_model, tok
     assert latest_checkpoint(tmp_path).name == "sft-000003"
     _save(tmp_path, small_model, tokenizer, "grpo", 2)
     assert latest_checkpoint(tmp_path).name == "grpo-000002"
+
+
+def test_the_scan_takes_the_newest_whole_checkpoint_and_passes_over_damaged_newer_ones(
+    tmp_path, small_model, tokenizer
+):
+    from loopline.checkpoint.state import newest_whole_checkpoint
+    from loopline.errors import UserError
+
+    assert newest_whole_checkpoint(tmp_path) == (None, [])  # no checkpoint: a fresh run
+    for phase, step in (("sft", 9), ("grpo", 2), ("grpo", 10)):  # by age: SFT before RL, steps as numbers
+        _save(tmp_path, small_model, tokenizer, phase, step, keep_last=0)
+    root = checkpoint_root(tmp_path)
+    assert newest_whole_checkpoint(tmp_path) == (root / "grpo-000010", [])
+    # the newest's shard cut short (a disk filled mid-write): the one before it, and why the newest was passed
+    shard = next((root / "grpo-000010" / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:10])
+    path, skipped = newest_whole_checkpoint(tmp_path)
+    assert path == root / "grpo-000002"
+    assert [(p.name, fault.split(":")[0]) for p, fault in skipped] == [("grpo-000010", "dcp/" + shard.name)]
+    # the next one's RNG file unreadable as well: past both, to the SFT checkpoint
+    (root / "grpo-000002" / "rng.pt").write_bytes(b"not a torch file")
+    path, skipped = newest_whole_checkpoint(tmp_path)
+    assert path == root / "sft-000009" and [p.name for p, _ in skipped] == ["grpo-000010", "grpo-000002"]
+    assert skipped[1][1].startswith("rng.pt: ")
+    # every one damaged: refused, naming them, rather than a fresh start over the run's files
+    (root / "sft-000009" / "state.json").write_text("{")
+    with pytest.raises(UserError, match="every one is damaged: .*grpo-000010.*grpo-000002.*sft-000009"):
+        newest_whole_checkpoint(tmp_path)
 
 
 def test_leftover_tmp_dir_is_ignored_then_replaced(tmp_path, small_model, tokenizer):

@@ -192,6 +192,7 @@ def test_a_code_row_whose_test_cannot_check_anything_is_named(test: str, error: 
         score_chunk("code", (["    return 1\n"], [row]))
 
 
+@pytest.mark.sandbox  # the code env's tests run in the sandbox (the rest of this module: unit)
 def test_the_code_env_scores_mbpp_rows_and_their_fields_are_its_own() -> None:
     env = EnvConfig(name="code", code_format="mbpp", code_reward="fraction")
     assert env.row_fields == ("test_list",) and not env.reads_answer

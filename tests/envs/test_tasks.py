@@ -97,6 +97,7 @@ def _problem(row: PromptRow) -> CodeProblem:
     return CodeProblem(f"code/{row.index}", row.prompt, row.get("entry_point"), row.get("test"))
 
 
+@pytest.mark.sandbox  # the references run in the sandbox (the rest of this module: unit)
 def test_code_problems_are_disjoint_reproducible_and_their_reference_passes_in_the_sandbox():
     cfg = CodeTaskConfig(num_train=200, num_eval=20, num_val=10)
     train, held_out = code_splits(cfg, seed=0)

@@ -244,6 +244,7 @@ def test_calculator_errors_reach_the_model_as_tool_raised():
     assert outcome.error == "tool_raised" and "ZeroDivisionError" in outcome.text
 
 
+@pytest.mark.sandbox  # the python tool runs in the sandbox (the rest of this module: unit)
 def test_python_tool_runs_in_the_sandbox():
     box = Toolbox([python_tool(SandboxConfig(timeout_s=1.0))])
     assert run(box.run(ToolCall("python", {"code": "print(6 * 7)"}))).text == "42\n"

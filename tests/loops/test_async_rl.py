@@ -24,7 +24,7 @@ from loopline.cli import main
 from loopline.config import ConfigError, load_config
 from loopline.loops.context import write_scale_request
 from loopline.loops.grpo import scale_between_batches
-from loopline.loops.stream import RolloutStream
+from loopline.loops.stream import RolloutStream, too_stale
 from loopline.metrics.logger import read_metrics
 from loopline.metrics.trace import read_spans
 from tests.runs import kill_at, steady
@@ -78,6 +78,19 @@ def test_batch_b_is_generated_under_version_b_minus_k_and_overlaps_training(k: i
     # with k >= 1 batch s + 1 starts before step s has finished training; with k = 0 only after
     started_early = [engines.collected[s + 1][1] < trained[s] for s in range(7)]
     assert all(started_early) if k else not any(started_early)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_the_intake_keeps_samples_k_versions_old_and_drops_one_more(k: int) -> None:
+    # the loop's intake (loops/grpo.py, step 1-2): a sample k versions behind the step is trained, k + 1 is not;
+    # the fixed schedule generates batch b under max(0, b - k), so its oldest samples sit exactly on the bound
+    for step in (k, k + 5):
+        assert not too_stale(step, step, k)
+        assert not too_stale(step, step - k, k)
+        assert too_stale(step, step - k - 1, k)
+    assert [too_stale(b, max(0, b - k), k) for b in range(8)] == [False] * 8
+    if k:  # a run resumed with a smaller bound drops what the schedule made under the larger one
+        assert too_stale(k + 5, 5, k - 1)
 
 
 def test_pending_batches_carry_over_to_a_resumed_stream() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
@@ -10,6 +11,7 @@ from loopline.models.load import build_byte_tokenizer, build_tiny_model
 from tests.conftest import SMALL
 
 
+@pytest.mark.e2e  # GRPO steps of the default job (the rest of this module: unit)
 def test_bench_step_splits_a_step_by_stage_and_ends_with_the_framework_share(capsys):
     small = [f"model.tiny.{k}={v}" for k, v in SMALL.model_dump().items() if k != "max_position_embeddings"]
     args = ["--steps", "4", *small, "grpo.prompts_per_step=4", "grpo.group_size=2", "threads=1"]

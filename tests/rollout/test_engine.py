@@ -329,6 +329,33 @@ def test_seeded_sampling_is_reproducible_and_leaves_global_rng_alone(small_model
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
 
 
+def test_a_restored_generator_state_samples_the_same_tokens_again(small_model, tokenizer):
+    # what a checkpoint keeps of an engine (rng_state) and a resume gives back (set_rng_state, through
+    # runtime.engine.restore_engine_rng on both backends): the samples after it, token for token
+    from loopline.runtime.engine import restore_engine_rng
+
+    prompts, params = _prompts(tokenizer), SamplingParams(max_new_tokens=6, temperature=1.0)
+    engine = TorchEngine(small_model, tokenizer, seed=5)
+    engine.generate(prompts, params, n=2)  # the stream has moved off its seed
+    saved = engine.rng_state()
+
+    def sample() -> list[list[int]]:
+        return [c.token_ids for c in engine.generate(prompts, params, n=2)]
+
+    first, second = sample(), sample()
+    assert first != second  # the stream moves on
+    engine.set_rng_state(saved)
+    assert sample() == first
+    # the restore a resume runs: the saved states fit (as many engines, each with a generator): exact
+    assert restore_engine_rng(engine, [None, saved], rank=1, engines=2, reseed=99)
+    assert sample() == first
+    # they do not fit (another number of engines): reseeded from reseed + rank, and said so
+    assert not restore_engine_rng(engine, [saved], rank=1, engines=2, reseed=99)
+    reseeded = sample()
+    engine.reseed(100)
+    assert reseeded == sample() != first
+
+
 def test_update_weights_copies_bitwise_and_bumps_version(small_model, trained, tokenizer):
     engine = TorchEngine(copy.deepcopy(small_model), tokenizer)
     engine.update_weights(trained.state_dict(), version=5)

@@ -15,6 +15,7 @@ def test_bubble_fraction_of_the_schedules():
     assert bubble_fraction(1, 4) == 0.0
 
 
+@pytest.mark.gloo  # two spawned worlds of ranks (the rest of this module: unit)
 def test_bench_pp_runs_both_worlds_to_the_same_weights(capsys):
     argv = ["--hidden", "32", "--layers", "2", "--heads", "2", "--prompts", "2", "--samples", "4"]
     assert main([*argv, "--micro-batch", "2", "--max-new", "4", "--steps", "1"]) == 0

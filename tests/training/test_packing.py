@@ -27,6 +27,7 @@ from loopline.training.policy import (
     response_logprobs,
     sequence_logprobs,
 )
+from tests.numerics import assert_adam_updates_close, record_grads
 
 OPTIM = OptimConfig(lr=1e-3, warmup_steps=0, grad_clip=1e9)
 
@@ -155,16 +156,22 @@ def test_packed_scalar_heads_equal_the_padded_forward(small_model):
         tokens.input_ids, tokens.attention_mask, tokens.response_mask,
         old_values=values[0], returns=torch.randn(values[0].shape, generator=torch.Generator().manual_seed(1)),
     )  # fmt: skip
-    critics = [CriticTrainer(copy.deepcopy(m), CriticConfig(micro_batch_size=5), 10) for m in models]
-    for c in critics:
-        c.step(value_batch)
     pairs = PairBatch(_long_tail_batch(6, rows=6), _long_tail_batch(7, rows=6), torch.zeros(6))
-    rms = [RewardTrainer(copy.deepcopy(m), RewardModelConfig(micro_batch_size=4), 10) for m in models]
-    for r in rms:
-        r.step(pairs)
-    for a, b in ((critics[0].model, critics[1].model), (rms[0].model, rms[1].model)):
-        for (name, p), q in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(q, p, atol=1e-6, rtol=1e-5, msg=name)
+    for make, batch in (
+        (lambda m: CriticTrainer(copy.deepcopy(m), CriticConfig(micro_batch_size=5), 10), value_batch),
+        (lambda m: RewardTrainer(copy.deepcopy(m), RewardModelConfig(micro_batch_size=4), 10), pairs),
+    ):
+        trainers = [make(m) for m in models]
+        seen = [record_grads(t.optimizer, t.model) for t in trainers]
+        for t in trainers:
+            t.step(batch)
+        before, (a, b) = (
+            dict(models[0].named_parameters()),
+            (dict(t.model.named_parameters()) for t in trainers),
+        )
+        assert_adam_updates_close(  # padded and packed sum in different orders: tests/numerics.py's rule
+            before, a, b, lrs=seen[0].lrs, grads_a=seen[0].grads, grads_b=seen[1].grads, grad_atol=1e-6
+        )
 
 
 class LeakyLM(torch.nn.Module):

@@ -33,6 +33,7 @@ def _rank(rank: int, addresses: mp.Queue, results: mp.Queue) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.gloo  # two spawned ranks (the rest of this module: unit)
 def test_two_processes_join_through_rank_0s_store() -> None:
     ctx = mp.get_context("spawn")
     addresses, results = ctx.Queue(), ctx.Queue()
