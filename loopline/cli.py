@@ -17,6 +17,7 @@ from pathlib import Path
 from loopline.checkpoint.run_dir import RESUMABLE
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
+from loopline.plan import PHASES
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -75,6 +76,14 @@ def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_check_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-plan-check",
+        action="store_true",
+        help="start even when `loopline plan` says the run does not fit this machine's (or its pools') memory",
+    )
+
+
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     # `loopline train a.b=1` has no file: argparse puts the first override in `config`.
     config, overrides = args.config, list(args.overrides)
@@ -102,20 +111,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("sft", help="supervised fine-tuning only")
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
     _add_config_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
+
+    p = sub.add_parser(
+        "plan",
+        help="the memory each role's rank will need, per node against its memory, and the step's FLOPs; starts "
+        "nothing (exit 2 when the run cannot fit)",
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--command",
+        dest="command_planned",
+        choices=PLANNED,
+        default="train",
+        help="the command to plan for (default: train)",
+    )
 
     p = sub.add_parser(
         "eval",
@@ -220,6 +247,7 @@ def _scale(run_dir: str, counts: list[str]) -> int:
 
 RUN_COMMANDS = ("train", "sft", "dpo", "rm", "eval", "generate")  # build a run context (model and data)
 WRITING_COMMANDS = ("train", "sft", "dpo", "rm")  # write into out_dir
+PLANNED = tuple(PHASES)  # the commands `loopline plan` plans and that check their plan before starting
 
 
 def _is_model_source(path: Path) -> bool:
@@ -372,6 +400,14 @@ def _run(argv: list[str]) -> int:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    if args.command == "plan":
+        from loopline import plan
+
+        config, overrides = _split_config(args)
+        cfg = load_config(config, overrides)
+        print("\n".join(plan.report(cfg, args.command_planned)))
+        plan.check(cfg, args.command_planned)
+        return 0
     if args.command in (*RUN_COMMANDS, "config"):
         config, overrides = _split_config(args)
         if args.command in ("eval", "generate"):
@@ -380,6 +416,10 @@ def _run(argv: list[str]) -> int:
         if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
             print("\n".join(describe(cfg)))
             return 0
+        if args.command in PLANNED and not args.no_plan_check:  # before anything is written
+            from loopline.plan import check
+
+            check(cfg, args.command)
         check_run(
             cfg, args.command
         )  # missing files and an out_dir that cannot be written fail before torch too
