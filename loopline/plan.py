@@ -409,12 +409,8 @@ def _runtime(role: str) -> Term:
 def nodes(cfg: RunConfig, command: str) -> list[Node]:
     """Where the run's ranks live and the memory each place has."""
     rt = cfg.runtime
-    roles = ["actor", "rollout", *wanted_roles(cfg, command)]
-    if command != "train":
-        roles = [r for r in roles if r != "rollout"]
+    roles = ["actor", "rollout", *wanted_roles(cfg, command)]  # every command evaluates: an engine and envs
     env = [Rank("env", i, [_runtime("env"), *role_terms(cfg, "env", command)]) for i in range(rt.env_workers)]
-    if command != "train":
-        env = []
     if rt.backend == "local":  # one process holds every model role; env workers are processes of their own
         main = Rank("driver", 0, [_runtime("driver")])
         ranks = [main, *(Rank(r, 0, role_terms(cfg, r, command)) for r in roles), *env]
@@ -429,8 +425,6 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
         placed[role] = placed.get("actor", "actor")  # critic and reference live beside the actor
     for pool in placement.pools:
         on = [r for r, p in placed.items() if p == pool.name and (r in roles or r == "env")]
-        if command != "train" and "env" in on:
-            on.remove("env")
         ranks = []
         for role in on:
             for i in range(count.get(role, rt.trainer_ranks)):

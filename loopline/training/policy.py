@@ -197,8 +197,11 @@ def _response_logits(
     if not packed:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         logits = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
-        ).logits
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=positions,
+            use_cache=False,
+        ).logits  # no cache: nothing reads it, and a checkpointed layer could not recompute one it fills
         return logits[:, p - 1 : -1, :].float(), targets, lambda values: values
     packing = pack(batch.input_ids, batch.attention_mask)
     logits = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, V)
