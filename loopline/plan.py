@@ -6,12 +6,13 @@ Per rank, the terms (bytes):
 - params, grads, optimizer: the model's parameters at model.dtype, their gradients, AdamW's two fp32 moments;
   a trainer's three are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps grads and moments
   of) the adapters only;
-- activations: what backward keeps per decoder layer for one micro-batch (ACT_FLOATS_PER_TOKEN floats a token),
-  less under training.activation_checkpointing (full: each layer's input only, plus one layer recomputed;
-  selective: every other layer checkpointed);
-- logits: one micro-batch's fp32 logits, their log-softmax and, in backward, the gradients of both:
-  rows x tokens x vocab x 4 bytes x LOGITS_COPIES (tokens: the chunk when the log-probs are chunked); a frozen
-  model's forward keeps two (logits, log-softmax);
+- activations: what backward keeps per decoder layer for one micro-batch (ModelShape.act_floats_per_token
+  floats a token) and one layer's worth it works in, less under training.activation_checkpointing (full: each
+  layer's input only, plus one layer recomputed; selective: every other layer checkpointed);
+- logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
+  replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
+  rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes (tokens: the chunk when the log-probs are
+  chunked); a frozen model's forward keeps two (logits, log-softmax);
 - kv_cache: an engine's keys and values for its rows at prompt + completion length (vLLM: its reserved cache);
 - sandbox: a code env worker's sandbox memory cap.
 The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md).
@@ -34,13 +35,13 @@ MIB = 2**20
 # Measured here (2026-12-04): `python -c "import torch, transformers, loopline.commands"` peaks at 357 MiB
 # (/usr/bin/time -v); a local run's main process adds its data, batches and allocator slack, and the spawn
 # start method's resource tracker (12 MiB): fitted to the calibration runs of docs/guide/memory-plan.md.
-RUNTIME_BYTES = 450 * MIB
+RUNTIME_BYTES = 400 * MIB
 # A local env worker: a spawned process that imports the env code only (measured 36 MiB).
 ENV_WORKER_BYTES = 40 * MIB
 RAY_HEAD_BYTES = 1 * GIB  # the head node's GCS, raylet and dashboard agent
 RAY_NODE_BYTES = GIB // 2  # a worker node's raylet
 BUILTIN_VOCAB = 259  # the built-in byte tokenizer: 256 bytes + pad, bos, eos
-LOGITS_COPIES = 4  # a trainer's: logits, log-softmax, and their gradients in backward (measured: 152k vocab)
+LOGITS_COPIES = 3  # over the response's tokens: log-softmax, its gradient, the sliced logits' gradient
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TRAINER_ROLES = ("actor", "critic")
@@ -177,6 +178,7 @@ class Phase:
     generated_rows: int  # sequences generated per step (0: none)
     new_tokens: int  # tokens generated per sequence
     forwards: int  # log-prob forwards per step besides training (old policy, reference)
+    response: int  # tokens of a row whose log-probs are taken (the completion)
     vocab_logits: bool = True  # False: a scalar head (reward model)
 
 
@@ -202,6 +204,13 @@ def sft_tokens(cfg: RunConfig, shape: ModelShape) -> int:
     return min(cfg.data.max_seq_len or shape.max_positions, shape.max_positions)
 
 
+def target_tokens(cfg: RunConfig, shape: ModelShape) -> int:
+    """Longest SFT target (the tokens with a loss): the built-in task's answer and newline, else the whole row."""
+    if _builtin_task(cfg):
+        return cfg.data.task.max_digits + 2
+    return sft_tokens(cfg, shape)
+
+
 def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
     """The phases `command` runs, each with its micro-batch."""
     ranks = cfg.runtime.trainer_ranks
@@ -210,19 +219,20 @@ def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
         if name == "sft" and cfg.sft.steps:
             s = cfg.sft
             out.append(Phase("sft", min(s.micro_batch_size, s.batch_size // ranks), sft_tokens(cfg, shape),
-                             s.batch_size, 0, 0, 0))  # fmt: skip
+                             s.batch_size, 0, 0, 0, target_tokens(cfg, shape)))  # fmt: skip
         elif name == "grpo" and cfg.grpo.steps:
             g = cfg.grpo
             rows = g.prompts_per_step * g.group_size
             seq = min(prompt_tokens(cfg, shape) + g.sampling.max_new_tokens, shape.max_positions)
             forwards = 1 + (g.kl_coef > 0)
             out.append(Phase("grpo", min(g.micro_batch_size, rows // ranks // g.minibatches), seq,
-                             rows * g.epochs_per_step, rows, g.sampling.max_new_tokens, forwards))  # fmt: skip
+                             rows * g.epochs_per_step, rows, g.sampling.max_new_tokens, forwards,
+                             min(g.sampling.max_new_tokens, seq)))  # fmt: skip
         elif name in ("dpo", "rm"):
             p = getattr(cfg, name)
             pairs = min(p.micro_batch_size, p.batch_size // ranks)
             out.append(Phase(name, 2 * pairs, sft_tokens(cfg, shape), 2 * p.batch_size, 0, 0,
-                             2 if name == "dpo" else 0, vocab_logits=name != "rm"))  # fmt: skip
+                             2 if name == "dpo" else 0, target_tokens(cfg, shape), vocab_logits=name != "rm"))  # fmt: skip
     return out
 
 
@@ -241,21 +251,16 @@ class Term:
 
 
 def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> int:
-    """What backward keeps of one micro-batch's decoder layers (fp32 compute), at the chosen checkpointing."""
+    """What backward keeps of one micro-batch's decoder layers (fp32 compute), at the chosen checkpointing, plus
+    one layer's worth that backward works in (the gradients of a layer's activations as it goes through it)."""
     tokens = rows * seq
     full_layer = tokens * shape.act_floats_per_token * 4
     kept_input = tokens * shape.hidden * 4
     mode = activation_checkpointing(cfg)
-    if mode == "full":  # each layer keeps its input; one layer's activations exist again while it recomputes
-        return shape.layers * kept_input + full_layer
-    if mode == "selective":  # every other layer (the odd ones) checkpointed
-        checkpointed = shape.layers // 2
-        return (
-            (shape.layers - checkpointed) * full_layer
-            + checkpointed * kept_input
-            + full_layer * (checkpointed > 0)
-        )
-    return shape.layers * full_layer
+    # a checkpointed layer keeps its input; while backward recomputes it, its activations exist again
+    checkpointed = {"none": 0, "full": shape.layers, "selective": shape.layers // 2}[mode]
+    kept = (shape.layers - checkpointed) * full_layer + checkpointed * kept_input
+    return kept + full_layer * (checkpointed > 0) + full_layer
 
 
 def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
@@ -266,8 +271,11 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     trainable = shape.lora_params(lora.r, lora.target_modules) if lora.r else shape.params
     micro = f"{phase.name}.micro_batch_size"
     logits = 0
-    if phase.vocab_logits:
-        logits = phase.micro_rows * logits_chunk_tokens(cfg, phase.seq) * shape.vocab * 4 * LOGITS_COPIES
+    if phase.vocab_logits:  # the head's output over every position, then copies over the response's
+        per_row = logits_chunk_tokens(cfg, phase.seq) + LOGITS_COPIES * logits_chunk_tokens(
+            cfg, phase.response
+        )
+        logits = phase.micro_rows * per_row * shape.vocab * 4
     more_ranks = "more runtime.trainer_ranks (FSDP2 shards it" + (
         ", on runtime.backend=ray)" if cfg.runtime.backend == "local" else ")"
     )
@@ -390,6 +398,14 @@ class Node:
     @property
     def nbytes(self) -> int:
         return self.extra + sum(r.nbytes for r in self.ranks)
+
+
+def main_process_bytes(cfg: RunConfig, command: str) -> int:
+    """A local run's main process (the driver and every model role; env workers are processes of their own): what
+    its peak resident set should be."""
+    if cfg.runtime.backend != "local":
+        raise ValueError("main_process_bytes: runtime.backend=local runs every model role in one process")
+    return sum(r.nbytes for r in nodes(cfg, command)[0].ranks if r.role != "env")
 
 
 def machine_memory() -> int:

@@ -81,6 +81,7 @@ def _rank_main(rank: int, world: int, batch: TokenBatch, out: str) -> None:
         torch.save(grads, Path(out) / "grads.pt")
 
 
+@pytest.mark.gloo
 def test_two_fsdp_ranks_with_checkpointed_layers_give_the_plain_gradients(tmp_path: Path) -> None:
     batch = _batch()
     run_world(_rank_main, 2, args=(batch, str(tmp_path)), timeout_s=90)
