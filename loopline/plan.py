@@ -15,7 +15,9 @@ Per rank, the terms (bytes):
   chunked); a frozen model's forward keeps two (logits, log-softmax);
 - kv_cache: an engine's keys and values for its rows at prompt + completion length (vLLM: its reserved cache);
 - sandbox: a code env worker's sandbox memory cap.
-The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md).
+The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md). On a
+pool with GPUs the plan counts host memory only (the runtime and one staged copy of the weights); GPU memory is
+not planned yet.
 
 FLOPs: 6 x params x tokens for a training pass, 2 x params x tokens for generation and log-prob forwards.
 """
@@ -416,8 +418,8 @@ def machine_memory() -> int:
     raise OSError("/proc/meminfo has no MemTotal")
 
 
-def _runtime(role: str) -> Term:
-    if role == "env":
+def _runtime(role: str, local: bool = True) -> Term:
+    if role == "env" and local:  # a Ray env worker is an actor process like the others
         return Term("runtime", ENV_WORKER_BYTES, "fewer runtime.env_workers")
     return Term("runtime", RUNTIME_BYTES, "fewer processes (colocate roles on one pool)")
 
@@ -442,10 +444,15 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
     for pool in placement.pools:
         on = [r for r, p in placed.items() if p == pool.name and (r in roles or r == "env")]
         ranks = []
+        gpu = pool.resources.get("GPU", 0) > 0
         for role in on:
-            for i in range(count.get(role, rt.trainer_ranks)):
-                terms = [_runtime(role), *role_terms(cfg, role, command)]
-                ranks.append(Rank(role, i, terms))
+            terms = [_runtime(role, local=False), *role_terms(cfg, role, command)]
+            if (
+                gpu and role != "env"
+            ):  # the model lives in GPU memory; the host stages one copy of the weights
+                weights = model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype]
+                terms = [_runtime(role, local=False), Term("params", weights, "model.dtype=bfloat16")]
+            ranks.extend(Rank(role, i, terms) for i in range(count.get(role, rt.trainer_ranks)))
         declared = pool.resources.get("memory")
         capacity = int(declared * pool.bundles) if declared else None
         out.append(Node(f"pool {pool.name} ({pool.bundles} bundles)", ranks, 0, capacity,
