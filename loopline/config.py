@@ -185,10 +185,10 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _checkpointing_runs(self) -> RunConfig:
         rt, mode = self.runtime, self.training.activation_checkpointing
-        if mode != "none" and (rt.trainer_tp > 1 or rt.trainer_pp > 1):
+        if mode != "none" and rt.trainer_pp > 1:
             raise ValueError(
-                f"training.activation_checkpointing={mode} runs on the local backend and FSDP2 ranks, not yet with "
-                f"runtime.trainer_tp={rt.trainer_tp} / runtime.trainer_pp={rt.trainer_pp} (use 1 and 1, or none)"
+                f"training.activation_checkpointing={mode} runs on the local backend and on FSDP2 and TP ranks, not "
+                f"yet through the pipeline (runtime.trainer_pp={rt.trainer_pp}): use trainer_pp=1, or none"
             )
         return self
 

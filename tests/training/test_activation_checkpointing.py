@@ -1,5 +1,6 @@
 """training.activation_checkpointing: decoder layers recomputed in backward give the gradients of the plain
-path (float64, within 1e-6) on one process and on 2 FSDP2 gloo ranks, while backward keeps fewer bytes."""
+path (float64, within 1e-6) on one process, on 2 FSDP2 gloo ranks and on 2 TP ranks, while backward keeps fewer
+bytes; the pipeline is refused in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from loopline.bench.sync import run_world
-from loopline.config import TinyModelConfig
+from loopline.config import ConfigError, TinyModelConfig, load_config
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.models.load import build_tiny_model
 from loopline.models.tokenizer import build_byte_tokenizer
@@ -89,3 +90,29 @@ def test_two_fsdp_ranks_with_checkpointed_layers_give_the_plain_gradients(tmp_pa
     plain = _grads(_model("none"), batch)
     for name in plain:
         torch.testing.assert_close(sharded[name], plain[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _tp_rank_main(rank: int, world: int, batch: TokenBatch, out: str) -> None:
+    """One of 2 TP ranks (the same rows on both), checkpointed layers: the whole gradient."""
+    from loopline.training.parallel import dp_tp_mesh, parallelize
+
+    model = parallelize(_model("full"), dp_tp_mesh(world, world))
+    grads = _grads(model, batch)
+    if rank == 0:
+        torch.save(grads, Path(out) / "grads.pt")
+
+
+@pytest.mark.gloo
+def test_two_tp_ranks_with_checkpointed_layers_give_the_plain_gradients(tmp_path: Path) -> None:
+    batch = _batch()
+    run_world(_tp_rank_main, 2, args=(batch, str(tmp_path)), timeout_s=90)
+    sharded = torch.load(tmp_path / "grads.pt")
+    plain = _grads(_model("none"), batch)
+    for name in plain:
+        torch.testing.assert_close(sharded[name], plain[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_pipeline_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"training.activation_checkpointing=full .* runtime.trainer_pp=2"):
+        load_config(None, ["training.activation_checkpointing=full", "runtime.backend=ray", "runtime.trainer_pp=2",
+                           "runtime.trainer_ranks=2"])  # fmt: skip
