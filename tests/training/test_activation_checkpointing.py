@@ -113,6 +113,6 @@ def test_two_tp_ranks_with_checkpointed_layers_give_the_plain_gradients(tmp_path
 
 
 def test_the_pipeline_is_refused_in_one_line() -> None:
-    with pytest.raises(ConfigError, match=r"training.activation_checkpointing=full .* runtime.trainer_pp=2"):
+    with pytest.raises(ConfigError, match=r"training.activation_checkpointing=full .*runtime.trainer_pp=2"):
         load_config(None, ["training.activation_checkpointing=full", "runtime.backend=ray", "runtime.trainer_pp=2",
                            "runtime.trainer_ranks=2"])  # fmt: skip
