@@ -14,7 +14,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from loopline.checkpoint.run_dir import RESUMABLE
+from loopline.checkpoint.run_dir import RESUMABLE, resume_config
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.plan import PHASES
@@ -419,7 +419,11 @@ def _run(argv: list[str]) -> int:
         if args.command in PLANNED and not args.no_plan_check:  # before anything is written
             from loopline.plan import check
 
-            check(cfg, args.command)
+            # resumed: the run's saved config with the given changes (the one checks of its own come later)
+            check(
+                resume_config(config, overrides, True)[0] if getattr(args, "resume", False) else cfg,
+                args.command,
+            )
         check_run(
             cfg, args.command
         )  # missing files and an out_dir that cannot be written fail before torch too

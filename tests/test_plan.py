@@ -95,6 +95,16 @@ def test_a_config_that_cannot_fit_names_its_largest_term_and_writes_nothing(tmp_
         assert "\n" not in line
         assert "the largest term is actor's optimizer" in line and "model.lora.r=8" in line, line
     assert not out_dir.exists()
+    # resumed: the saved config is planned, whatever the command line leaves out
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.yaml").write_text(
+        "model:\n  tiny: {hidden_size: 4096, num_layers: 32, intermediate_size: 12000, num_heads: 32, num_kv_heads: 8}\n"
+    )
+    resumed = _cli("train", f"out_dir={saved}", "--resume")
+    assert resumed.returncode == 2 and "the largest term is actor's optimizer" in resumed.stderr, (
+        resumed.stderr
+    )
     # skipped, the run goes on to its next check (here: a data file that does not exist)
     result = _cli(
         "train",
