@@ -282,9 +282,13 @@ def _check_out_dir(value: str) -> None:
         raise UserError(f"out_dir: '{path}' cannot be written ({e.strerror or e})") from None
 
 
-def check_run(cfg: RunConfig, command: str) -> None:
+def check_run(
+    cfg: RunConfig, command: str, plan: bool = False, resume: tuple[str | None, list[str]] | None = None
+) -> None:
     """What a run command needs on disk, before torch is imported: the model, the data files, a writable
-    out_dir. Raises UserError (ConfigError for bad combinations of values) naming the key and the path."""
+    out_dir; with `plan`, that the run fits its nodes' memory (loopline.plan), before out_dir is made. Raises
+    UserError (ConfigError for bad combinations of values) naming the key and the path. resume: the config file
+    and overrides of a resumed run, whose saved config (with them applied) is the one planned."""
     if command in ("dpo", "rm"):
         check_preference(cfg, command)
     if cfg.model.path:
@@ -313,6 +317,10 @@ def check_run(cfg: RunConfig, command: str) -> None:
         _check_file("reward.model_path", cfg.reward.model_path, want_dir=True)
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
+    if plan:
+        from loopline.plan import check
+
+        check(resume_config(*resume, True)[0] if resume else cfg, command)
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
 
@@ -416,17 +424,10 @@ def _run(argv: list[str]) -> int:
         if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
             print("\n".join(describe(cfg)))
             return 0
-        if args.command in PLANNED and not args.no_plan_check:  # before anything is written
-            from loopline.plan import check
-
-            # resumed: the run's saved config with the given changes (the one checks of its own come later)
-            check(
-                resume_config(config, overrides, True)[0] if getattr(args, "resume", False) else cfg,
-                args.command,
-            )
-        check_run(
-            cfg, args.command
-        )  # missing files and an out_dir that cannot be written fail before torch too
+        # missing files, a run that does not fit, an out_dir that cannot be written: all fail before torch
+        plan = args.command in PLANNED and not args.no_plan_check
+        resume = (config, overrides) if getattr(args, "resume", False) else None
+        check_run(cfg, args.command, plan=plan, resume=resume)
         from loopline import commands
 
         return getattr(commands, args.command)(config, overrides, args)
