@@ -183,16 +183,6 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _checkpointing_runs(self) -> RunConfig:
-        rt, mode = self.runtime, self.training.activation_checkpointing
-        if mode != "none" and rt.trainer_pp > 1:
-            raise ValueError(
-                f"training.activation_checkpointing={mode} runs on the local backend and on FSDP2 and TP ranks, not "
-                f"yet through the pipeline (runtime.trainer_pp={rt.trainer_pp}): use trainer_pp=1, or none"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _pipeline_fits(self) -> RunConfig:
         rt = self.runtime
         stages = rt.trainer_pp * rt.trainer_pp_virtual
