@@ -206,6 +206,13 @@ def sft_tokens(cfg: RunConfig, shape: ModelShape) -> int:
     return min(cfg.data.max_seq_len or shape.max_positions, shape.max_positions)
 
 
+def length_hint(cfg: RunConfig) -> str:
+    """What to add to a hint when the rows' lengths were assumed from the model's positions (no limit given)."""
+    if _builtin_task(cfg) or (cfg.data.max_prompt_tokens and cfg.data.max_seq_len):
+        return ""
+    return "; rows are assumed as long as the model's positions: data.max_prompt_tokens and data.max_seq_len set them"
+
+
 def target_tokens(cfg: RunConfig, shape: ModelShape) -> int:
     """Longest SFT target (the tokens with a loss): the built-in task's answer and newline, else the whole row."""
     if _builtin_task(cfg):
@@ -288,10 +295,11 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
         Term(
             "activations",
             activation_bytes(cfg, shape, phase.micro_rows, phase.seq),
-            f"training.activation_checkpointing=full or a smaller {micro}",
+            f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}",
         ),  # fmt: skip
-        Term("logits", logits, f"a smaller {micro} (or chunked log-probs: training.logits_chunk_tokens)"),
-    ]
+        Term("logits", logits,
+             f"a smaller {micro} (or chunked log-probs: training.logits_chunk_tokens){length_hint(cfg)}"),
+    ]  # fmt: skip
 
 
 def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list[Term]:
@@ -306,7 +314,7 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
         else min(prompt_tokens(cfg, shape) + cfg.eval.sampling.max_new_tokens, shape.max_positions)
     )
     kv = rows * seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * width
-    shrink = "runtime.engine_max_rows (rows an engine runs at once)"
+    shrink = f"runtime.engine_max_rows (rows an engine runs at once){length_hint(cfg)}"
     if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
         kv, shrink = cfg.rollout.vllm.cpu_kv_cache_gib * GIB, "rollout.vllm.cpu_kv_cache_gib"
     return [

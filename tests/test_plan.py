@@ -224,3 +224,25 @@ def test_the_plan_is_within_25_percent_of_measured_peaks(tmp_path):
         assert 0.75 <= ratio <= 1.25, (
             f"{name}: planned {planned / GIB:.2f} GiB, measured {measured[name] / GIB:.2f}"
         )
+
+
+def test_rows_of_unknown_length_say_which_fields_set_it(tmp_path):
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+    }))  # fmt: skip
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    args = [f"model.path={config.parent}", "data.source=jsonl", f"data.train_path={rows}"]
+    result = _cli("plan", *args)
+    assert result.returncode == 2
+    assert (
+        "rows are assumed as long as the model's positions: data.max_prompt_tokens and data.max_seq_len"
+        in (result.stderr)
+    )
+    fits = _cli("plan", *args, "data.max_prompt_tokens=64", "data.max_seq_len=128", "grpo.sampling.max_new_tokens=64",
+                "grpo.micro_batch_size=4", "sft.micro_batch_size=4", "eval.batch_size=16")  # fmt: skip
+    assert fits.returncode == 0, fits.stderr
