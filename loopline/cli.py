@@ -1,4 +1,4 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plan, plot, config, sandbox, k8s, bench, scale."""
 
 from __future__ import annotations
 
