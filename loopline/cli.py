@@ -1,4 +1,5 @@
-"""The `loopline` command: train, sft, dpo, rm, eval, generate, plot, config, sandbox, k8s, bench, scale, doctor."""
+"""The `loopline` command: train, sft, dpo, rm, eval, generate, plan, plot, config, sandbox, k8s, bench, scale,
+doctor."""
 
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ import traceback
 from pathlib import Path
 
 from loopline import config_rules
-from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume
+from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume, resume_config
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
 from loopline.errors import UserError
 from loopline.metrics.config import WANDB_INSTALL_HINT
 from loopline.models.config import missing_tokenizer
+from loopline.plan import PHASES
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
 
@@ -78,6 +80,14 @@ def _add_overwrite_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_plan_check_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--no-plan-check",
+        action="store_true",
+        help="start even when `loopline plan` says the run does not fit this machine's (or its pools') memory",
+    )
+
+
 def _split_config(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     # `loopline train a.b=1` has no file: argparse puts the first override in `config`.
     config, overrides = args.config, list(args.overrides)
@@ -125,20 +135,38 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("sft", help="supervised fine-tuning only")
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("dpo", help="SFT warm start then DPO on preference pairs")
     _add_config_args(p)
     _add_resume_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
 
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
     _add_config_args(p)
     _add_overwrite_arg(p)
+    _add_plan_check_arg(p)
+
+    p = sub.add_parser(
+        "plan",
+        help="the memory each role's rank will need, per node against its memory, and the step's FLOPs; starts "
+        "nothing (exit 2 when the run cannot fit)",
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--command",
+        dest="command_planned",
+        choices=PLANNED,
+        default="train",
+        help="the command to plan for (default: train)",
+    )
 
     p = sub.add_parser(
         "eval",
@@ -249,6 +277,7 @@ def _scale(run_dir: str, counts: list[str]) -> int:
 
 RUN_COMMANDS = ("train", "sft", "dpo", "rm", "eval", "generate")  # build a run context (model and data)
 WRITING_COMMANDS = ("train", "sft", "dpo", "rm")  # write into out_dir
+PLANNED = tuple(PHASES)  # the commands `loopline plan` plans and that check their plan before starting
 
 
 def _is_model_source(path: Path) -> bool:
@@ -283,9 +312,13 @@ def _check_out_dir(value: str) -> None:
         raise UserError(f"out_dir: '{path}' cannot be written ({e.strerror or e})") from None
 
 
-def check_run(cfg: RunConfig, command: str) -> None:
+def check_run(
+    cfg: RunConfig, command: str, plan: bool = False, resume: tuple[str | None, list[str]] | None = None
+) -> None:
     """What a run command needs on disk, before torch is imported: the model, the data files, a writable
-    out_dir. Raises UserError (ConfigError for bad combinations of values) naming the key and the path."""
+    out_dir; with `plan`, that the run fits its nodes' memory (loopline.plan), before out_dir is made. Raises
+    UserError (ConfigError for bad combinations of values) naming the key and the path. resume: the config file
+    and overrides of a resumed run, whose saved config (with them applied) is the one planned."""
     if command in ("dpo", "rm"):
         check_preference(cfg, command)
     if cfg.model.path:
@@ -331,6 +364,10 @@ def check_run(cfg: RunConfig, command: str) -> None:
         raise UserError(WANDB_INSTALL_HINT + " (no module named 'wandb')")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
+    if plan:
+        from loopline.plan import check
+
+        check(resume_config(*resume, True)[0] if resume else cfg, command)
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
     if command == "eval":
@@ -379,13 +416,20 @@ def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | No
 
 
 def checked_config(
-    command: str, config: str | None, overrides: list[str], *, resume: bool = False
+    command: str,
+    config: str | None,
+    overrides: list[str],
+    *,
+    resume: bool = False,
+    plan: bool = False,
+    planned_resume: bool = False,
 ) -> tuple[str | None, list[str]]:
     """What a run command is given (a config file and overrides, for eval and generate a model directory first), as
     its commands.py function takes them, after the checks that need no torch: a bad config, a refused combination
     of settings (config_rules), a --resume of a directory that holds no run, a missing file and an out_dir that
     cannot be written fail in a second, before torch is imported. The CLI and loopline.api both call it before the
-    command."""
+    command. plan: check that the run fits its nodes (loopline.plan); planned_resume: plan the run's saved config
+    with these overrides applied (a --resume)."""
     if command in ("eval", "generate"):
         config, overrides = _model_dir_first(config, overrides)
     cfg = load_config(config, overrides)
@@ -398,7 +442,8 @@ def checked_config(
     # before check_run makes out_dir: a misspelt one is refused and leaves nothing behind
     if resume and not holds_run(cfg.out_dir):
         raise UserError(no_run_to_resume(cfg.out_dir))
-    check_run(cfg, command)  # missing files and an out_dir that cannot be written fail before torch too
+    # missing files, a run that does not fit, an out_dir that cannot be written: all fail before torch
+    check_run(cfg, command, plan=plan, resume=(config, overrides) if planned_resume else None)
     return config, overrides
 
 
@@ -474,9 +519,23 @@ def _run(argv: list[str]) -> int:
     if args.command == "config":  # every field: dotted key = value  # description (no torch: a second)
         print("\n".join(describe(load_config(*_split_config(args)))))
         return 0
+    if args.command == "plan":
+        from loopline import plan
+
+        config, overrides = _split_config(args)
+        cfg = load_config(config, overrides)
+        print("\n".join(plan.report(cfg, args.command_planned)))
+        plan.check(cfg, args.command_planned)
+        return 0
     if args.command in RUN_COMMANDS:
         resume = getattr(args, "resume", False) and not args.restart_unsaved
-        config, overrides = checked_config(args.command, *_split_config(args), resume=resume)
+        config, overrides = checked_config(
+            args.command,
+            *_split_config(args),
+            resume=resume,
+            plan=args.command in PLANNED and not args.no_plan_check,
+            planned_resume=getattr(args, "resume", False),
+        )
         from loopline import commands
 
         return getattr(commands, args.command)(config, overrides, args)

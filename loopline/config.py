@@ -46,6 +46,7 @@ from loopline.training.config import (
     RewardConfig,
     RewardModelConfig,
     SFTConfig,
+    TrainingConfig,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "Section",
     "TaskConfig",
     "TinyModelConfig",
+    "TrainingConfig",
     "VllmConfig",
     "describe",
     "format_validation_error",
@@ -118,6 +120,9 @@ class RunConfig(Section):
     env: EnvConfig = Field(default_factory=EnvConfig, description="What scores the RL loop's completions.")
     sft: SFTConfig = Field(default_factory=SFTConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    training: TrainingConfig = Field(
+        default_factory=TrainingConfig, description="Forward/backward switches of every trainer (memory)."
+    )
     critic: CriticConfig = Field(default_factory=CriticConfig, description="PPO critic (advantage=gae).")
     preference: PreferenceDataConfig = Field(
         default_factory=PreferenceDataConfig, description="DPO/RM pairs."

@@ -40,6 +40,11 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.checkpoint", 5, "DCP state of trainers, run dirs of configs"),
     ("loopline.config", 5, "RunConfig: composes the sections beside their code below; run dirs read it"),
     ("loopline.config_rules", 5, "settings that other settings make meaningless: refused or warned at load"),
+    (
+        "loopline.plan",
+        6,
+        "memory and FLOPs of a run's ranks from its config (no torch); k8s and the CLI read it",
+    ),
     ("loopline.k8s", 6, "a run's config as Kubernetes objects, their checks, the cluster client"),
     ("loopline.envs", 6, "environments over rollout; the env pool runs on runtime's Ray plumbing"),
     ("loopline.runtime", 7, "the roles (actor, engines, critic, reference, scorer) built from all below"),

@@ -86,6 +86,9 @@ class ActorWorker:
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
         self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
+        from loopline.training.parallel import apply_activation_checkpointing
+
+        apply_activation_checkpointing(self.model, cfg.training.activation_checkpointing)
         self.device = model_device(self.model)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined (None: one unsharded rank)
         self.dp_mesh: Any = None  # its data-parallel ranks (all replicas' shards), 1-D, once joined
@@ -202,9 +205,12 @@ class ActorWorker:
             self.trainer = PipelineTrainer(self.stages, self.mesh, optim, total_steps, schedule, loss, mbs)
         else:
             group = self.dp_mesh.get_group() if self.mesh is not None else None
+            # a checkpointed layer cannot recompute a forward that fills a KV cache: with activation checkpointing
+            # the trainer's forwards run each row whole rather than sharing its prompt's cache
+            share = self.cfg.model.share_prompts and self.cfg.training.activation_checkpointing == "none"
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
+                share, self.cfg.model.logits_chunk_tokens,
             )  # fmt: skip
         if resume is not None:
             self.load_state(resume.dcp)

@@ -20,9 +20,11 @@ they are a small share of the weights.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     parallelize_module,
 )
+from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache
 
 # the HF TP plan styles applied inside the decoder layers
 TP_STYLES: dict[str, type[ParallelStyle]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -234,6 +238,27 @@ def check_tp(model: nn.Module, tp: int, plan: Mapping[str, str] | None = None) -
                 f"trainer_tp={tp} does not divide the {size} features that {module_name} of {name} "
                 f"splits ({style})"
             )
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Recompute decoder layers in backward instead of keeping their activations (training.activation_checkpointing):
+    none; full: every layer; selective: every other layer (the odd-numbered ones, 1, 3, ...), half the saving for
+    half the recompute. In place: each layer's forward is wrapped, its module and parameter names unchanged (FSDP2,
+    TP plans, checkpoints and the weight sync see the same model). Apply before FSDP2, as torchtitan does."""
+    if mode == "none":
+        return model
+    for i, (_, layer) in enumerate(_decoder_layers(model)):
+        if mode == "full" or i % 2 == 1:
+            layer.forward = functools.partial(_recomputed, layer.forward)
+    return model
+
+
+def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    # a forward that fills a KV cache (generation, a shared prompt) runs as it is: a recompute would fill it again
+    with_cache = any(isinstance(v, Cache) for v in (*args, *kwargs.values()))
+    if with_cache or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:

@@ -246,8 +246,11 @@ def _response_outputs(
     if not packed:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
         outputs = model(
-            input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=positions
-        ).logits
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            position_ids=positions,
+            use_cache=False,
+        ).logits  # no cache: nothing reads it, and a checkpointed layer could not recompute one it fills
         return outputs[:, p - 1 : -1, :], targets, lambda values: values
     packing = pack(batch.input_ids, batch.attention_mask)
     outputs = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, X)

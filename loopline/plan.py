@@ -1,0 +1,543 @@
+"""`loopline plan`: the memory each role's rank will hold and the step's FLOPs, from the config alone (nothing
+starts, no torch imported), checked against the memory of the node it runs on.
+
+Per rank, the terms (bytes):
+- runtime: the Python process with torch and transformers imported (measured here, RUNTIME_BYTES);
+- params, grads, optimizer: the model's parameters at model.dtype, their gradients, AdamW's two fp32 moments;
+  a trainer's three are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps grads and moments
+  of) the adapters only;
+- activations: what backward keeps per decoder layer for one micro-batch (ModelShape.act_floats_per_token
+  floats a token) and one layer's worth it works in, less under training.activation_checkpointing (full: each
+  layer's input only, plus one layer recomputed; selective: every other layer checkpointed);
+- logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
+  replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
+  rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes (tokens: the chunk when the log-probs are
+  chunked); a frozen model's forward keeps two (logits, log-softmax);
+- kv_cache: an engine's keys and values for its rows at prompt + completion length (vLLM: its reserved cache);
+- sandbox: a code env worker's sandbox memory cap.
+The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md). On a
+pool with GPUs the plan counts host memory only (the runtime and one staged copy of the weights); GPU memory is
+not planned yet.
+
+FLOPs: 6 x params x tokens for a training pass, 2 x params x tokens for generation and log-prob forwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from loopline.config import RunConfig
+from loopline.errors import UserError
+
+GIB = 2**30
+MIB = 2**20
+# Measured here (2026-12-04): `python -c "import torch, transformers, loopline.commands"` peaks at 357 MiB
+# (/usr/bin/time -v); a local run's main process adds its data, batches and allocator slack, and the spawn
+# start method's resource tracker (12 MiB): fitted to the calibration runs of docs/guide/memory-plan.md.
+RUNTIME_BYTES = 400 * MIB
+# A local env worker: a spawned process that imports the env code only (measured 36 MiB).
+ENV_WORKER_BYTES = 40 * MIB
+RAY_HEAD_BYTES = 1 * GIB  # the head node's GCS, raylet and dashboard agent
+RAY_NODE_BYTES = GIB // 2  # a worker node's raylet
+BUILTIN_VOCAB = 259  # the built-in byte tokenizer: 256 bytes + pad, bos, eos
+LOGITS_COPIES = 3  # over the response's tokens: log-softmax, its gradient, the sliced logits' gradient
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TRAINER_ROLES = ("actor", "critic")
+PHASES = {"train": ("sft", "grpo"), "sft": ("sft",), "dpo": ("sft", "dpo"), "rm": ("sft", "rm")}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a decoder-only transformer."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    max_positions: int
+    tied: bool = True
+    experts: int = 1  # MoE: MLPs per layer
+
+    @property
+    def params(self) -> int:
+        """Parameters: embeddings (and an untied head), per layer attention (q, k, v with biases, o), the MLP's
+        three projections per expert, two norms, and the final norm."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = self.hidden * q + 2 * self.hidden * kv + q + 2 * kv + q * self.hidden
+        mlp = 3 * self.hidden * self.intermediate * self.experts
+        layer = attention + mlp + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return embeddings + self.layers * layer + self.hidden
+
+    def lora_params(self, r: int, targets: list[str]) -> int:
+        """Adapter parameters at rank r: r x (in + out) per targeted projection per layer."""
+        q, kv, h, i = (
+            self.heads * self.head_dim,
+            self.kv_heads * self.head_dim,
+            self.hidden,
+            self.intermediate,
+        )
+        sizes = {
+            "q_proj": h + q,
+            "k_proj": h + kv,
+            "v_proj": h + kv,
+            "o_proj": q + h,
+            "gate_proj": h + i,
+            "up_proj": h + i,
+            "down_proj": i + h,
+        }
+        per_layer = sum(n for name, n in sizes.items() if any(name.endswith(t) for t in targets))
+        return self.layers * r * per_layer
+
+    @property
+    def act_floats_per_token(self) -> int:
+        """Floats one decoder layer keeps for backward per token: the norms' inputs and outputs, q, k, v (before
+        and after rotary), the attention output, the MLP's gate, up, activation and product, the residuals."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 6 * self.hidden + 3 * q + 4 * kv + 4 * self.intermediate * self.experts
+
+
+def hf_config(cfg: RunConfig) -> dict:
+    """The policy's Hugging Face config numbers: model.tiny's for the built-in model, else model.path's
+    config.json. The one place the plan reads a model's shape from (presets and random-init configs plug in
+    here). UserError naming model.path when the file cannot be read here."""
+    m = cfg.model
+    if not m.path:
+        t = m.tiny
+        return {
+            "hidden_size": t.hidden_size,
+            "num_hidden_layers": t.num_layers,
+            "vocab_size": BUILTIN_VOCAB,
+            "intermediate_size": t.intermediate_size,
+            "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads,
+            "max_position_embeddings": t.max_position_embeddings,
+            "tie_word_embeddings": True,
+        }
+    path = Path(m.path) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"model.path: {path} cannot be read here ({type(e).__name__}: {e})") from None
+
+
+def model_shape(cfg: RunConfig) -> ModelShape:
+    """The policy's shape, from hf_config."""
+    c = hf_config(cfg)
+    try:
+        heads = int(c["num_attention_heads"])
+        hidden = int(c["hidden_size"])
+        return ModelShape(
+            hidden=hidden,
+            layers=int(c["num_hidden_layers"]),
+            vocab=int(c["vocab_size"]),
+            intermediate=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+            heads=heads,
+            kv_heads=int(c.get("num_key_value_heads") or heads),
+            head_dim=int(c.get("head_dim") or hidden // heads),
+            max_positions=int(c.get("max_position_embeddings") or 4096),
+            tied=bool(c.get("tie_word_embeddings", False)),
+            experts=int(c.get("num_experts") or c.get("num_local_experts") or 1),
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise UserError(f"model.path: {cfg.model.path}/config.json lacks a decoder's shape ({e})") from None
+
+
+def logits_chunk_tokens(cfg: RunConfig, tokens: int) -> int:
+    """Tokens of one row whose logits exist at once: model.logits_chunk_tokens (chunked log-probs; 0 = off), else
+    the whole sequence."""
+    chunk = cfg.model.logits_chunk_tokens
+    return min(chunk, tokens) if chunk else tokens
+
+
+def activation_checkpointing(cfg: RunConfig) -> str:
+    """training.activation_checkpointing: none, full or selective."""
+    return cfg.training.activation_checkpointing
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lengths and rows of each phase
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One training phase's micro-batch on a trainer rank and its step's rows and lengths."""
+
+    name: str
+    micro_rows: int  # sequences per forward/backward on one rank
+    seq: int  # tokens of the longest sequence
+    step_rows: int  # sequences trained per optimizer step (all ranks)
+    generated_rows: int  # sequences generated per step (0: none)
+    new_tokens: int  # tokens generated per sequence
+    forwards: int  # log-prob forwards per step besides training (old policy, reference)
+    response: int  # tokens of a row whose log-probs are taken (the completion)
+    vocab_logits: bool = True  # False: a scalar head (reward model)
+
+
+def _builtin_task(cfg: RunConfig) -> bool:
+    """The built-in 'a+b=' rows (the code env's built-in rows are its own)."""
+    return cfg.data.source == "builtin" and cfg.env.name != "code"
+
+
+def prompt_tokens(cfg: RunConfig, shape: ModelShape) -> int:
+    """Longest prompt: the built-in task's 'a+b=' with bos, else data.max_prompt_tokens or the model's positions
+    less the completion."""
+    if _builtin_task(cfg):
+        return 1 + 2 * cfg.data.task.max_digits + 2
+    if cfg.data.max_prompt_tokens:
+        return cfg.data.max_prompt_tokens
+    return max(1, shape.max_positions - cfg.grpo.sampling.max_new_tokens)
+
+
+def sft_tokens(cfg: RunConfig, shape: ModelShape) -> int:
+    """Longest SFT row (prompt + target): the built-in task's, else data.max_seq_len or the model's positions."""
+    if _builtin_task(cfg):
+        return prompt_tokens(cfg, shape) + cfg.data.task.max_digits + 3
+    return min(cfg.data.max_seq_len or shape.max_positions, shape.max_positions)
+
+
+def length_hint(cfg: RunConfig) -> str:
+    """What to add to a hint when the rows' lengths were assumed from the model's positions (no limit given)."""
+    if _builtin_task(cfg) or (cfg.data.max_prompt_tokens and cfg.data.max_seq_len):
+        return ""
+    return "; rows are assumed as long as the model's positions: data.max_prompt_tokens and data.max_seq_len set them"
+
+
+def target_tokens(cfg: RunConfig, shape: ModelShape) -> int:
+    """Longest SFT target (the tokens with a loss): the built-in task's answer and newline, else the whole row."""
+    if _builtin_task(cfg):
+        return cfg.data.task.max_digits + 2
+    return sft_tokens(cfg, shape)
+
+
+def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
+    """The phases `command` runs, each with its micro-batch."""
+    ranks = cfg.runtime.trainer_ranks
+    out = []
+    for name in PHASES[command]:
+        if name == "sft" and cfg.sft.steps:
+            s = cfg.sft
+            out.append(Phase("sft", min(s.micro_batch_size, s.batch_size // ranks), sft_tokens(cfg, shape),
+                             s.batch_size, 0, 0, 0, target_tokens(cfg, shape)))  # fmt: skip
+        elif name == "grpo" and cfg.grpo.steps:
+            g = cfg.grpo
+            rows = g.prompts_per_step * g.group_size
+            seq = min(prompt_tokens(cfg, shape) + g.sampling.max_new_tokens, shape.max_positions)
+            forwards = 1 + (g.kl_coef > 0)
+            out.append(Phase("grpo", min(g.micro_batch_size, rows // ranks // g.minibatches), seq,
+                             rows * g.epochs_per_step, rows, g.sampling.max_new_tokens, forwards,
+                             min(g.sampling.max_new_tokens, seq)))  # fmt: skip
+        elif name in ("dpo", "rm"):
+            p = getattr(cfg, name)
+            pairs = min(p.micro_batch_size, p.batch_size // ranks)
+            out.append(Phase(name, 2 * pairs, sft_tokens(cfg, shape), 2 * p.batch_size, 0, 0,
+                             2 if name == "dpo" else 0, target_tokens(cfg, shape), vocab_logits=name != "rm"))  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Terms per rank
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    """One part of a rank's memory and the setting that shrinks it."""
+
+    name: str
+    nbytes: int
+    shrink: str
+
+
+def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> int:
+    """What backward keeps of one micro-batch's decoder layers (fp32 compute), at the chosen checkpointing, plus
+    one layer's worth that backward works in (the gradients of a layer's activations as it goes through it)."""
+    tokens = rows * seq
+    full_layer = tokens * shape.act_floats_per_token * 4
+    kept_input = tokens * shape.hidden * 4
+    mode = activation_checkpointing(cfg)
+    # a checkpointed layer keeps its input; while backward recomputes it, its activations exist again
+    checkpointed = {"none": 0, "full": shape.layers, "selective": shape.layers // 2}[mode]
+    kept = (shape.layers - checkpointed) * full_layer + checkpointed * kept_input
+    return kept + full_layer * (checkpointed > 0) + full_layer
+
+
+def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
+    """A trainer rank's memory in one phase."""
+    width = DTYPE_BYTES[cfg.model.dtype]
+    ranks = cfg.runtime.trainer_ranks
+    lora = cfg.model.lora
+    trainable = shape.lora_params(lora.r, lora.target_modules) if lora.r else shape.params
+    micro = f"{phase.name}.micro_batch_size"
+    logits = 0
+    if phase.vocab_logits:  # the head's output over every position, then copies over the response's
+        per_row = logits_chunk_tokens(cfg, phase.seq) + LOGITS_COPIES * logits_chunk_tokens(
+            cfg, phase.response
+        )
+        logits = phase.micro_rows * per_row * shape.vocab * 4
+    more_ranks = "more runtime.trainer_ranks (FSDP2 shards it" + (
+        ", on runtime.backend=ray)" if cfg.runtime.backend == "local" else ")"
+    )
+    return [
+        Term("params", shape.params * width // ranks, f"model.dtype=bfloat16 or {more_ranks}"),
+        Term("grads", trainable * width // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
+        Term("optimizer", trainable * 4 * 2 // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
+        Term(
+            "activations",
+            activation_bytes(cfg, shape, phase.micro_rows, phase.seq),
+            f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}",
+        ),  # fmt: skip
+        Term("logits", logits,
+             f"a smaller {micro} (or chunked log-probs: model.logits_chunk_tokens){length_hint(cfg)}"),
+    ]  # fmt: skip
+
+
+def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list[Term]:
+    """An engine's memory: its own copy of the weights and the KV cache of the rows it runs at once."""
+    width = DTYPE_BYTES[cfg.model.dtype]
+    rows = phase.generated_rows if phase else 0
+    rows = cfg.runtime.engine_max_rows or math.ceil(rows / cfg.runtime.engines)
+    rows = max(rows, cfg.eval.batch_size)
+    seq = (
+        phase.seq
+        if phase
+        else min(prompt_tokens(cfg, shape) + cfg.eval.sampling.max_new_tokens, shape.max_positions)
+    )
+    kv = rows * seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * width
+    shrink = f"runtime.engine_max_rows (rows an engine runs at once){length_hint(cfg)}"
+    if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
+        kv, shrink = cfg.rollout.vllm.cpu_kv_cache_gib * GIB, "rollout.vllm.cpu_kv_cache_gib"
+    return [
+        Term("params", shape.params * width, "model.dtype=bfloat16"),
+        Term("kv_cache", kv, shrink),
+    ]
+
+
+def frozen_terms(cfg: RunConfig, shape: ModelShape, role: str, phase: Phase | None) -> list[Term]:
+    """A reference's or reward model's memory: frozen weights (the reference sharded like the actor) and one
+    forward's logits."""
+    width = DTYPE_BYTES[cfg.model.dtype]
+    shards = cfg.runtime.trainer_ranks if role == "ref" else 1
+    rows = phase.micro_rows if phase else cfg.grpo.micro_batch_size
+    seq = phase.seq if phase else prompt_tokens(cfg, shape)
+    logits = rows * logits_chunk_tokens(cfg, seq) * shape.vocab * 4 * 2 if role == "ref" else 0
+    return [
+        Term("params", shape.params * width // shards, "model.dtype=bfloat16"),
+        Term("logits", logits, "a smaller grpo.micro_batch_size (or model.logits_chunk_tokens)"),
+    ]
+
+
+def wanted_roles(cfg: RunConfig, command: str) -> list[str]:
+    """The model roles a run has besides actor and rollout."""
+    roles = []
+    if command == "train" and cfg.grpo.advantage == "gae":
+        roles.append("critic")
+    if (command == "train" and cfg.grpo.kl_coef > 0) or (command == "dpo" and cfg.dpo.reference == "online"):
+        roles.append("ref")
+    if command == "train" and cfg.reward.source != "verifier":
+        roles.append("reward")
+    return roles
+
+
+def role_terms(cfg: RunConfig, role: str, command: str = "train") -> list[Term]:
+    """One rank of `role`, besides its process's runtime: the largest of its phases (each term at its largest)."""
+    shape = model_shape(cfg)
+    if (
+        role == "env"
+    ):  # no model; env.name=code runs each program in a sandbox capped at env.sandbox.memory_mb
+        mb = cfg.env.sandbox.memory_mb if cfg.env.name == "code" else 0
+        return [Term("sandbox", mb * MIB, "env.sandbox.memory_mb")]
+    runs = phases(cfg, command, shape) or [None]
+    rl = [p for p in runs if p and p.name == "grpo"]
+    if role == "rollout":
+        return engine_terms(cfg, shape, rl[0] if rl else None)
+    if role in ("ref", "reward"):
+        return frozen_terms(cfg, shape, role, rl[0] if rl else runs[-1])
+    per_phase = [trainer_terms(cfg, shape, p) for p in runs if p]
+    if not per_phase:
+        return []
+    return [max(same, key=lambda t: t.nbytes) for same in zip(*per_phase)]
+
+
+def role_rank_bytes(cfg: RunConfig, role: str, gpu: bool, command: str = "train") -> int:
+    """Host memory of one rank of `role` besides its process's runtime. On a GPU the model lives in GPU memory
+    and the host stages one copy of the weights."""
+    if gpu and role != "env":
+        return model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype]
+    return sum(t.nbytes for t in role_terms(cfg, role, command))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Nodes: what runs where, against what memory
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank (or process) of a role, its terms with the runtime's."""
+
+    role: str
+    rank: int
+    terms: list[Term]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.terms)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A group of ranks that share one memory: this machine (local), or a pool's bundle (ray)."""
+
+    name: str
+    ranks: list[Rank]
+    extra: int  # Ray's services on this node
+    capacity: int | None  # bytes; None: not declared
+    capacity_from: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.extra + sum(r.nbytes for r in self.ranks)
+
+
+def main_process_bytes(cfg: RunConfig, command: str) -> int:
+    """A local run's main process (the driver and every model role; env workers are processes of their own): what
+    its peak resident set should be."""
+    if cfg.runtime.backend != "local":
+        raise ValueError("main_process_bytes: runtime.backend=local runs every model role in one process")
+    return sum(r.nbytes for r in nodes(cfg, command)[0].ranks if r.role != "env")
+
+
+def machine_memory() -> int:
+    """This machine's total RAM (/proc/meminfo MemTotal)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemTotal")
+
+
+def _runtime(role: str, local: bool = True) -> Term:
+    if role == "env" and local:  # a Ray env worker is an actor process like the others
+        return Term("runtime", ENV_WORKER_BYTES, "fewer runtime.env_workers")
+    return Term("runtime", RUNTIME_BYTES, "fewer processes (colocate roles on one pool)")
+
+
+def nodes(cfg: RunConfig, command: str) -> list[Node]:
+    """Where the run's ranks live and the memory each place has."""
+    rt = cfg.runtime
+    roles = ["actor", "rollout", *wanted_roles(cfg, command)]  # every command evaluates: an engine and envs
+    env = [Rank("env", i, [_runtime("env"), *role_terms(cfg, "env", command)]) for i in range(rt.env_workers)]
+    if rt.backend == "local":  # one process holds every model role; env workers are processes of their own
+        main = Rank("driver", 0, [_runtime("driver")])
+        ranks = [main, *(Rank(r, 0, role_terms(cfg, r, command)) for r in roles), *env]
+        return [Node("this machine", ranks, 0, machine_memory(), "/proc/meminfo MemTotal")]
+    placement = rt.pools()
+    count = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
+    out = []
+    here = not rt.cluster.address
+    driver = [Rank("driver", 0, [_runtime("driver")])]
+    placed = dict(placement.roles)
+    for role in (r for r in roles if r not in placed and r != "reward"):
+        placed[role] = placed.get("actor", "actor")  # critic and reference live beside the actor
+    for pool in placement.pools:
+        on = [r for r, p in placed.items() if p == pool.name and (r in roles or r == "env")]
+        ranks = []
+        gpu = pool.resources.get("GPU", 0) > 0
+        for role in on:
+            terms = [_runtime(role, local=False), *role_terms(cfg, role, command)]
+            if (
+                gpu and role != "env"
+            ):  # the model lives in GPU memory; the host stages one copy of the weights
+                weights = model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype]
+                terms = [_runtime(role, local=False), Term("params", weights, "model.dtype=bfloat16")]
+            ranks.extend(Rank(role, i, terms) for i in range(count.get(role, rt.trainer_ranks)))
+        declared = pool.resources.get("memory")
+        capacity = int(declared * pool.bundles) if declared else None
+        out.append(Node(f"pool {pool.name} ({pool.bundles} bundles)", ranks, 0, capacity,
+                        f"runtime.placement pool {pool.name}'s memory"))  # fmt: skip
+    if "reward" in roles and "reward" not in placement.roles:
+        driver.append(Rank("reward", 0, role_terms(cfg, "reward", command)))
+    out.insert(0, Node("driver", driver, RAY_HEAD_BYTES, None, ""))
+    if here:  # a local Ray on this machine: every pool shares its memory
+        every = [r for n in out for r in n.ranks]
+        machine = Node(
+            "this machine (local Ray)", every, RAY_HEAD_BYTES, machine_memory(), "/proc/meminfo MemTotal"
+        )
+        return [machine, *(n for n in out[1:] if n.capacity is not None)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs, the report, the check
+# ---------------------------------------------------------------------------------------------------------
+
+
+def step_flops(cfg: RunConfig, command: str) -> list[tuple[str, float]]:
+    """Per phase's step: (what, FLOPs): 6 x params x tokens to train, 2 x params x tokens to generate or score."""
+    shape = model_shape(cfg)
+    n = shape.params
+    out = []
+    for p in phases(cfg, command, shape):
+        tokens = p.step_rows * p.seq
+        out.append((f"{p.name} train", 6.0 * n * tokens))
+        if p.generated_rows:
+            out.append((f"{p.name} generate", 2.0 * n * p.generated_rows * p.seq))
+        if p.forwards:
+            out.append((f"{p.name} log-probs", 2.0 * n * p.forwards * p.generated_rows * p.seq))
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:.0f}"
+
+
+def report(cfg: RunConfig, command: str) -> list[str]:
+    """The plan as lines of text."""
+    shape = model_shape(cfg)
+    lines = [
+        f"loopline plan: {command}, runtime.backend={cfg.runtime.backend}, model {shape.params / 1e6:.1f}M "
+        f"parameters (hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}), {cfg.model.dtype}, "
+        f"activation_checkpointing={activation_checkpointing(cfg)}",
+    ]
+    for p in phases(cfg, command, shape):
+        lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
+    names = ["runtime", "params", "grads", "optimizer", "activations", "logits", "kv_cache", "sandbox"]
+    for node in nodes(cfg, command):
+        lines.append("")
+        cap = f"{_gib(node.capacity)} GiB ({node.capacity_from})" if node.capacity else "not declared"
+        lines.append(f"{node.name}: {_gib(node.nbytes)} GiB of {cap}")
+        lines.append(f"  {'MiB':<8} {'rank':>4} " + " ".join(f"{n:>11}" for n in names) + f" {'total':>9}")
+        for r in node.ranks:
+            got = {t.name: t.nbytes for t in r.terms if t.nbytes}
+            cells = " ".join(f"{_mib(got[n]) if n in got else '-':>11}" for n in names)
+            lines.append(f"  {r.role:<8} {r.rank:>4} {cells} {_mib(r.nbytes):>9}")
+        if node.extra:
+            lines.append(f"  Ray services: {_mib(node.extra)} MiB")
+    lines.append("")
+    lines.append("step FLOPs: " + ", ".join(f"{what} {f:.3g}" for what, f in step_flops(cfg, command)))
+    return lines
+
+
+def check(cfg: RunConfig, command: str) -> None:
+    """UserError naming the largest term and the setting that shrinks it when a node's ranks exceed its memory."""
+    for node in nodes(cfg, command):
+        if node.capacity is None or node.nbytes <= node.capacity:
+            continue
+        role, term = max(((r, t) for r in node.ranks for t in r.terms), key=lambda rt: rt[1].nbytes)
+        raise UserError(
+            f"plan: {node.name} needs {_gib(node.nbytes)} GiB but has {_gib(node.capacity)} GiB "
+            f"({node.capacity_from}); the largest term is {role.role}'s {term.name} ({_gib(term.nbytes)} GiB): "
+            f"to shrink it, {term.shrink} (or --no-plan-check to start anyway)"
+        )

@@ -1,0 +1,248 @@
+"""`loopline plan`: the memory of each role's rank and the step's FLOPs from the config alone; a config that cannot
+fit exits 2 naming the largest term and the setting that shrinks it, and train/sft/dpo/rm make the same check
+before anything is written. The estimate is checked against the peak resident set of real local runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loopline.config import load_config
+from loopline.plan import GIB, main_process_bytes, model_shape, phases, role_terms, step_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+# a 6B-parameter shape of the built-in model: fp32 weights, grads and AdamW alone are ~90 GiB
+HUGE = [
+    "model.tiny.hidden_size=4096", "model.tiny.num_layers=32", "model.tiny.intermediate_size=12000",
+    "model.tiny.num_heads=32", "model.tiny.num_kv_heads=8",
+]  # fmt: skip
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "loopline.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+    )
+
+
+def _terms(cfg, role: str = "actor", command: str = "train") -> dict[str, int]:
+    return {t.name: t.nbytes for t in role_terms(cfg, role, command)}
+
+
+def test_the_terms_follow_their_formulas():
+    cfg = load_config(None, ["grpo.micro_batch_size=16", "sft.steps=0"])
+    shape, (grpo,) = model_shape(cfg), phases(cfg, "train", model_shape(cfg))
+    t = _terms(cfg)
+    assert t["params"] == t["grads"] == shape.params * 4  # fp32, one rank, every weight trained
+    assert t["optimizer"] == shape.params * 4 * 2  # AdamW's two fp32 moments
+    # fp32 logits over every position, then log-softmax, its gradient and the slice's over the completion's 8
+    assert t["logits"] == 16 * (grpo.seq + 3 * 8) * 259 * 4
+    rows, seq = 64 * 8, grpo.seq  # the engine runs the step's rows (or eval's 1000 prompts) at once
+    kv = _terms(cfg, "rollout")["kv_cache"]
+    assert (
+        kv == max(rows, 1000) * seq * 4 * 2 * 2 * 32 * 4
+    )  # rows x tokens x layers x (k, v) x kv heads x head dim
+    flops = dict(step_flops(cfg, "train"))
+    assert flops["grpo train"] == 6.0 * shape.params * rows * seq
+    assert flops["grpo generate"] == 2.0 * shape.params * rows * seq
+
+
+def test_checkpointing_and_sharding_shrink_their_terms():
+    base = ["model.tiny.num_layers=8"]
+    none = _terms(load_config(None, base))["activations"]
+    selective = _terms(load_config(None, [*base, "training.activation_checkpointing=selective"]))[
+        "activations"
+    ]
+    full = _terms(load_config(None, [*base, "training.activation_checkpointing=full"]))["activations"]
+    assert full < selective < none
+    # 8 layers' activations and backward's one -> their inputs, one layer recomputed and backward's one
+    assert full < none / 3
+    one = _terms(load_config(None, ["runtime.backend=ray"]))
+    four = _terms(load_config(None, ["runtime.backend=ray", "runtime.trainer_ranks=4"]))
+    for name in ("params", "grads", "optimizer"):
+        assert four[name] == one[name] // 4
+    lora = _terms(load_config(None, ["model.lora.r=4"]))
+    assert lora["optimizer"] < one["optimizer"] / 10 and lora["params"] == one["params"]
+
+
+def test_plan_prints_every_role_and_the_machine(tmp_path):
+    result = _cli("plan", "grpo.kl_coef=0.01")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for role in ("driver", "actor", "rollout", "ref", "env"):
+        assert f"\n  {role} " in out, role
+    assert "this machine:" in out and "/proc/meminfo MemTotal" in out
+    assert "step FLOPs: sft train" in out and "grpo generate" in out
+    assert not (ROOT / "runs" / "plan").exists()
+
+
+def test_a_config_that_cannot_fit_names_its_largest_term_and_writes_nothing(tmp_path):
+    out_dir = tmp_path / "run"
+    for command in (["plan"], ["train", f"out_dir={out_dir}"], ["sft", f"out_dir={out_dir}"]):
+        result = _cli(*command, *HUGE)
+        assert result.returncode == 2, (command, result.stderr)
+        line = result.stderr.strip()
+        assert "\n" not in line
+        assert "the largest term is actor's optimizer" in line and "model.lora.r=8" in line, line
+    assert not out_dir.exists()
+    # resumed: the saved config is planned, whatever the command line leaves out
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    (saved / "config.yaml").write_text(
+        "model:\n  tiny: {hidden_size: 4096, num_layers: 32, intermediate_size: 12000, num_heads: 32, num_kv_heads: 8}\n"
+    )
+    resumed = _cli("train", f"out_dir={saved}", "--resume")
+    assert resumed.returncode == 2 and "the largest term is actor's optimizer" in resumed.stderr, (
+        resumed.stderr
+    )
+    # skipped, the run goes on to its next check (here: an out_dir that is a file)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    result = _cli("train", *HUGE, f"out_dir={a_file}", "--no-plan-check")
+    assert result.returncode == 2 and f"out_dir: '{a_file}' is a file" in result.stderr, result.stderr
+
+
+def test_a_pool_s_declared_memory_is_checked(tmp_path):
+    pools = tmp_path / "pools.yaml"
+    pools.write_text(
+        "runtime:\n  backend: ray\n  cluster: {address: '10.0.0.1:6379'}\n  placement:\n"
+        "    pools: [{name: a, bundles: 1, resources: {CPU: 1, memory: 1073741824}},\n"
+        "            {name: e, bundles: 1, resources: {CPU: 1}}]\n"
+        "    roles: {actor: a, rollout: a, env: e}\n"
+    )
+    ok = _cli("plan", str(pools))
+    assert ok.returncode == 0, ok.stderr
+    assert "pool a (1 bundles): " in ok.stdout and "pool e (1 bundles): " in ok.stdout
+    big = _cli(
+        "plan",
+        str(pools),
+        "model.tiny.hidden_size=1024",
+        "model.tiny.num_layers=8",
+        "model.tiny.intermediate_size=4096",
+    )
+    assert big.returncode == 2
+    assert "pool a (1 bundles) needs" in big.stderr and "runtime.placement pool a's memory" in big.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["missing.yaml"], ["grpo.steps=x"], ["grpo.stepz=1"]],
+    ids=["missing-file", "bad-value", "unknown-field"],
+)
+def test_bad_input_fails_as_train_does(args, tmp_path):
+    plan, train = _cli("plan", *args, cwd=tmp_path), _cli("train", *args, cwd=tmp_path)
+    assert plan.returncode == train.returncode == 2
+    assert plan.stderr == train.stderr and plan.stderr.startswith("loopline: ")
+    assert plan.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Calibration: the plan against real runs' peaks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _vocab_32k_model(path: Path) -> None:
+    """A random-init Qwen2-shaped directory, hidden 256, 4 layers, a 32k vocabulary, the byte tokenizer."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from loopline.models.tokenizer import build_byte_tokenizer
+
+    config = Qwen2Config(
+        vocab_size=32768, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    build_byte_tokenizer().save_pretrained(path)
+
+
+def _long_rows(path: Path) -> None:
+    """Rows of 257 prompt and 200 completion tokens: a micro-batch whose activations dominate."""
+    with path.open("w") as f:
+        for i in range(16):
+            f.write(
+                json.dumps({"prompt": "ab " * 85 + f"{i}=", "answer": "x", "completion": "cd " * 66 + "\n"})
+                + "\n"
+            )
+
+
+SHORT = ["sft.steps=1", "sft.eval_every=0", "eval.num_prompts=8", "eval.batch_size=8", "progress=false",
+         "checkpoint_every=0", "tensorboard=false"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_the_plan_is_within_25_percent_of_measured_peaks(tmp_path):
+    """Three runs at once (two `loopline sft`, one GRPO step), each peak read from its own process (wait4's ru_maxrss: the largest
+    resident set of the process and the children it waited for, here the main process)."""
+    model, rows = tmp_path / "m32k", tmp_path / "long.jsonl"
+    _vocab_32k_model(model)
+    _long_rows(rows)
+    runs = {
+        "vocab 32k": [f"model.path={model}", "sft.batch_size=32", "sft.micro_batch_size=32"],
+        "vocab 32k grpo": [
+            f"model.path={model}", "sft.steps=0", "grpo.steps=1", "grpo.prompts_per_step=4", "grpo.group_size=4",
+            "grpo.micro_batch_size=16", "grpo.eval_every=0",
+        ],
+        "long rows": [
+            "data.source=jsonl", f"data.train_path={rows}", f"data.eval_path={rows}", "data.max_seq_len=460",
+            "model.tiny.hidden_size=384", "model.tiny.num_layers=6", "model.tiny.intermediate_size=1152",
+            "model.tiny.num_heads=6", "model.tiny.num_kv_heads=2", "eval.sampling.max_new_tokens=4",
+            "sft.batch_size=8", "sft.micro_batch_size=8",
+        ],
+    }  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    procs = {}
+    for name, args in runs.items():
+        command = "train" if "grpo" in name else "sft"
+        argv = [sys.executable, "-m", "loopline.cli", command, *SHORT, *args, f"out_dir={tmp_path / name}"]
+        procs[name] = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    measured = {}
+    for name, proc in procs.items():
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        assert proc.returncode == 0, proc.stderr.read().decode()[-2000:]
+        measured[name] = usage.ru_maxrss * 1024  # KiB on Linux
+    for name, args in runs.items():
+        planned = main_process_bytes(load_config(None, [*SHORT, *args]), "train" if "grpo" in name else "sft")
+        ratio = planned / measured[name]
+        print(
+            f"{name}: planned {planned / 2**20:.0f} MiB, measured {measured[name] / 2**20:.0f} MiB ({ratio:.2f})"
+        )
+        assert 0.75 <= ratio <= 1.25, (
+            f"{name}: planned {planned / GIB:.2f} GiB, measured {measured[name] / GIB:.2f}"
+        )
+
+
+def test_rows_of_unknown_length_say_which_fields_set_it(tmp_path):
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "hidden_size": 896, "num_hidden_layers": 24, "vocab_size": 151936, "intermediate_size": 4864,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "tie_word_embeddings": True,
+        "max_position_embeddings": 32768,
+    }))  # fmt: skip
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    args = [f"model.path={config.parent}", "data.source=jsonl", f"data.train_path={rows}"]
+    result = _cli("plan", *args)
+    assert result.returncode == 2
+    assert (
+        "rows are assumed as long as the model's positions: data.max_prompt_tokens and data.max_seq_len"
+        in (result.stderr)
+    )
+    fits = _cli("plan", *args, "data.max_prompt_tokens=64", "data.max_seq_len=128", "grpo.sampling.max_new_tokens=64",
+                "grpo.micro_batch_size=4", "sft.micro_batch_size=4", "eval.batch_size=16")  # fmt: skip
+    assert fits.returncode == 0, fits.stderr
