@@ -85,6 +85,7 @@ class ActorWorker:
         the run's seeded initial policy in its own process."""
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
+        pause_point(f"init:actor:{self.rank}", once=True)  # test hook: a rank lost while the roles start
         self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
         self.device = model_device(self.model)
         self.mesh: Any = None  # the trainer ranks' DeviceMesh, once joined (None: one unsharded rank)
