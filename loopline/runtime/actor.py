@@ -106,6 +106,13 @@ class ActorWorker:
             None  # `loopline rm`'s reward model on the policy's body, once started
         )
 
+    @staticmethod
+    def warm_up() -> None:
+        """Import what joining the trainer's world imports (a warm process, runtime.trainer_warm, pays it ahead)."""
+        import loopline.runtime.resharding
+        import loopline.runtime.weight_sync
+        import loopline.training.parallel  # noqa: F401
+
     def rendezvous(self) -> str:
         return rendezvous(self.cfg.runtime.call_timeout_s)
 

@@ -190,7 +190,8 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                         role=role,
                         pool=where[role],
                         init_args=args,
-                        standby=role == "actor" and rt.trainer_standby,
+                        standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
+                        warm=rt.trainer_warm,
                         **options,
                     )
                     for role, (cls, n, args) in workers.items()
@@ -267,7 +268,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         t2 = time.perf_counter()
         sync.open()  # the engines reconnect
         t3 = time.perf_counter()
-        trainer.start_spares()  # runtime.trainer_standby: new spares build in the background from here
+        trainer.start_spares()  # runtime.trainer_standby/_warm: new spares start in the background from here
         print(
             f"trainer ranks restarted in {t3 - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
             f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
