@@ -34,7 +34,7 @@ from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
 from loopline.runtime.roles import RESTARTABLE
-from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerTimeoutError
+from loopline.runtime.workers import WorkerDiedError, WorkerError
 from loopline.training.lora import merged_state_dict
 
 
@@ -164,7 +164,9 @@ def _attempts(
                 caught = time.perf_counter()
                 ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
                 if attempt == cfg.runtime.max_restarts:
-                    if isinstance(e, WorkerDiedError | WorkerTimeoutError):  # lost, not raised: worth a retry
+                    if isinstance(
+                        e, WorkerDiedError
+                    ):  # a process lost, not a call that raised: worth a retry
                         lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
                         raise WorkersLost(
                             f"{lost}: runtime.max_restarts={cfg.runtime.max_restarts} allows no more restarts; "

@@ -35,7 +35,7 @@ from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
-from loopline.runtime.workers import WorkerDiedError, WorkerGroup, WorkerTimeoutError
+from loopline.runtime.workers import WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
 
 if TYPE_CHECKING:
@@ -212,13 +212,14 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
 
         # A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
         # as a lost rank mid-run costs a restart: at most runtime.max_restarts times, then the run is given up
-        # (WorkersLost: the CLI exits EX_TEMPFAIL for a job controller to retry). A rank that raised is not retried:
-        # its constructor would raise again. The env workers replace their own (envs.pool).
+        # (WorkersLost: the CLI exits EX_TEMPFAIL for a job controller to retry). A rank that raised is not retried
+        # (its constructor would raise again), nor one past runtime.call_timeout_s (slow, not lost: a start again
+        # would be slower still). The env workers replace their own (envs.pool).
         for attempt in range(rt.max_restarts + 1):
             try:
                 trainer, sync, rollout, critic, reference = start()
                 break
-            except (WorkerDiedError, WorkerTimeoutError) as e:
+            except WorkerDiedError as e:
                 lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
                 stop_groups()
                 if attempt == rt.max_restarts:
