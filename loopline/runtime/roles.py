@@ -117,6 +117,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     import ray
 
     from loopline.runtime.cluster import start_ray
+    from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
     from loopline.runtime.placement import place_pools, remove_pools
 
     rt = cfg.runtime
@@ -134,7 +135,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     pools: dict[str, Pool] = {}
     scorer: ScorerRole | None = None
     rollout: RolloutRole | None = None
-    critic: Critic | None = None
+    critic: CriticRole | None = None
 
     def stop_groups() -> None:
         nonlocal rollout
@@ -164,8 +165,6 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
         # PPO's critic and the frozen reference (KL): as many ranks as the actor each, placed like it
-        from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
-
         where = dict(pools)
         for role, cls, wanted in (
             ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
@@ -177,7 +176,9 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
         options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
 
-        def start() -> tuple[WorkerGroup, CollectiveSync, RolloutRole, Critic | None, ReferenceRole | None]:
+        def start() -> tuple[
+            WorkerGroup, CollectiveSync, RolloutRole, CriticRole | None, ReferenceRole | None
+        ]:
             """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
             nonlocal rollout
             # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
@@ -276,6 +277,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             flush=True,
         )
 
+    assert rollout is not None  # started above, or raised
     return Roles(
         ActorRole(
             trainer,
