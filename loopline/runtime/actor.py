@@ -562,6 +562,10 @@ class ActorRole:
                     failure = e
                 else:
                     self.updates += train
+                    if (
+                        train
+                    ):  # spares used by a restart or heal are replaced once the group has trained again
+                        self.group.start_spares()
                     return out
             if not self._can_heal(failure):
                 raise failure

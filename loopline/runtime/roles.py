@@ -270,7 +270,8 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         t2 = time.perf_counter()
         sync.open()  # the engines reconnect
         t3 = time.perf_counter()
-        trainer.start_spares()  # runtime.trainer_standby/_warm: new spares start in the background from here
+        # runtime.trainer_standby/_warm: new spares start once a step has trained on these ranks (ActorRole.guarded),
+        # not now: on a small machine their imports would slow the first step down
         print(
             f"trainer ranks restarted in {t3 - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
             f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
