@@ -18,7 +18,7 @@ from pathlib import Path
 from loopline import config_rules
 from loopline.checkpoint.run_dir import RESUMABLE, RUN_CONFIG, holds_run, no_run_to_resume, resume_config
 from loopline.config import ConfigError, RunConfig, check_preference, describe, load_config
-from loopline.errors import UserError
+from loopline.errors import EXIT_TEMPFAIL, UserError, WorkersLost
 from loopline.metrics.config import WANDB_INSTALL_HINT
 from loopline.models.config import missing_tokenizer
 from loopline.plan import PHASES
@@ -567,7 +567,8 @@ def _run(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors (bad config, path, file, row) are one line on stderr and exit status 2,
-    with the traceback only under --debug. Other exceptions are bugs and keep their traceback."""
+    workers lost past runtime.max_restarts one line and exit status 75 (EX_TEMPFAIL: worth retrying), each with
+    the traceback only under --debug. Other exceptions are bugs and keep their traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -591,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"loopline: {e}", file=sys.stderr)
         return 2
+    except (
+        WorkersLost
+    ) as e:  # workers lost past runtime.max_restarts: a retry (a job controller's) may succeed
+        if debug:
+            traceback.print_exc()
+        print(f"loopline: {e}", file=sys.stderr)
+        return EXIT_TEMPFAIL
 
 
 if __name__ == "__main__":

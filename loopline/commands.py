@@ -21,7 +21,7 @@ from loopline.checkpoint.state import (
     newest_whole_checkpoint,
 )
 from loopline.config import RunConfig, absolute_paths, load_config
-from loopline.errors import UserError
+from loopline.errors import EXIT_TEMPFAIL, UserError, WorkersLost
 from loopline.loops.context import (
     RunContext,
     build_context,
@@ -34,7 +34,7 @@ from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
 from loopline.runtime.roles import RESTARTABLE
-from loopline.runtime.workers import WorkerError
+from loopline.runtime.workers import WorkerDiedError, WorkerError
 from loopline.training.lora import merged_state_dict
 
 
@@ -169,6 +169,15 @@ def _attempts(
                 caught = time.perf_counter()
                 ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
                 if attempt == cfg.runtime.max_restarts:
+                    if isinstance(
+                        e, WorkerDiedError
+                    ):  # a process lost, not a call that raised: worth a retry
+                        lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
+                        raise WorkersLost(
+                            f"{lost}: runtime.max_restarts={cfg.runtime.max_restarts} allows no more restarts; "
+                            f"exiting {EXIT_TEMPFAIL} (EX_TEMPFAIL): continue with `loopline train --resume "
+                            f"out_dir={cfg.out_dir}` (a job controller's retry does)"
+                        ) from e
                     raise
                 restarts = cfg.runtime.max_restarts
                 resume, failed, changes = True, (caught, e.role), None

@@ -42,6 +42,7 @@ def test_unknown_key_names_the_dotted_key(override, key):
         ("model.packing=maybe", "model.packing", "valid boolean"),
         ("runtime.restart_scope=rank", "runtime.restart_scope", "'role' or 'all'"),
         ("runtime.trainer_standby=true", "runtime", "trainer_standby=true needs backend=ray"),
+        ("runtime.trainer_warm=true", "runtime", "trainer_warm=true needs backend=ray"),
     ],
 )
 def test_bad_value_names_the_key_and_the_rule(override, key, hint):
@@ -75,6 +76,12 @@ def test_trainer_replicas_that_cannot_be_laid_out_are_refused(overrides, hint):
     with pytest.raises(ConfigError, match="runtime") as err:
         load_config(overrides=overrides)
     assert hint in str(err.value)
+
+
+def test_a_trainer_rank_has_one_kind_of_spare():
+    spares = ["runtime.backend=ray", "runtime.trainer_standby=true", "runtime.trainer_warm=true"]
+    with pytest.raises(ConfigError, match="a rank has one spare, built .standby. or a warm process"):
+        load_config(overrides=spares)
 
 
 def test_every_error_is_reported_at_once():

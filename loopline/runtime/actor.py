@@ -85,6 +85,7 @@ class ActorWorker:
         the run's seeded initial policy in its own process."""
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
+        pause_point(f"init:actor:{self.rank}", once=True)  # test hook: a rank lost while the roles start
         self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
         from loopline.training.parallel import apply_activation_checkpointing
 
@@ -107,6 +108,13 @@ class ActorWorker:
         self.reward: RewardTrainer | None = (
             None  # `loopline rm`'s reward model on the policy's body, once started
         )
+
+    @staticmethod
+    def warm_up() -> None:
+        """Import what joining the trainer's world imports (a warm process, runtime.trainer_warm, pays it ahead)."""
+        import loopline.runtime.resharding
+        import loopline.runtime.weight_sync
+        import loopline.training.parallel  # noqa: F401
 
     def rendezvous(self) -> str:
         return rendezvous(self.cfg.runtime.call_timeout_s)
@@ -570,6 +578,10 @@ class ActorRole:
                     failure = e
                 else:
                     self.updates += train
+                    if (
+                        train
+                    ):  # spares used by a restart or heal are replaced once the group has trained again
+                        self.group.start_spares()
                     return out
             if not self._can_heal(failure):
                 raise failure

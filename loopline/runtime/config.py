@@ -117,6 +117,14 @@ class RuntimeConfig(Section):
         "starting processes (the torch import is paid already), then starts new ones. Costs a process and a "
         "model copy per rank.",
     )
+    trainer_warm: bool = Field(
+        False,
+        description="A warm process for every trainer rank (ray, pools without GPUs): an actor in the rank's bundle "
+        "that has imported torch and transformers but built nothing, holding none of its resources; a per-role "
+        "restart or a heal builds the rank there instead of starting a process (the imports, most of a new rank's "
+        "start-up, are paid), then starts new ones. Costs an idle process per rank, no model copy. "
+        "Not with trainer_standby (whose spares are built ranks).",
+    )
     max_engine_replacements: int = Field(
         3,
         ge=0,
@@ -176,15 +184,21 @@ class RuntimeConfig(Section):
 
     @model_validator(mode="after")
     def _standby_fits(self) -> RuntimeConfig:
-        if not self.trainer_standby:
+        if self.trainer_standby and self.trainer_warm:
+            raise ValueError(
+                "trainer_standby=true and trainer_warm=true: a rank has one spare, built (standby) or a warm "
+                "process (warm); give one of them"
+            )
+        field = "trainer_standby" if self.trainer_standby else "trainer_warm" if self.trainer_warm else None
+        if field is None:
             return self
         if self.backend != "ray":
-            raise ValueError("trainer_standby=true needs backend=ray (spares are Ray actors)")
+            raise ValueError(f"{field}=true needs backend=ray (spares are Ray actors)")
         pool = next((p for p in self.pools().pools if p.name == self.pools().roles.get("actor")), None)
         if pool is not None and pool.resources.get("GPU", 0.0) > 0:
             raise ValueError(
-                f"trainer_standby=true: the actor's pool '{pool.name}' has GPUs, which a spare (holding none of "
-                "its bundle's resources) cannot see; use trainer_standby=false there"
+                f"{field}=true: the actor's pool '{pool.name}' has GPUs, which a spare (holding none of "
+                f"its bundle's resources) cannot see; use {field}=false there"
             )
         return self
 

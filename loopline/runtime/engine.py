@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from loopline.checkpoint.faults import pause_point
 from loopline.config import RunConfig
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.engine_sync import sync_plan
@@ -63,6 +64,7 @@ class EngineWorker:
         initial model and samples from its own generator, seeded per engine rank (checkpointed: rng_state)."""
         self.cfg = cfg
         self.rank = rank_and_world()[0]
+        pause_point(f"init:rollout:{self.rank}", once=True)  # test hook: an engine lost while the roles start
         if engine is None:
             model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
             engine = make_engine(cfg, model, tokenizer, seed=cfg.seed + 1 + self.rank)

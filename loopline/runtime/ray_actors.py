@@ -91,3 +91,26 @@ def kill(*actors: Any) -> None:
 
     for actor in actors:
         ray.kill(actor, no_restart=True)
+
+
+_WARM: dict[type, type] = {}
+
+
+def warm_class(cls: type) -> type:
+    """`cls` as a warm actor: its process starts and imports cls's module (torch and transformers: most of a new
+    rank's start-up) and what cls.warm_up() imports, if it has one, but runs no constructor until
+    `become(*args, **kwargs)`, which runs cls's there. Named as
+    `cls` (its process title too: ray::<name>), but of a module of its own, so Ray keeps the two classes apart."""
+    if cls not in _WARM:
+
+        def __init__(self: Any) -> None:  # nothing built yet: unpickling the class paid its module's imports
+            warm_up = getattr(cls, "warm_up", None)  # and the class may import what its calls import lazily
+            if warm_up is not None:
+                warm_up()
+
+        def become(self: Any, *args: Any, **kwargs: Any) -> None:
+            cls.__init__(self, *args, **kwargs)  # type: ignore[misc]
+
+        body = {"__init__": __init__, "become": become, "__module__": f"{cls.__module__}.warm"}
+        _WARM[cls] = type(cls.__name__, (cls,), {**body, "__qualname__": cls.__qualname__})
+    return _WARM[cls]

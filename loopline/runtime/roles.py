@@ -26,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
+from loopline.errors import EXIT_TEMPFAIL, WorkersLost
 from loopline.runtime.actor import ActorRole, ActorWorker
 from loopline.runtime.cluster import ClusterConfig
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
@@ -34,7 +35,7 @@ from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
-from loopline.runtime.workers import WorkerGroup
+from loopline.runtime.workers import WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     import ray
 
     from loopline.runtime.cluster import start_ray
+    from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
     from loopline.runtime.placement import place_pools, remove_pools
 
     rt = cfg.runtime
@@ -133,15 +135,21 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     pools: dict[str, Pool] = {}
     scorer: ScorerRole | None = None
     rollout: RolloutRole | None = None
-    critic: Critic | None = None
+    critic: CriticRole | None = None
+
+    def stop_groups() -> None:
+        nonlocal rollout
+        if rollout is not None:
+            rollout.close()
+            rollout = None
+        for group in groups:
+            group.shutdown()
+        groups.clear()
 
     def shutdown() -> None:
         if scorer is not None:
             scorer.close()
-        if rollout is not None:
-            rollout.close()
-        for group in groups:
-            group.shutdown()
+        stop_groups()
         if pools:
             remove_pools(pools)
         if started:
@@ -157,8 +165,6 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
         # PPO's critic and the frozen reference (KL): as many ranks as the actor each, placed like it
-        from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
-
         where = dict(pools)
         for role, cls, wanted in (
             ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
@@ -167,35 +173,67 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             if wanted:
                 workers[role] = (cls, rt.trainer_ranks, (cfg,))
                 where[role] = colocated_pool(role, pools["actor"], pools)
-        # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
         options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
-        with ThreadPoolExecutor(len(workers)) as threads:
-            starting = [
-                threads.submit(
-                    WorkerGroup,
-                    cls,
-                    n,
-                    role=role,
-                    pool=where[role],
-                    init_args=args,
-                    standby=role == "actor" and rt.trainer_standby,
-                    **options,
+
+        def start() -> tuple[
+            WorkerGroup, CollectiveSync, RolloutRole, CriticRole | None, ReferenceRole | None
+        ]:
+            """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
+            nonlocal rollout
+            # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
+            with ThreadPoolExecutor(len(workers)) as threads:
+                starting = [
+                    threads.submit(
+                        WorkerGroup,
+                        cls,
+                        n,
+                        role=role,
+                        pool=where[role],
+                        init_args=args,
+                        standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
+                        warm=rt.trainer_warm,
+                        **options,
+                    )
+                    for role, (cls, n, args) in workers.items()
+                ]
+            groups.extend(f.result() for f in starting if f.exception() is None)
+            trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
+            # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
+            # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
+            address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
+            sync = CollectiveSync(trainer, engines, address, layout)
+            rollout = RolloutRole(engines, sync, pools["rollout"], rt.max_engine_replacements)
+            more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
+            critic = (
+                CriticRole(more["critic"]) if "critic" in more else None
+            )  # its ranks join a world of their own
+            reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
+            return trainer, sync, rollout, critic, reference
+
+        # A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
+        # as a lost rank mid-run costs a restart: at most runtime.max_restarts times, then the run is given up
+        # (WorkersLost: the CLI exits EX_TEMPFAIL for a job controller to retry). A rank that raised is not retried
+        # (its constructor would raise again), nor one past runtime.call_timeout_s (slow, not lost: a start again
+        # would be slower still). The env workers replace their own (envs.pool).
+        for attempt in range(rt.max_restarts + 1):
+            try:
+                trainer, sync, rollout, critic, reference = start()
+                break
+            except WorkerDiedError as e:
+                lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
+                stop_groups()
+                if attempt == rt.max_restarts:
+                    raise WorkersLost(
+                        f"{lost}: a worker was lost while the roles started, and runtime.max_restarts="
+                        f"{rt.max_restarts} allows no more restarts; exiting {EXIT_TEMPFAIL} (EX_TEMPFAIL): run "
+                        "the same command again with --resume (a job controller's retry does)"
+                    ) from e
+                print(
+                    f"{lost}: lost while the roles started; starting them again (restart {attempt + 1} of "
+                    f"{rt.max_restarts})",
+                    flush=True,
                 )
-                for role, (cls, n, args) in workers.items()
-            ]
-        groups.extend(f.result() for f in starting if f.exception() is None)
-        trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
-        more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
-        # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
-        # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
-        address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
-        sync = CollectiveSync(trainer, engines, address, layout)
-        rollout = RolloutRole(engines, sync, pools["rollout"], rt.max_engine_replacements)
-        critic = (
-            CriticRole(more["critic"]) if "critic" in more else None
-        )  # its ranks join a world of their own
-        reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
     except BaseException:
         shutdown()
         raise
@@ -232,13 +270,15 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         t2 = time.perf_counter()
         sync.open()  # the engines reconnect
         t3 = time.perf_counter()
-        trainer.start_spares()  # runtime.trainer_standby: new spares build in the background from here
+        # runtime.trainer_standby/_warm: new spares start once a step has trained on these ranks (ActorRole.guarded),
+        # not now: on a small machine their imports would slow the first step down
         print(
             f"trainer ranks restarted in {t3 - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
             f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
             flush=True,
         )
 
+    assert rollout is not None  # started above, or raised
     return Roles(
         ActorRole(
             trainer,

@@ -14,7 +14,9 @@ starts more ranks in bundles the caller found, `remove_ranks` stops the last one
 outcome of a call, so a caller can recover from some failures (the roles decide which; engine.RolloutRole).
 With `standby`, every rank has a spare: a second actor of the same class, arguments and environment in the
 rank's bundle, built (its imports paid) but never called and taking none of the bundle's resources, which a
-restart promotes instead of starting a process (`start_spares` then starts new ones in the background).
+restart promotes instead of starting a process (`start_spares` then starts new ones in the background). With
+`warm` too, a spare is a warm process instead: its imports paid, its constructor not run until it is promoted
+(no model copy held; the rank's constructor runs at the restart).
 
 Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor
 again with the same arguments and environment); local calls run in the caller's thread, so the local
@@ -30,7 +32,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, in_bundle, kill, start_actor
+from loopline.runtime.ray_actors import (
+    ActorGone,
+    ActorRaised,
+    finished,
+    get,
+    in_bundle,
+    kill,
+    start_actor,
+    warm_class,
+)
 
 if TYPE_CHECKING:
     from loopline.runtime.placement import Pool
@@ -113,6 +124,7 @@ class WorkerGroup:
         max_restarts: int = 0,
         timeout_s: float | None = None,
         standby: bool = False,
+        warm: bool = False,
     ) -> None:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
@@ -122,6 +134,8 @@ class WorkerGroup:
         timeout_s: default limit for construction and for every call; None = no limit.
         standby: (ray) a spare for every rank, started once the ranks are ready; a restart promotes it. Spares
         take no resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
+        warm: (with standby) the spares are warm processes, not built ranks: imports paid, constructor run when
+        a restart promotes them.
         """
         if backend not in ("local", "ray"):
             raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
@@ -132,6 +146,7 @@ class WorkerGroup:
         self._ranks: list[Any] = []  # local: [the worker object]; ray: one actor handle per rank
         self._places: list[tuple[Pool, int]] = []  # ray: (pool, bundle index) of each rank
         self._standby: dict[int, Any] | None = {} if standby else None  # ray: rank -> its spare's actor
+        self._warm = standby and warm  # ray: the spares are warm processes (warm_class), built when promoted
         init_kwargs, env_vars = dict(init_kwargs or {}), dict(env_vars or {})
         if backend == "local":
             if num_ranks != 1 or pool is not None or standby:
@@ -199,10 +214,11 @@ class WorkerGroup:
         local = _rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
         if spare:  # the threads Ray gives the rank it replaces (a spare holds no CPUs)
             local["OMP_NUM_THREADS"] = str(max(1, int(pool.rank_resources().get("CPU", 1.0))))
+        warm = spare and self._warm  # a warm process: the class's constructor runs when it is promoted
         return start_actor(
-            self.cls,
-            init_args,
-            init_kwargs,
+            warm_class(self.cls) if warm else self.cls,
+            () if warm else init_args,
+            {} if warm else init_kwargs,
             resources={} if spare else pool.rank_resources(),
             bundle=(pool.placement_group, bundle),
             env_vars={**env_vars, **local},
@@ -218,8 +234,17 @@ class WorkerGroup:
             if i not in self._standby:
                 self._standby[i] = self._start_rank(i, nodes, spare=True)
 
-    def _wait_ready(self, ranks: range | list[int]) -> None:
-        self.wait([RankFuture(i, "__init__", self._ranks[i].__ray_ready__.remote()) for i in ranks])
+    def _wait_ready(self, ranks: range | list[int], warm: list[int] | None = None) -> None:
+        """Wait until the actors of `ranks` are built; those of `warm` (warm processes) build now."""
+        init_args, init_kwargs = self._spawn[:2]
+        self.wait(
+            [
+                RankFuture(i, "__init__", self._ranks[i].become.remote(*init_args, **init_kwargs))
+                if i in (warm or ())
+                else RankFuture(i, "__init__", self._ranks[i].__ray_ready__.remote())
+                for i in ranks
+            ]
+        )
 
     def _nodes(self) -> list[str]:
         """Node id of every rank's bundle, in rank order."""
@@ -248,11 +273,16 @@ class WorkerGroup:
         kill(*(self._ranks[r] for r in ranks))
         nodes = self._nodes()
         spares = self._standby if self._standby is not None else {}
+        warm: list[int] = []  # ranks promoted from warm processes: their constructors run now
         for rank in ranks:
             # the spare gets no resources back: the killed rank's share of the bundle stays free for the next spare
-            self._ranks[rank] = spares.pop(rank) if rank in spares else self._start_rank(rank, nodes)
+            if rank in spares:
+                self._ranks[rank] = spares.pop(rank)
+                warm += [rank] if self._warm else []
+            else:
+                self._ranks[rank] = self._start_rank(rank, nodes)
         try:
-            self._wait_ready(ranks)
+            self._wait_ready(ranks, warm)
         except WorkerDiedError:  # a spare that died meanwhile: fresh actors instead
             kill(*(self._ranks[r] for r in ranks))
             for rank in ranks:

@@ -359,3 +359,66 @@ def test_trainer_ranks_lost_mid_step_heal_from_their_replica_and_end_bitwise_as_
     assert sum(r.get("heals", 0) for r in _rows(run)) == 3  # two in step 4: the step's and its sync's
     assert not repeats(read_ledger(run))
     assert _same_weights(run, _uninterrupted(tmp_path_factory, ["runtime.trainer_replicas=2"]))
+
+
+def _killed_while_starting(run: Path, extra: list[str], point: str) -> tuple[int, str, str]:
+    """The tests' job on the session's Ray, its process held at the test hook `point` (a constructor, as the roles
+    start: checkpoint.faults) and SIGKILLed there, then waited for: (exit status, stdout, stderr)."""
+    import ray
+
+    markers = run.parent / "markers"
+    marker = markers / f"{point.replace(':', '_')}.paused"
+    address = ray.get_runtime_context().gcs_address
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "LOOPLINE_PAUSE_AT": point,
+        "LOOPLINE_PAUSE_DIR": str(markers),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}", *extra,
+         f"out_dir={run}"],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, f"nothing paused at {point}"
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGKILL)  # the rank's own process, in its constructor
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    return proc.returncode, out, err
+
+
+def test_a_trainer_rank_killed_while_the_roles_start_is_replaced_and_the_run_ends_as_an_uninterrupted_one(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    """Trainer rank 1 SIGKILLed in its constructor: the roles start again (runtime.max_restarts=1 covers start-up
+    as it covers a step), and the run, a fresh start, ends with the weights of the run never interrupted."""
+    run = tmp_path / "run"
+    status, out, err = _killed_while_starting(run, [], "init:actor:1")
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "role 'actor' rank 1 __init__(): " in out
+    assert "lost while the roles started; starting them again (restart 1 of 1)" in out
+    assert "Traceback" not in err
+    assert _grpo_steps(run) == list(range(6))  # each once
+    assert not repeats(read_ledger(run))
+    assert _same_weights(run, uninterrupted)
+
+
+def test_a_rank_lost_while_the_roles_start_past_max_restarts_exits_75_in_one_line(
+    ray_cluster, tmp_path: Path
+) -> None:
+    """runtime.max_restarts=0: the same loss gives up at once, with one line naming the rank and what to do, and
+    exit status 75 (EX_TEMPFAIL), which a job controller retries (loopline k8s: the RayJob's backoffLimit)."""
+    run = tmp_path / "run"
+    status, out, err = _killed_while_starting(run, ["runtime.max_restarts=0"], "init:actor:1")
+    assert status == 75, out[-3000:] + err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("loopline: ")]
+    assert lines == [line for line in err.splitlines() if "role 'actor'" in line or "Traceback" in line]
+    assert len(lines) == 1 and lines[0].startswith("loopline: role 'actor' rank 1 __init__(): "), err[-3000:]
+    assert "runtime.max_restarts=0 allows no more restarts; exiting 75 (EX_TEMPFAIL)" in lines[0]
+    assert not _rows(run)  # nothing trained, nothing logged: a retry with --resume starts afresh

@@ -98,6 +98,20 @@ class Accumulator:
         raise ValueError(why)
 
 
+class Built(Accumulator):
+    """An Accumulator that says in which process its constructor ran."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__(start)
+        self.built_in = os.getpid()
+
+    def built(self) -> tuple[int, int]:
+        return self.built_in, os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
 class Broken:
     def __init__(self) -> None:
         raise RuntimeError("no weights at /nowhere")
@@ -361,5 +375,31 @@ def test_spares_take_the_places_of_restarted_ranks(cluster: dict[str, str]) -> N
             while time.monotonic() < deadline:
                 ray.get(kept.pid.remote(), timeout=LIMIT_S)
                 time.sleep(0.1)
+    finally:
+        remove_pools(pools)
+
+
+def test_warm_spares_build_the_ranks_they_replace(cluster: dict[str, str]) -> None:
+    """standby with warm: each rank's spare is a warm process (its class's module imported, no constructor run, no
+    state held); restart_ranks builds each rank in its spare's process, with the rank's arguments and environment."""
+    pools = _place([("trainer", 2, {"trainer": 1})], {"actor": "trainer"})
+    try:
+        with WorkerGroup(
+            Built, 2, backend="ray", role="actor", pool=pools["actor"], init_args=(5.0,), timeout_s=LIMIT_S,
+            standby=True, warm=True,
+        ) as group:  # fmt: skip
+            assert group.call("add", 1.0) == [6.0, 6.0]
+            spares = [group._standby[r] for r in (0, 1)]
+            spare_pids = ray.get([s.pid.remote() for s in spares], timeout=LIMIT_S)
+            with pytest.raises(ray.exceptions.RayTaskError, match="built_in"):  # nothing built yet
+                ray.get(spares[0].built.remote(), timeout=LIMIT_S)
+            group.restart_ranks([0, 1])
+            assert group.call("built") == [(p, p) for p in spare_pids]  # built now, in the spares' processes
+            assert group.call("add", 1.0) == [6.0, 6.0]  # from the ranks' own arguments
+            assert group.call("rank_info") == [("0", "2"), ("1", "2")]
+            assert group._standby == {}
+            group.start_spares()  # warm ones again
+            with pytest.raises(ray.exceptions.RayTaskError, match="built_in"):
+                ray.get(group._standby[1].built.remote(), timeout=LIMIT_S)
     finally:
         remove_pools(pools)
