@@ -41,7 +41,7 @@ def hidden_states_out(model: nn.Module) -> Iterator[nn.Module]:
     were, (..., H) instead of (..., V); yields the head (`model.get_output_embeddings()`) to apply afterwards.
     The head module stays in place (its weights, names and any FSDP2 hooks on the root are untouched): only its
     forward is the identity meanwhile."""
-    head = model.get_output_embeddings()
+    head = model.get_output_embeddings()  # type: ignore[operator]  # an HF model's method, not a submodule
     if head is None:
         raise ValueError(
             f"{type(model).__name__} has no output embeddings (an LM head) to compute log-probs with"

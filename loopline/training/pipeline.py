@@ -225,6 +225,7 @@ class StageModule(nn.Module):
             head, hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1), self.chunk_tokens,
             with_entropy=True, temperature=t if tempered else None,
         )  # fmt: skip
+        assert scores.entropy is not None  # asked for with_entropy
         channels = [scores.logp, scores.entropy]
         if not self.training:
             channels.append(scores.tempered if scores.tempered is not None else scores.logp)
