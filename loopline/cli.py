@@ -367,7 +367,7 @@ def check_run(
     if plan:
         from loopline.plan import check
 
-        check(resume_config(*resume, True)[0] if resume else cfg, command)
+        check(resume_config(*resume, True, fresh_ok=True)[0] if resume else cfg, command)
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
     if command == "eval":

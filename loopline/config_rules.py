@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loopline.config import ConfigError, RunConfig
+from loopline.section import flat_values
 
 
 @dataclass(frozen=True)
@@ -36,19 +37,12 @@ class Rule:
     ]  # (config, command, keys set off their defaults) -> message
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def changed_keys(cfg: RunConfig) -> set[str]:
     """The dotted keys whose value differs from the default: what the user (or a config file) set."""
-    given, default = _leaves(cfg.model_dump(mode="json")), _leaves(RunConfig().model_dump(mode="json"))
+    given, default = (
+        flat_values(cfg.model_dump(mode="json")),
+        flat_values(RunConfig().model_dump(mode="json")),
+    )
     return {k for k, v in given.items() if default.get(k) != v}
 
 

@@ -41,6 +41,17 @@ def _section_at(root: type[BaseModel], loc: tuple[str, ...]) -> type[BaseModel] 
     return node
 
 
+def flat_values(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value} of every leaf of a nested dict (a config's model_dump)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flat_values(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def leaf_keys(root: type[BaseModel], prefix: str = "") -> list[str]:
     """Every dotted leaf key of a section class (e.g. 'grpo.sampling.max_new_tokens')."""
     keys = []

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 
 def pause_env(point: str | None = None, markers: Path | None = None) -> dict[str, str]:
@@ -75,7 +76,14 @@ class KillBeforeCall:
         return counted
 
 
-def die_once_chunk(markers: str, chunk: tuple[list[str], list[object]]) -> list[float]:
+class Scored(NamedTuple):
+    """A verdict as the scorer reads it (loopline.envs.episodes.Verdict's fields), standard library only."""
+
+    reward: float
+    correct: bool
+
+
+def die_once_chunk(markers: str, chunk: tuple[list[str], list[object]]) -> list[Scored]:
     """An env worker's chunk scorer (loopline.runtime.scorer, fn=): each text's number as its score. The chunk
     holding text "0" SIGKILLs its own worker the first time, once the chunk holding "3" has been scored, so that
     the retried chunk finishes after a later one. Standard library only: spawned workers import this file."""
@@ -89,4 +97,4 @@ def die_once_chunk(markers: str, chunk: tuple[list[str], list[object]]) -> list[
         os.kill(os.getpid(), signal.SIGKILL)
     if "3" in texts:
         done.touch()
-    return [float(t) for t in texts]
+    return [Scored(float(t), int(t) % 2 == 0) for t in texts]

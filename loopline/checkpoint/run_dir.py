@@ -27,6 +27,7 @@ from typing import Any
 
 from loopline.config import RunConfig, absolute_paths, load_config, relative_paths
 from loopline.errors import UserError
+from loopline.section import flat_values
 from loopline.version import version
 
 HISTORY_FILE = "config_history.jsonl"
@@ -90,20 +91,9 @@ def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train"
     print(f"--overwrite: deleted the run in {run_dir} ({', '.join(deleted)})")
 
 
-def _leaves(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{dotted key: value} of every leaf of a nested dict."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_leaves(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_changes(old: RunConfig, new: RunConfig) -> dict[str, tuple[Any, Any]]:
     """{dotted key: (old value, new value)} of every field that differs."""
-    a, b = _leaves(old.model_dump(mode="json")), _leaves(new.model_dump(mode="json"))
+    a, b = flat_values(old.model_dump(mode="json")), flat_values(new.model_dump(mode="json"))
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

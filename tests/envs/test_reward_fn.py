@@ -51,7 +51,9 @@ def test_env_name_python_file_function_scores_through_the_env_path(tmp_path) -> 
         "def close(prompt, completion, answer):\n    return 1.0 if completion == answer else 0.25\n"
     )
     name = f"python:{tmp_path / 'mine.py'}:close"
-    assert score_chunk(name, (["5", "6"], [ROW, ROW])) == [1.0, 0.25]
+    verdicts = score_chunk(name, (["5", "6"], [ROW, ROW]))
+    assert [v.reward for v in verdicts] == [1.0, 0.25]
+    assert [v.correct for v in verdicts] == [True, False]  # full marks only: 0.25 is partial credit
     (tmp_path / "bad.py").write_text("def bad(prompt, completion):\n    return None\n")
     with pytest.raises(EnvError, match="raised TypeError at turn 1: the reward function returned NoneType"):
         score_chunk(f"python:{tmp_path / 'bad.py'}:bad", (["5"], [ROW]))

@@ -14,7 +14,7 @@ from loopline.config import ConfigError, load_config
 from loopline.loops.context import build_context
 from loopline.loops.grpo import collect, minibatch_rows, train_grpo
 from loopline.metrics.logger import read_metrics
-from loopline.runtime.scorer import ScorerRole
+from loopline.runtime.scorer import ScorerRole, Scores
 
 TINY = [
     "sft.steps=0", "grpo.steps=2", "grpo.prompts_per_step=4", "grpo.group_size=4", "grpo.micro_batch_size=8",
@@ -28,8 +28,9 @@ TINY = [
 class DigitScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Dense stub reward: the fraction of the completion's characters that are digits."""
 
-    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
-        return torch.tensor([sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts])
+    def score(self, texts: list[str], answers: list[str]) -> Scores:
+        rewards = torch.tensor([sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts])
+        return Scores(rewards, rewards == 1.0)  # correct: full marks, as envs.base.counts_correct
 
 
 def _run(tmp_path, *overrides: str):
@@ -94,10 +95,10 @@ def test_mask_truncated_trains_nothing_when_every_completion_is_cut(tmp_path):
 class AlternatingScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Scores the first prompt group of every generate call all-equal; the rest vary."""
 
-    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
+    def score(self, texts: list[str], answers: list[str]) -> Scores:
         scores = torch.arange(len(texts), dtype=torch.float32) % 2
         scores[:4] = 1.0  # group 0 (group_size 4): all equal, no gradient
-        return scores
+        return Scores(scores, scores == 1.0)
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):

@@ -22,5 +22,6 @@ def test_scores_come_back_in_order_after_a_killed_chunk_is_scored_again(tmp_path
     finally:
         scorer.close()
     assert (tmp_path / "0-died").exists()  # chunk 0's first worker was SIGKILLed, after chunk 3 was scored
-    assert scores.tolist() == [float(i) for i in range(n)]
+    assert scores.rewards.tolist() == [float(i) for i in range(n)]
+    assert scores.correct.tolist() == [i % 2 == 0 for i in range(n)]
     assert (stats["score_retries"], stats["env_workers_replaced"]) == (1.0, 1.0)

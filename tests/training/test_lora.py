@@ -15,7 +15,7 @@ from loopline.loops.context import build_context
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.metrics.logger import read_metrics
-from loopline.runtime.scorer import ScorerRole
+from loopline.runtime.scorer import ScorerRole, Scores
 from loopline.training.lora import apply_lora, has_lora, merged_state_dict
 
 LORA = LoRAConfig(r=4, alpha=8.0)
@@ -67,8 +67,9 @@ TINY = [
 class DigitScorer(ScorerRole):  # take_stats, resize: as the in-process scorer
     """Dense stub reward (the random model never solves the task): the fraction of digits in the text."""
 
-    def score(self, texts: list[str], answers: list[str]) -> torch.Tensor:
-        return torch.tensor([sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts])
+    def score(self, texts: list[str], answers: list[str]) -> Scores:
+        rewards = torch.tensor([sum(ch.isdigit() for ch in t) / max(1, len(t)) for t in texts])
+        return Scores(rewards, rewards == 1.0)
 
 
 def test_lora_sft_and_grpo_train_adapters_only_and_the_engine_gets_the_merged_model(tmp_path):

@@ -57,7 +57,7 @@ class TableLM(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(_table())
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         return SimpleNamespace(logits=self.table[input_ids])
 
 
@@ -339,7 +339,7 @@ class EmbedBody(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Parameter(torch.tensor(values)[:, None])
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         return SimpleNamespace(last_hidden_state=self.embed[input_ids])
 
 
