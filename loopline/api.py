@@ -16,7 +16,7 @@ scores with it on the env workers, trains, and hands back its metrics, checkpoin
 
 `config` is whatever the CLI takes, in any form: a `RunConfig` (the same typed sections: `loopline.RunConfig(
 grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path; `overrides` are the CLI's dotted
-`key=value` words on top. Each function runs the CLI command's own code (loopline.commands, after cli's checks),
+`key=value` words on top. Each function runs the CLI command's own code (loopline.commands, after preflight's checks),
 so a run made here is a run directory like any other (`loopline train --resume out_dir=...` continues it). Bad
 input raises ValueError (loopline.errors.UserError, loopline.config.ConfigError) with the CLI's message.
 
@@ -200,12 +200,12 @@ def _run(
     reward_fn: Callable[..., float] | None,
     **options: Any,
 ) -> RunResult:
-    from loopline import cli
+    from loopline import preflight
 
     with _call(config, overrides, reward_fn) as call:
         if call.pickled is not None:  # into the run directory, where a resume (or the CLI's) finds it again
             call.place_reward(Path(load_config(call.config, call.overrides).out_dir))
-        file, words = cli.checked_config(
+        file, words = preflight.checked_config(
             command, call.config, call.overrides, resume=options.get("resume", False)
         )
         call.write_reward()
@@ -316,11 +316,11 @@ def evaluate(
 ) -> dict[str, float]:
     """`loopline eval`: held-out accuracy of `model` (a Hugging Face model, a checkpoint or a run directory; None:
     model.path or the built-in model), scored by env.name or reward_fn. Writes nothing."""
-    from loopline import cli
+    from loopline import preflight
 
     config, words = _model_first(model, config, overrides)
     with _call(config, words, reward_fn) as call:
-        file, words = cli.checked_config("eval", call.config, call.overrides)
+        file, words = preflight.checked_config("eval", call.config, call.overrides)
         call.write_reward()
         from loopline import commands
 
@@ -338,7 +338,7 @@ def generate(
 ) -> list[Generation]:
     """`loopline generate`: n completions of each prompt by `model` (as for evaluate), in order. n > 1 samples at
     temperature 1 unless `temperature` says otherwise (eval.sampling is greedy by default)."""
-    from loopline import cli
+    from loopline import preflight
 
     if isinstance(prompts, str):
         raise UserError("prompts: a list of prompt texts, not one string")
@@ -348,7 +348,7 @@ def generate(
         raise UserError(f"temperature must be a finite number >= 0, 0 for greedy (got {temperature!r})")
     config, words = _model_first(model, config, overrides)
     with _call(config, words, None) as call:
-        file, words = cli.checked_config("generate", call.config, call.overrides)
+        file, words = preflight.checked_config("generate", call.config, call.overrides)
         from loopline import commands
 
         rows = commands.generations(file, words, list(prompts), n, temperature)
@@ -357,8 +357,8 @@ def generate(
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     """`loopline export`: a checkpoint (or a run directory's newest) as a Hugging Face model directory in `out`."""
-    from loopline import cli
+    from loopline import preflight
     from loopline.checkpoint.export import export as export_model
 
-    cli.check_export(str(checkpoint), str(out))
+    preflight.check_export(str(checkpoint), str(out))
     return export_model(checkpoint, out)

@@ -414,7 +414,9 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    cfg, changes = _run_config(config, overrides, args, "dpo")  # cli.check_run checked what dpo needs of it
+    cfg, changes = _run_config(
+        config, overrides, args, "dpo"
+    )  # preflight.check_run checked what dpo needs of it
     stop = StopFlag()
     with stop.handling():
         ctx = build_context(cfg)
@@ -454,7 +456,7 @@ def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> in
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_rm
 
-    cfg, _ = _run_config(config, overrides, args, "rm")  # cli.check_run checked what rm needs of it
+    cfg, _ = _run_config(config, overrides, args, "rm")  # preflight.check_run checked what rm needs of it
     ctx = build_context(cfg)
     try:
         _start_fresh(ctx)

@@ -52,8 +52,9 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.commands", 9, "what each CLI command runs"),
     ("loopline.bench", 9, "benchmarks the CLI runs"),
     ("loopline.doctor", 9, "`loopline doctor`: versions, CPU, GPUs, sandbox, Ray"),
+    ("loopline.preflight", 9, "a run command's checks before torch: config rules, files, out_dir, the plan"),
     ("loopline.cli", 10, "the `loopline` command"),
-    ("loopline.api", 11, "the Python API: the CLI's commands as functions (after cli's checks)"),
+    ("loopline.api", 11, "the Python API: the CLI's commands as functions (after preflight's checks)"),
 ]
 
 # Imports up the table that are meant; (importer, imported): reason. Keep short: fix instead where cheap.

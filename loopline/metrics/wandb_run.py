@@ -24,7 +24,7 @@ class WandbRun:
     """One W&B run for one run directory: started (or resumed) here, fed rows by MetricsLogger, finished at close."""
 
     def __init__(self, run_dir: Path, cfg: MetricsConfig, config: dict[str, Any]) -> None:
-        import wandb  # the extra: cli.check_run names the install command when it is missing
+        import wandb  # the extra: preflight.check_run names the install command when it is missing
 
         id_path = run_dir / ID_FILE
         resumed = id_path.is_file()
