@@ -25,9 +25,18 @@ def build_byte_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {PAD: 0, BOS: 1, EOS: 2}
     for byte_char in sorted(alphabet):
         vocab[byte_char] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    return _byte_level(vocab, [])
+
+
+def _byte_level(
+    vocab: dict[str, int], merges: list[tuple[str, str]], add_specials: bool = False
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE over `vocab` and `merges` with pad/bos/eos, every encoding starting with <bos>."""
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    if add_specials:  # a trained vocabulary: never split pad/bos/eos as text
+        tok.add_special_tokens([PAD, BOS, EOS])
     # encode(text) starts with <bos>, so a prompt always has at least one token to condition on
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
     # padding_side given here (not set afterwards) so that save_pretrained records it
@@ -84,19 +93,7 @@ def train_bpe_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     for i in range(vocab_size - len(vocab)):
         vocab[f"<|unused_{i}|>"] = len(vocab)
     merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([PAD, BOS, EOS])
-    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-    )
+    return _byte_level(vocab, merges, add_specials=True)
 
 
 def bpe_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
