@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from loopline.bench.sync import run_world
-from loopline.cli import check_run
 from loopline.config import ConfigError, GRPOConfig, OptimConfig, SamplingConfig, TinyModelConfig, load_config
 from loopline.data.batches import RolloutBatch, TokenBatch, collate, split_rows
 from loopline.models.load import build_tiny_model
 from loopline.models.tokenizer import build_byte_tokenizer
+from loopline.preflight import check_run
 from loopline.runtime.config import RuntimeConfig
 from loopline.training.pipeline import (
     MAX_SCHEDULES,
