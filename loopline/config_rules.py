@@ -99,6 +99,58 @@ def reward_model_with_the_verifier(cfg: RunConfig, command: str, changed: set[st
     )
 
 
+# the sections with a token budget, and the commands that train each
+BUDGETED = {"sft": ("train", "sft", "dpo", "rm"), "grpo": ("train",), "critic": ("train",), "dpo": ("dpo",),
+            "rm": ("rm",)}  # fmt: skip
+
+
+def _budgets(cfg: RunConfig, command: str) -> list[tuple[str, int]]:
+    """(section, max_tokens_per_micro_batch) of the sections `command` trains with a token budget set."""
+    out = [(name, getattr(cfg, name).max_tokens_per_micro_batch) for name, cmds in BUDGETED.items()]
+    return [(name, budget) for name, budget in out if budget and command in BUDGETED[name]]
+
+
+def known_longest_row(cfg: RunConfig, section: str) -> int:
+    """The most tokens a row of `section`'s steps can have, when the config says (0 when it does not): the
+    built-in addition task's on the built-in model (bos, 'a+b=' with padded operands; then the answer, newline and
+    eos for SFT and pairs), or the file data's limits (data.max_prompt_tokens + max_new_tokens, data.max_seq_len)."""
+    builtin = cfg.data.source == "builtin"
+    # the built-in task's lengths are in the built-in byte tokenizer's tokens (another tokenizer's differ)
+    if cfg.env.multi_turn or cfg.env.name == "code" or (builtin and not cfg.model.builtin):
+        return 0
+    prompt = 1 + 2 * cfg.data.task.max_digits + 2 if builtin else cfg.data.max_prompt_tokens
+    if section in ("grpo", "critic"):
+        return prompt + cfg.grpo.sampling.max_new_tokens if prompt else 0
+    if builtin and (section == "sft" or cfg.preference.source == "builtin"):
+        return prompt + cfg.data.task.max_digits + 3
+    return cfg.data.max_seq_len if section == "sft" else 0
+
+
+def token_budget_under_a_row(cfg: RunConfig, command: str, changed: set[str]) -> str:
+    """A max_tokens_per_micro_batch smaller than the longest row the config allows: that row fits no micro-batch."""
+    for name, budget in _budgets(cfg, command):
+        longest = known_longest_row(cfg, name)
+        if budget < longest:
+            return (
+                f"{name}.max_tokens_per_micro_batch={budget} is smaller than the longest row, {longest} tokens "
+                f"(prompt + completion): raise it to {longest} or more, or set it to 0 (off)"
+            )
+    return ""
+
+
+def token_budget_with_the_pipeline(cfg: RunConfig, command: str, changed: set[str]) -> str:
+    """A token budget with runtime.trainer_pp > 1: a pipeline schedule runs micro-batches of one shape."""
+    budgets = _budgets(cfg, command)
+    if cfg.runtime.trainer_pp == 1 or not budgets:
+        return ""
+    name, budget = budgets[0]
+    return (
+        f"{name}.max_tokens_per_micro_batch={budget} makes micro-batches of varying shape, which the pipeline's "
+        f"schedule (runtime.trainer_pp={cfg.runtime.trainer_pp}) cannot run: set it to 0 and use "
+        f"{name}.micro_batch_size, or runtime.trainer_pp=1"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # warned
 # ---------------------------------------------------------------------------------------------------------
@@ -173,6 +225,8 @@ RULES: tuple[Rule, ...] = (
     Rule("preference_path_without_source", True, preference_path_without_source),
     Rule("chat_template_on_the_builtin_model", True, chat_template_on_the_builtin_model),
     Rule("reward_model_with_the_verifier", True, reward_model_with_the_verifier),
+    Rule("token_budget_under_a_row", True, token_budget_under_a_row),
+    Rule("token_budget_with_the_pipeline", True, token_budget_with_the_pipeline),
     Rule("tiny_shape_with_a_model", False, tiny_shape_with_a_model),
     Rule("task_with_a_file_source", False, task_with_a_file_source),
     Rule("vllm_with_the_torch_engine", False, vllm_with_the_torch_engine),

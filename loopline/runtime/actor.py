@@ -218,7 +218,7 @@ class ActorWorker:
             share = self.cfg.model.share_prompts and self.cfg.training.activation_checkpointing == "none"
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                share, self.cfg.model.logits_chunk_tokens,
+                share, self.cfg.model.logits_chunk_tokens, self.cfg.grpo.max_tokens_per_micro_batch,
             )  # fmt: skip
         if resume is not None:
             self.load_state(resume.dcp)
@@ -251,7 +251,8 @@ class ActorWorker:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         trainer = _started(self.trainer)
         with self._fault_points("sft_step"):
-            stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
+            budget = self.cfg.sft.max_tokens_per_micro_batch
+            stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale, budget)
         self.last_stats = (trainer.updates, stats)
         return stats
 
@@ -336,14 +337,17 @@ class ActorWorker:
         config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards)."""
         _not_pipelined(self.stages, "a reward model")
         if self.mesh is None:
-            model = ScalarModel.from_policy(self.model, self.cfg.model.packing)  # where the policy is
+            model = ScalarModel.from_policy(
+                self.model, self.cfg.model.packing, self.cfg.training.activation_checkpointing
+            )  # where the policy is
             model.load_state_dict(weights)
             self.reward = RewardTrainer(model, cfg, total_steps)
             return
         from loopline.runtime.critic import shard_critic
 
         shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
-        model = ScalarModel.from_policy(shapes, self.cfg.model.packing).to(self.device)
+        checkpointing = self.cfg.training.activation_checkpointing
+        model = ScalarModel.from_policy(shapes, self.cfg.model.packing, checkpointing).to(self.device)
         model.load_state_dict(weights)
         model = shard_critic(model, self.dp_mesh)
         self.reward = RewardTrainer(model, cfg, total_steps, group=self.dp_mesh.get_group())

@@ -108,11 +108,12 @@ class CriticWorker:
                 "this checkpoint's critic was written by the local backend (whole, in loop.pt); the ray critic "
                 "resumes from DCP shards only: resume it with runtime.backend=local"
             )
+        packed, checkpointing = self.cfg.model.packing, self.cfg.training.activation_checkpointing
         if self.policy is not None:
-            model = ScalarModel.from_policy(self.policy, self.cfg.model.packing)  # where the policy is
+            model = ScalarModel.from_policy(self.policy, packed, checkpointing)  # where the policy is
         else:
             policy, _ = load_policy(self.cfg.model, seed=self.cfg.seed)  # the shapes; the weights come next
-            model = ScalarModel.from_policy(policy, self.cfg.model.packing).to(rank_device())
+            model = ScalarModel.from_policy(policy, packed, checkpointing).to(rank_device())
         model.load_state_dict(weights)
         group = None
         if self.mesh is not None:

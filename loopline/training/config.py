@@ -6,12 +6,24 @@ reads them. Pydantic only, so loading a config stays light.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from loopline.rollout.config import SamplingConfig
 from loopline.section import LocalPath, Section
+
+
+def token_budget_field() -> Any:
+    """A section's max_tokens_per_micro_batch (0 = off): the same meaning in every section that trains."""
+    return Field(
+        0,
+        ge=0,
+        description="Group the rows into micro-batches by their real token count (prompt + completion; packed: "
+        "the packed length) so that each micro-batch holds at most this many padded tokens, first-fit "
+        "decreasing; every data-parallel rank runs as many. Replaces micro_batch_size; the loss is normalised "
+        "as without it. Must hold the longest row. 0 = off (micro_batch_size rows).",
+    )
 
 
 class OptimConfig(Section):
@@ -34,6 +46,7 @@ class SFTConfig(Section):
     )
     batch_size: int = Field(64, gt=0, description="Sequences per step.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
+    max_tokens_per_micro_batch: int = token_budget_field()
     optim: OptimConfig = Field(
         default_factory=lambda: OptimConfig(lr=2e-3, schedule="cosine", warmup_steps=30)
     )
@@ -112,6 +125,7 @@ class GRPOConfig(Section):
     prompts_per_step: int = Field(64, gt=0, description="Prompts sampled per step.")
     group_size: int = Field(8, gt=1, description="Completions per prompt.")
     micro_batch_size: int = Field(64, gt=0, description="Sequences per forward/backward.")
+    max_tokens_per_micro_batch: int = token_budget_field()
     epochs_per_step: int = Field(1, gt=0, description="Passes over each rollout batch.")
     adv_scale: Literal["group", "batch", "none"] = Field(
         "group", description="Divide centred rewards by the group std, the batch std, or nothing."
@@ -248,6 +262,7 @@ class CriticConfig(Section):
         0.2, gt=0.0, description="Clip of V - V_old in the value loss; None = plain squared error."
     )
     micro_batch_size: int = Field(64, gt=0, description="Sequences per critic forward/backward.")
+    max_tokens_per_micro_batch: int = token_budget_field()
 
 
 class DPOConfig(Section):
@@ -256,6 +271,7 @@ class DPOConfig(Section):
     steps: int = Field(150, ge=0, description="Optimizer steps.")
     batch_size: int = Field(32, gt=0, description="Pairs per step.")
     micro_batch_size: int = Field(32, gt=0, description="Pairs per forward/backward.")
+    max_tokens_per_micro_batch: int = token_budget_field()
     loss: Literal["sigmoid", "ipo", "hinge", "robust"] = Field(
         "sigmoid", description="sigmoid (DPO), ipo, hinge (SLiC) or robust (label noise label_smoothing)."
     )
@@ -284,6 +300,7 @@ class RewardModelConfig(Section):
     steps: int = Field(300, ge=0, description="Optimizer steps.")
     batch_size: int = Field(32, gt=0, description="Pairs per step.")
     micro_batch_size: int = Field(32, gt=0, description="Pairs per forward/backward.")
+    max_tokens_per_micro_batch: int = token_budget_field()
     margin: float = Field(0.0, description="Margin added to every pair's own (data) margin in the loss.")
     center_coef: float = Field(
         0.01, ge=0.0, description="Weight of mean((r_c + r_r)^2), centring the rewards."

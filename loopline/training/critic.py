@@ -22,8 +22,9 @@ from loopline.algorithms.preference import bradley_terry_loss
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import CriticConfig, RewardModelConfig
+from loopline.training.micro import micro_batches, pair_micro_batches
 from loopline.training.packing import pack, packed_forward
-from loopline.training.parallel import all_reduce_sum
+from loopline.training.parallel import all_reduce_sum, apply_activation_checkpointing
 from loopline.training.policy import build_optimizer, optimizer_step
 
 
@@ -41,12 +42,20 @@ class ScalarModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel, packed: bool = False) -> ScalarModel:
-        """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head.
+    def from_policy(
+        cls, policy: PreTrainedModel, packed: bool = False, checkpointing: str = "none"
+    ) -> ScalarModel:
+        """A copy of the causal LM's transformer body (without the LM head) with a fresh scalar head; its decoder
+        layers recomputed in backward as `checkpointing` says (training.activation_checkpointing), whatever the
+        policy's own.
 
         The copy trains what the policy trains: every weight, or only its LoRA adapters (model.lora)."""
         body = copy.deepcopy(policy.base_model)
-        return cls(body, policy.config.hidden_size, packed)
+        for (
+            module
+        ) in body.modules():  # a checkpointed policy's wrapped forwards (instance attributes) stay behind
+            module.__dict__.pop("forward", None)
+        return cls(apply_activation_checkpointing(body, checkpointing), policy.config.hidden_size, packed)
 
     def save(self, path: str | Path) -> None:
         """The body as a Hugging Face directory (transformers' AutoModel loads it) plus head.safetensors."""
@@ -72,7 +81,10 @@ class ScalarModel(nn.Module):
             hidden = packed_forward(self.body, packing).last_hidden_state  # (R, W, H)
             return packing.unpack(self.head(hidden.float()).squeeze(-1))
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions)
+        # no cache: nothing reads it, and a checkpointed layer could not recompute one it fills
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        )
         return self.head(hidden.last_hidden_state.float()).squeeze(-1)
 
     def response_values(self, batch: TokenBatch) -> torch.Tensor:
@@ -160,7 +172,9 @@ class CriticTrainer:
             local = batch.response_mask.sum().to(torch.float64).reshape(1)
             tokens = max(float(all_reduce_sum(local, self.group)[0]), 1.0)
         sums = {"value_loss": 0.0, "value_clip_fraction": 0.0, "value_mean": 0.0}
-        for micro in split_rows(batch, self.cfg.micro_batch_size):
+        budget, packed = self.cfg.max_tokens_per_micro_batch, self.model.packed
+        field = "critic.max_tokens_per_micro_batch"
+        for micro in micro_batches(batch, self.cfg.micro_batch_size, budget, packed, self.group, field):
             share = float(micro.response_mask.sum()) / tokens  # token_mean over the whole batch
             values = self.model.response_values(micro)
             out = clipped_value_loss(
@@ -241,7 +255,9 @@ class RewardTrainer:
         rows = len(pairs)
         if self.group is not None:  # the pairs of every rank
             rows = int(all_reduce_sum(torch.tensor([float(rows)], dtype=torch.float64), self.group)[0])
-        for micro in pairs.micro_batches(self.cfg.micro_batch_size):
+        budget, packed = self.cfg.max_tokens_per_micro_batch, self.model.packed
+        field = "rm.max_tokens_per_micro_batch"
+        for micro in pair_micro_batches(pairs, self.cfg.micro_batch_size, budget, packed, self.group, field):
             share = len(micro) / rows  # the loss is a mean over pairs
             chosen = self.model.last_token_scores(micro.chosen)  # (b,)
             rejected = self.model.last_token_scores(micro.rejected)  # (b,)

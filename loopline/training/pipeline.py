@@ -506,8 +506,16 @@ class PipelineTrainer:
 
     # ------------------------------------------------ the steps
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
-        """One optimizer step of token-mean cross-entropy on the response tokens (as PolicyTrainer.sft_step)."""
+    def sft_step(
+        self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0, max_tokens: int = 0
+    ) -> SFTStepStats:
+        """One optimizer step of token-mean cross-entropy on the response tokens (as PolicyTrainer.sft_step). A
+        schedule runs micro-batches of one shape: max_tokens (a token budget) is refused."""
+        if max_tokens:
+            raise ValueError(
+                f"sft.max_tokens_per_micro_batch={max_tokens}: the pipeline's schedule runs micro-batches of one "
+                "shape (runtime.trainer_pp > 1); use sft.micro_batch_size"
+            )
         self.modules.train()
         totals = self._totals(batch)
         records: list[list[float]] = []

@@ -20,10 +20,11 @@ from loopline.algorithms.preference import (
     dpo_robust_loss,
     dpo_sigmoid_loss,
 )
-from loopline.data.batches import RolloutBatch, TokenBatch, split_rows
+from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
 from loopline.training.config import DPOConfig, GRPOConfig, OptimConfig
 from loopline.training.logits import TokenScores, at_least_float32, head_scores, hidden_states_out
+from loopline.training.micro import micro_batches, pair_micro_batches
 from loopline.training.packing import pack, packed_forward
 from loopline.training.parallel import (
     all_reduce_sum,
@@ -361,11 +362,13 @@ class PolicyTrainer:
         packed: bool = False,
         share_prompts: bool = True,
         chunk_tokens: int = 0,
+        max_tokens: int = 0,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
         which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
         (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts);
-        chunk_tokens: the head's logits that many tokens at a time (model.logits_chunk_tokens; 0 = all)."""
+        chunk_tokens: the head's logits that many tokens at a time (model.logits_chunk_tokens; 0 = all);
+        max_tokens: policy_step's micro-batches by token count instead (grpo.max_tokens_per_micro_batch; 0 = off)."""
         self.model = model
         self.packed = packed
         self.share_prompts = share_prompts
@@ -374,6 +377,7 @@ class PolicyTrainer:
         self.group = group
         self.loss = loss
         self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self.updates = 0  # optimizer steps taken by this trainer (skipped non-finite ones included)
         self.lock = threading.Lock()  # held while the update changes the weights and optimizer state
@@ -400,13 +404,16 @@ class PolicyTrainer:
             self.updates += 1
         return float(grad_norm), lr
 
-    def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
+    def sft_step(
+        self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0, max_tokens: int = 0
+    ) -> SFTStepStats:
         """One optimizer step of token-mean cross-entropy on response tokens (prompt masked), at the schedule's
-        learning rate times lr_scale."""
+        learning rate times lr_scale; max_tokens: micro-batches by token count (sft.max_tokens_per_micro_batch)."""
         self.model.train()
         totals = self._totals(batch)
         total = 0.0
-        for micro in split_rows(batch, micro_batch_size):
+        field = "sft.max_tokens_per_micro_batch"
+        for micro in micro_batches(batch, micro_batch_size, max_tokens, self.packed, self.group, field):
             logp, _ = response_logprobs(
                 self.model,
                 micro,
@@ -443,7 +450,8 @@ class PolicyTrainer:
             "approx_kl": 0.0,
         }
         totals = self._totals(batch)
-        for micro in split_rows(batch, micro_batch_size):
+        field = "grpo.max_tokens_per_micro_batch"
+        for micro in micro_batches(batch, micro_batch_size, self.max_tokens, self.packed, self.group, field):
             share = _share(micro, totals, loss_fn.agg)
             token_share = _share(micro, totals, "token_mean")  # for the token-mean statistics
             logp, entropy = response_logprobs(
@@ -485,7 +493,8 @@ class PolicyTrainer:
         sums = dict.fromkeys(("loss", "pref_loss", "chosen_nll", "pref_accuracy", "reward_margin"), 0.0)
         sums.update(chosen_reward=0.0, rejected_reward=0.0)
         _, rows = self._totals(pairs.chosen)  # pairs over every rank: each rank's share of the global mean
-        for micro in pairs.micro_batches(cfg.micro_batch_size):
+        budget, field = cfg.max_tokens_per_micro_batch, "dpo.max_tokens_per_micro_batch"
+        for micro in pair_micro_batches(pairs, cfg.micro_batch_size, budget, self.packed, self.group, field):
             share = len(micro) / rows  # every loss is a mean over pairs
             chosen_tokens, _ = response_logprobs(
                 self.model,
