@@ -45,6 +45,35 @@ def test_the_defaults_and_the_agent_example_pass_every_rule():
         (["preference.train_path=p.jsonl"], "dpo", ["preference.train_path", "preference.source=jsonl"]),
         (["model.use_chat_template=true"], "train", ["model.use_chat_template=true", "model.path"]),
         (["reward.model_path=rm"], "train", ["reward.model_path=rm", "reward.source"]),
+        # the built-in rows: 9 prompt tokens (bos, '007+420='), 6 of SFT target ('0427\n', eos), 8 new tokens
+        (["sft.max_tokens_per_micro_batch=14"], "sft", ["sft.max_tokens_per_micro_batch=14", "15 tokens"]),
+        (
+            ["grpo.max_tokens_per_micro_batch=16"],
+            "train",
+            ["grpo.max_tokens_per_micro_batch=16", "17 tokens"],
+        ),
+        (["rm.max_tokens_per_micro_batch=8"], "rm", ["rm.max_tokens_per_micro_batch=8", "15 tokens"]),
+        (
+            [
+                "data.source=jsonl",
+                "data.train_path=r.jsonl",
+                "data.max_prompt_tokens=100",
+                "critic.max_tokens_per_micro_batch=64",
+                "grpo.advantage=gae",
+            ],
+            "train",
+            ["critic.max_tokens_per_micro_batch=64", "108 tokens"],
+        ),  # fmt: skip
+        (
+            [
+                "runtime.backend=ray",
+                "runtime.trainer_ranks=2",
+                "runtime.trainer_pp=2",
+                "sft.max_tokens_per_micro_batch=64",
+            ],
+            "sft",
+            ["sft.max_tokens_per_micro_batch=64", "runtime.trainer_pp=2"],
+        ),  # fmt: skip
     ],
 )
 def test_refused_pairs_name_both_fields(overrides, command, names):
@@ -61,6 +90,11 @@ def test_the_refused_pairs_pass_once_the_other_field_agrees():
     assert _check("model.path=m", "model.use_chat_template=true") == []  # the tokenizer is checked at start
     assert _check("reward.source=model", "reward.model_path=rm") == []
     assert _check("reward.model_path=rm", command="sft") == []  # sft scores no rewards: nothing is ignored
+    assert _check("sft.max_tokens_per_micro_batch=15", "grpo.max_tokens_per_micro_batch=17") == []
+    assert _check("dpo.max_tokens_per_micro_batch=8", command="rm") == []  # rm trains no DPO step
+    assert (
+        _check("data.source=jsonl", "data.train_path=r.jsonl", "grpo.max_tokens_per_micro_batch=8") == []
+    )  # unknown
 
 
 @pytest.mark.parametrize(
@@ -97,7 +131,7 @@ def test_every_rule_is_tested():
         "data_path_without_source", "preference_path_without_source", "chat_template_on_the_builtin_model",
         "reward_model_with_the_verifier", "tiny_shape_with_a_model", "task_with_a_file_source",
         "vllm_with_the_torch_engine", "critic_without_gae", "lora_settings_without_a_rank",
-        "stop_at_accuracy_without_a_validation_split",
+        "stop_at_accuracy_without_a_validation_split", "token_budget_under_a_row", "token_budget_with_the_pipeline",
     }  # fmt: skip
     assert {rule.name for rule in config_rules.RULES} == tested
 
@@ -109,6 +143,23 @@ def test_cli_refuses_before_torch_and_warns_in_one_line(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
     assert main(["config", "data.train_path=rows.jsonl"]) == 0  # `loopline config` shows any config
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("grpo.max_tokens_per_micro_batch=-1", "grpo.max_tokens_per_micro_batch"),
+        (
+            "sft.max_tokens_per_micro_batch=3",
+            "sft.max_tokens_per_micro_batch=3 is smaller than the longest row",
+        ),
+    ],
+)
+def test_cli_refuses_a_bad_token_budget_in_one_line(tmp_path, capsys, override, message):
+    assert main(["train", override, f"out_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
 
 
 def test_targets_longer_than_the_generation_budget_are_warned():
