@@ -31,6 +31,7 @@ from pathlib import Path
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
+from loopline.training.config import DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
 
 GIB = 2**30
 MIB = 2**20
@@ -218,6 +219,15 @@ def target_tokens(cfg: RunConfig, shape: ModelShape) -> int:
     return sft_tokens(cfg, shape)
 
 
+def rows_per_micro(
+    section: SFTConfig | GRPOConfig | DPOConfig | RewardModelConfig, rows: int, seq: int
+) -> int:
+    """Rows of one micro-batch on a rank: micro_batch_size, or under max_tokens_per_micro_batch as many rows of the
+    longest length `seq` as the budget holds (its padded tokens are what the activations scale with)."""
+    budget = section.max_tokens_per_micro_batch
+    return min(max(1, budget // seq) if budget else section.micro_batch_size, rows)
+
+
 def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
     """The phases `command` runs, each with its micro-batch."""
     ranks = cfg.runtime.trainer_ranks
@@ -225,19 +235,20 @@ def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
     for name in PHASES[command]:
         if name == "sft" and cfg.sft.steps:
             s = cfg.sft
-            out.append(Phase("sft", min(s.micro_batch_size, s.batch_size // ranks), sft_tokens(cfg, shape),
+            seq = sft_tokens(cfg, shape)
+            out.append(Phase("sft", rows_per_micro(s, s.batch_size // ranks, seq), seq,
                              s.batch_size, 0, 0, 0, target_tokens(cfg, shape)))  # fmt: skip
         elif name == "grpo" and cfg.grpo.steps:
             g = cfg.grpo
             rows = g.prompts_per_step * g.group_size
             seq = min(prompt_tokens(cfg, shape) + g.sampling.max_new_tokens, shape.max_positions)
             forwards = 1 + (g.kl_coef > 0)
-            out.append(Phase("grpo", min(g.micro_batch_size, rows // ranks // g.minibatches), seq,
+            out.append(Phase("grpo", rows_per_micro(g, rows // ranks // g.minibatches, seq), seq,
                              rows * g.epochs_per_step, rows, g.sampling.max_new_tokens, forwards,
                              min(g.sampling.max_new_tokens, seq)))  # fmt: skip
         elif name in ("dpo", "rm"):
             p = getattr(cfg, name)
-            pairs = min(p.micro_batch_size, p.batch_size // ranks)
+            pairs = rows_per_micro(p, p.batch_size // ranks, sft_tokens(cfg, shape))
             out.append(Phase(name, 2 * pairs, sft_tokens(cfg, shape), 2 * p.batch_size, 0, 0,
                              2 if name == "dpo" else 0, target_tokens(cfg, shape), vocab_logits=name != "rm"))  # fmt: skip
     return out
@@ -276,7 +287,8 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     ranks = cfg.runtime.trainer_ranks
     lora = cfg.model.lora
     trainable = shape.lora_params(lora.r, lora.target_modules) if lora.r else shape.params
-    micro = f"{phase.name}.micro_batch_size"
+    budgeted = getattr(cfg, phase.name).max_tokens_per_micro_batch
+    micro = f"{phase.name}.{'max_tokens_per_micro_batch' if budgeted else 'micro_batch_size'}"
     logits = 0
     if phase.vocab_logits:  # the head's output over every position, then copies over the response's
         per_row = logits_chunk_tokens(cfg, phase.seq) + LOGITS_COPIES * logits_chunk_tokens(

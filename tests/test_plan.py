@@ -75,6 +75,22 @@ def test_checkpointing_and_sharding_shrink_their_terms():
     assert lora["optimizer"] < one["optimizer"] / 10 and lora["params"] == one["params"]
 
 
+def test_a_token_budget_sets_the_micro_batch_of_the_activations():
+    # grpo rows are 17 tokens (9 of prompt, 8 new): a budget of 170 holds 10 of them, whatever micro_batch_size says
+    cfg = load_config(
+        None, ["sft.steps=0", "grpo.max_tokens_per_micro_batch=170", "grpo.micro_batch_size=64"]
+    )
+    (grpo,) = phases(cfg, "train", model_shape(cfg))
+    assert (grpo.micro_rows, grpo.seq) == (10, 17)
+    fixed = load_config(None, ["sft.steps=0", "grpo.micro_batch_size=10"])
+    assert _terms(cfg)["activations"] == _terms(fixed)["activations"]
+    assert _terms(cfg)["activations"] < _terms(load_config(None, ["sft.steps=0"]))["activations"]
+    (rm,) = phases(
+        load_config(None, ["sft.steps=0", "rm.max_tokens_per_micro_batch=45"]), "rm", model_shape(cfg)
+    )
+    assert rm.micro_rows == 2 * 3  # 3 pairs of 15-token rows, chosen and rejected
+
+
 def test_plan_prints_every_role_and_the_machine(tmp_path):
     result = _cli("plan", "grpo.kl_coef=0.01")
     assert result.returncode == 0, result.stderr
