@@ -9,7 +9,7 @@ padding trimmed to the bin's own longest prompt and response.
 from __future__ import annotations
 
 from dataclasses import fields, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -96,7 +96,7 @@ def select_rows(batch: B, rows: list[int]) -> B:
     keep_c = max(1, *(responses[i] for i in rows))
     index = torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)
 
-    def cut(value: object) -> object:
+    def cut(value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
         value = value.index_select(0, index)

@@ -54,7 +54,9 @@ def _rank_main(rank: int, world: int, batch: RolloutBatch, out: str) -> None:
 
 def test_ranks_agree_on_the_count_and_update_like_one_process(tmp_path: Path) -> None:
     batch = _global_batch()
-    run_world(_rank_main, 2, args=(batch, str(tmp_path)), timeout_s=300)  # slow only on a loaded machine (~10 s quiet)
+    run_world(
+        _rank_main, 2, args=(batch, str(tmp_path)), timeout_s=300
+    )  # slow only on a loaded machine (~10 s quiet)
     sharded = torch.load(tmp_path / "ranks.pt", weights_only=False)
     (local0, agreed0), (local1, agreed1) = sharded["counts"]
     assert local0 != local1  # the ranks' own plans differ ...
