@@ -15,6 +15,7 @@ import torch
 
 from loopline.data.batches import TokenBatch
 from loopline.data.preference import PairBatch
+from loopline.errors import UserError
 
 B = TypeVar("B", bound=TokenBatch)
 FIELD = "max_tokens_per_micro_batch"
@@ -46,17 +47,22 @@ def longest_row(prompts: list[int], responses: list[int], packed: bool = False) 
     return max((padded_tokens([p], [r], packed) for p, r in zip(prompts, responses)), default=0)
 
 
+def row_over_budget(field: str, budget: int, longest: int) -> UserError:
+    """The error of a row that fits no micro-batch: one line naming the field (the CLI exits 2 on it)."""
+    return UserError(
+        f"{field}={budget} is smaller than a row of {longest} tokens: raise it to {longest} or more"
+    )
+
+
 def plan_micro_batches(
     prompts: list[int], responses: list[int], budget: int, packed: bool = False, field: str = FIELD
 ) -> list[list[int]]:
     """Row indices grouped into micro-batches of at most `budget` padded tokens (padded_tokens), first-fit
     decreasing: rows by total length, longest first (ties by index), each into the first bin it fits. Each bin's
-    indices ascend. Deterministic; ValueError naming `field` when one row alone exceeds the budget."""
+    indices ascend. Deterministic; a UserError naming `field` when one row alone exceeds the budget."""
     longest = longest_row(prompts, responses, packed)
     if longest > budget:
-        raise ValueError(
-            f"{field}={budget} is smaller than a row of {longest} tokens: raise it to {longest} or more"
-        )
+        raise row_over_budget(field, budget, longest)
     order = sorted(range(len(prompts)), key=lambda i: (-(prompts[i] + responses[i]), i))
     bins: list[list[int]] = []
     for i in order:

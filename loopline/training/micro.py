@@ -20,6 +20,7 @@ from loopline.data.token_budget import (
     pair_lengths,
     plan_micro_batches,
     row_lengths,
+    row_over_budget,
     select_pairs,
     select_rows,
 )
@@ -45,9 +46,7 @@ def agreed_plan(
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     count, longest = agreed.tolist()
     if longest > budget:
-        raise ValueError(
-            f"{field}={budget} is smaller than a row of {longest} tokens: raise it to {longest} or more"
-        )
+        raise row_over_budget(field, budget, longest)
     return even_out(bins, count)
 
 
