@@ -509,13 +509,8 @@ class PipelineTrainer:
     def sft_step(
         self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0, max_tokens: int = 0
     ) -> SFTStepStats:
-        """One optimizer step of token-mean cross-entropy on the response tokens (as PolicyTrainer.sft_step). A
-        schedule runs micro-batches of one shape: max_tokens (a token budget) is refused."""
-        if max_tokens:
-            raise ValueError(
-                f"sft.max_tokens_per_micro_batch={max_tokens}: the pipeline's schedule runs micro-batches of one "
-                "shape (runtime.trainer_pp > 1); use sft.micro_batch_size"
-            )
+        """One optimizer step of token-mean cross-entropy on the response tokens (as PolicyTrainer.sft_step)."""
+        assert not max_tokens, "a schedule runs micro-batches of one shape: config_rules refuses a token budget"
         self.modules.train()
         totals = self._totals(batch)
         records: list[list[float]] = []
