@@ -510,7 +510,7 @@ class PipelineTrainer:
         self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0, max_tokens: int = 0
     ) -> SFTStepStats:
         """One optimizer step of token-mean cross-entropy on the response tokens (as PolicyTrainer.sft_step)."""
-        assert not max_tokens, "a schedule runs micro-batches of one shape: config_rules refuses a token budget"
+        assert not max_tokens, "one shape per schedule: config_rules refuses a token budget"
         self.modules.train()
         totals = self._totals(batch)
         records: list[list[float]] = []
