@@ -372,7 +372,7 @@ def test_sigterm_stops_loopline_sft_with_a_checkpoint(tmp_path):
     assert not (run / "model").exists()  # the finished model only when SFT ran to its end
 
 
-def test_sft_resumes_and_extends_like_one_longer_run(tmp_path, capsys):
+def test_sft_resumes_and_extends_like_one_longer_run(run, tmp_path, capsys):
     """`loopline sft --resume out_dir=R sft.steps=N` continues R's SFT from its newest checkpoint (at a constant
     learning rate, extending it is the longer run exactly); before, `loopline sft` had no --resume and a stopped run
     had to start over. It does not take another command's run."""
@@ -398,10 +398,8 @@ def test_sft_resumes_and_extends_like_one_longer_run(tmp_path, capsys):
     assert trained[0] == trained[1]  # (the 2-step run also evaluated at its end, step 2)
     assert steady(read_metrics(parts))[-1] == steady(read_metrics(whole))[-1]  # the last step's held-out eval
     assert [h["event"] for h in _history(parts)] == ["start", "resume"]
-    train = tmp_path / "train"
-    assert main(["train", *TINY, "grpo.steps=1", f"out_dir={train}"]) == 0
     capsys.readouterr()
-    assert main(["sft", "--resume", f"out_dir={train}"]) == 2
+    assert main(["sft", "--resume", f"out_dir={run}"]) == 2  # a finished `loopline train` run: not sft's
     assert "is of phase 'grpo'" in capsys.readouterr().err
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,9 +41,17 @@ def _dpo(tmp_path, name: str, *extra: str):
     return out
 
 
-def test_dpo_trains_the_policy_and_logs_preference_metrics(tmp_path, capsys):
-    out = _dpo(tmp_path, "dpo")
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory) -> tuple[Path, str]:
+    """One default DPO run (reference precomputed) and what it printed, for the tests that read it."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        out = _dpo(tmp_path_factory.mktemp("dpo"), "pre")
+    return out, printed.getvalue()
+
+
+def test_dpo_trains_the_policy_and_logs_preference_metrics(dpo_run):
+    out, printed = dpo_run
     assert "held-out implicit-reward preference accuracy: before DPO 0.0%" in printed  # policy = reference
     rows = [r for r in read_metrics(out) if r["phase"] == "dpo"]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -58,8 +69,8 @@ def test_dpo_trains_the_policy_and_logs_preference_metrics(tmp_path, capsys):
     assert any(not torch.equal(v, sft[k]) for k, v in trained.state_dict().items() if k in sft)
 
 
-def test_dpo_reference_online_matches_precomputed(tmp_path):
-    pre = read_metrics(_dpo(tmp_path, "pre"))
+def test_dpo_reference_online_matches_precomputed(dpo_run, tmp_path):
+    pre = read_metrics(dpo_run[0])
     online = read_metrics(_dpo(tmp_path, "online", "dpo.reference=online"))
     assert [(r["phase"], r["step"]) for r in online] == [(r["phase"], r["step"]) for r in pre]
     assert len([r for r in pre if r["phase"] == "dpo"]) == 4  # eval row 0 and 3 steps

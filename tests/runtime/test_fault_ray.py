@@ -1,5 +1,6 @@
-"""Trainer-rank death on the ray backend, and resuming a 2-rank checkpoint on 1 rank; the same death with spare
-ranks (runtime.trainer_standby); and a reference rank's death; each against a run never interrupted.
+"""Trainer-rank death on the ray backend (as the roles start, then mid-run, in one run), and resuming a 2-rank
+checkpoint on 1 rank; the same death with spare ranks (runtime.trainer_standby); and a reference rank's death; each
+against a run never interrupted.
 
 `loopline train` in a process of its own that joins the session's Ray (tests/conftest.py) by address (2 FSDP2
 trainer ranks, 1 engine, 1 env worker) with runtime.max_restarts=1. Once GRPO step 1 is logged, the test
@@ -127,35 +128,38 @@ def _same_weights(a: Path, b: Path) -> bool:
     return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
+def test_trainer_ranks_killed_as_the_roles_start_and_mid_run_restart_then_resume_on_one_rank(
     uninterrupted: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Trainer rank 1 SIGKILLed in its constructor: the roles start again (runtime.max_restarts=1 covers start-up as
+    it covers a step); then, once GRPO step 1 is logged, a trainer rank is killed: the trainer group alone restarts
+    from the last checkpoint (restart 1 of 1: start-up and the run count their restarts apart). The run ends with
+    the weights of the run never interrupted, then resumes on one local rank. (One run for both losses: each start
+    of a Ray run costs the suite ~30 s.)"""
     import ray
 
-    run = tmp_path / "run"
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    run, markers = tmp_path / "run", tmp_path / "markers"
+    marker = markers / "init_actor_1.paused"
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "LOOPLINE_PAUSE_AT": "init:actor:1",
+           "LOOPLINE_PAUSE_DIR": str(markers)}  # fmt: skip
     address = ray.get_runtime_context().gcs_address
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "loopline.cli",
-            "train",
-            *ARGS,
-            *RAY,
-            f"runtime.cluster.address={address}",
-            f"out_dir={run}",
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        [sys.executable, "-m", "loopline.cli", "train", *ARGS, *RAY, f"runtime.cluster.address={address}",
+         f"out_dir={run}"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None, (
+                f"run ended (rc {proc.returncode}) early: {proc.communicate()[1][-3000:]}"
+            )
+            assert time.monotonic() < deadline, "nothing paused at init:actor:1"
+            time.sleep(0.05)
+        os.kill(int(marker.read_text()), signal.SIGKILL)  # the rank's own process, in its constructor
         while 1 not in _grpo_steps(run):
             assert proc.poll() is None, (
-                f"run ended (rc {proc.returncode}) early: {proc.stdout.read()[-3000:]}"
+                f"run ended (rc {proc.returncode}) early: {proc.communicate()[1][-3000:]}"
             )
             assert time.monotonic() < deadline, "run did not reach GRPO step 1"
             time.sleep(0.2)
@@ -169,17 +173,24 @@ def test_a_killed_trainer_rank_restarts_the_group_then_resumes_on_one_rank(
         # the trainer ranks were replaced; the engine kept running (its process is the same)
         assert not set(_descendants_titled(os.getpid(), "ray::ActorWorker")) & set(ranks)
         assert _descendants_titled(os.getpid(), "ray::EngineWorker") == engines
-        out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
-    assert proc.returncode == 0, out[-4000:]
-    assert "role 'actor' rank" in out  # the failure names the role and rank
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    # the loss as the roles started
+    assert "role 'actor' rank 1 __init__(): " in out
+    assert "lost while the roles started; starting them again (restart 1 of 1)" in out
+    assert "Traceback" not in err
+    # the loss mid-run
+    assert (
+        "role 'actor' rank" in out.split("lost while the roles started")[1]
+    )  # the failure names the role and rank
     assert "restarted the trainer group; resuming from the last checkpoint (restart 1 of 1" in out
     with capsys.disabled():  # the time to recover, shown with -s
         print(next(line for line in out.splitlines() if "recovered in " in line))
-    # every step logged once, every sample trained once, across the restart
+    # every step logged once, every sample trained once, across the restarts
     rows = read_metrics(run)
     assert [(r["phase"], r["step"]) for r in rows] == [("sft", 0), ("sft", 1)] + [
         ("grpo", s) for s in range(6)
@@ -391,22 +402,6 @@ def _killed_while_starting(run: Path, extra: list[str], point: str) -> tuple[int
             proc.kill()
             proc.wait(30)
     return proc.returncode, out, err
-
-
-def test_a_trainer_rank_killed_while_the_roles_start_is_replaced_and_the_run_ends_as_an_uninterrupted_one(
-    uninterrupted: Path, tmp_path: Path
-) -> None:
-    """Trainer rank 1 SIGKILLed in its constructor: the roles start again (runtime.max_restarts=1 covers start-up
-    as it covers a step), and the run, a fresh start, ends with the weights of the run never interrupted."""
-    run = tmp_path / "run"
-    status, out, err = _killed_while_starting(run, [], "init:actor:1")
-    assert status == 0, out[-3000:] + err[-3000:]
-    assert "role 'actor' rank 1 __init__(): " in out
-    assert "lost while the roles started; starting them again (restart 1 of 1)" in out
-    assert "Traceback" not in err
-    assert _grpo_steps(run) == list(range(6))  # each once
-    assert not repeats(read_ledger(run))
-    assert _same_weights(run, uninterrupted)
 
 
 def test_a_rank_lost_while_the_roles_start_past_max_restarts_exits_75_in_one_line(
