@@ -355,7 +355,7 @@ def _held_out(ctx: RunContext) -> str:
     n = min(len(ctx.eval_rows), cfg.eval.num_prompts)
     if cfg.data.source != "builtin":
         rows = f"{n} rows of {cfg.data.eval_path}"
-    elif cfg.env.name in ("calculator", "code"):
+    elif cfg.env.has_builtin_rows:
         rows = f"{n} problems of the built-in {cfg.env.name} task's held-out split"
     else:
         task = cfg.data.task

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
-from loopline.envs.config import ROW_FIELDS, EnvConfig
+from loopline.envs.config import EnvConfig
 from loopline.k8s.config import K8sConfig
 from loopline.metrics.config import MetricsConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
@@ -158,7 +158,7 @@ class RunConfig(Section):
                 f"({self.grpo.minibatches}) of a multiple of runtime.trainer_ranks ({n}) rows each"
             )
         # the built-in rows: 'a+b=' prompts with answers, or the code task's (entry_point, test)
-        builtin_fields = ROW_FIELDS["code"] if self.env.name == "code" else ()
+        builtin_fields = self.env.builtin_row_fields
         unread = [f for f in self.env.row_fields if f not in builtin_fields]
         if unread and self.data.source == "builtin":
             raise ValueError(

@@ -185,7 +185,7 @@ class Phase:
 
 def _builtin_task(cfg: RunConfig) -> bool:
     """The built-in 'a+b=' rows (the code env's built-in rows are its own)."""
-    return cfg.data.source == "builtin" and cfg.env.name != "code"
+    return cfg.data.source == "builtin" and not cfg.env.long_builtin_prompts
 
 
 def prompt_tokens(cfg: RunConfig, shape: ModelShape) -> int:
@@ -365,7 +365,7 @@ def role_terms(cfg: RunConfig, role: str, command: str = "train") -> list[Term]:
     if (
         role == "env"
     ):  # no model; env.name=code runs each program in a sandbox capped at env.sandbox.memory_mb
-        mb = cfg.env.sandbox.memory_mb if cfg.env.name == "code" else 0
+        mb = cfg.env.sandbox.memory_mb if cfg.env.sandboxed else 0
         return [Term("sandbox", mb * MIB, "env.sandbox.memory_mb")]
     runs = phases(cfg, command, shape) or [None]
     rl = [p for p in runs if p and p.name == "grpo"]

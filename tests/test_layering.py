@@ -1,20 +1,23 @@
-"""The rooms of docs/architecture.md, checked: every import in loopline/ (module-level and function-local, `from x import y`
-resolving y when it is a submodule) points down the layer table below or within its own layer, and no
-modules import each other in a circle. Run alone: `pytest tests/test_layering.py` (no imports, just `ast`).
+"""The rooms of docs/architecture.md (#rooms), checked: every import in loopline/ (module-level, function-local and
+under TYPE_CHECKING; `from x import y` resolving y when it is a submodule) points down the layer table below or
+within its own layer, no modules import each other in a circle, each folder is one room of one layer, and the
+files and functions stay short. Run alone: `pytest tests/test_layering.py` (no imports, just `ast`).
 
-The table is the rooms as the code has them (docs/architecture.md#rooms summarises it; `algorithms` uses only
-torch, `loops` uses everything). A module takes the layer of its longest matching prefix; higher layers
-may import lower ones."""
+The table names folders and top-level modules, never a module inside a folder: a folder is one room. Two kinds of
+module stand apart from their folder's layer: a folder's `config.py` is its config section, a pydantic leaf at
+layer 1 that `loopline.config` composes into RunConfig (SECTION_LAYER); and the modules SPLIT_PENDING lists,
+which the reshaping of runtime/ is moving out into a folder of their own."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "loopline"
 
-# (module prefix, layer, why there), bottom to top.
+# (folder or top-level module, layer, why there), bottom to top.
 LAYERS: list[tuple[str, int, str]] = [
     ("loopline", 0, "the package itself: a version string"),
     ("loopline.errors", 0, "UserError: imports nothing"),
@@ -22,45 +25,59 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.section", 0, "the config base (Section, ConfigError, YAML + overrides): imports only errors"),
     ("loopline.algorithms", 1, "pure tensor functions: torch only"),
     ("loopline.metrics", 1, "logging and plots of metrics rows: files only"),
-    ("loopline.runtime.cluster", 1, "start/join Ray: knows no model, only its Section"),
-    ("loopline.runtime.placement", 1, "placement groups from pool configs: knows no model"),
-    ("loopline.runtime.config", 1, "RuntimeConfig: ranks per role, cluster and placement sections"),
-    ("loopline.k8s.config", 1, "K8sConfig: the k8s section (pydantic only), read by loopline.config"),
-    ("loopline.envs.config", 1, "EnvConfig: the env section (names only), read by loopline.config"),
-    ("loopline.envs.sandbox.config", 1, "SandboxConfig: the sandbox's section, part of the env section"),
-    ("loopline.runtime.workers", 1, "WorkerGroup: N ranks of any class, local or Ray"),
-    ("loopline.runtime.ray_actors", 1, "Ray actors: start, wait, failures, kill (workers, env pool)"),
-    ("loopline.runtime.shard_layout", 1, "trainer and engine layouts, shard boxes: pure"),
-    ("loopline.runtime.resharding", 1, "transfer plans between layouts: pure"),
-    ("loopline.runtime.weight_sync", 1, "transport of a transfer plan: tensors and collectives"),
+    ("loopline.ray_actors", 1, "Ray actors: start, wait, failures, kill (worker groups, env pool)"),
     ("loopline.data", 3, "datasets, sampler, batches: read config"),
     ("loopline.models", 3, "load a policy by config"),
     ("loopline.rollout", 4, "engines and trajectories over prompt rows and models"),
     ("loopline.training", 4, "trainers: algorithms' losses over data batches"),
     ("loopline.checkpoint", 5, "DCP state of trainers, run dirs of configs"),
-    ("loopline.config", 5, "RunConfig: composes the sections beside their code below; run dirs read it"),
+    ("loopline.config", 5, "RunConfig: composes the sections beside their code; run dirs read it"),
     ("loopline.config_rules", 5, "settings that other settings make meaningless: refused or warned at load"),
     (
         "loopline.plan",
         6,
         "memory and FLOPs of a run's ranks from its config (no torch); k8s and the CLI read it",
     ),
-    ("loopline.k8s", 6, "a run's config as Kubernetes objects, their checks, the cluster client"),
-    ("loopline.envs", 6, "environments over rollout; the env pool runs on runtime's Ray plumbing"),
+    (
+        "loopline.envs",
+        6,
+        "environments over rollout, registered in envs/specs.py; the env pool on Ray actors",
+    ),
     ("loopline.runtime", 7, "the roles (actor, engines, critic, reference, scorer) built from all below"),
     ("loopline.loops", 8, "the controllers: use every role"),
     ("loopline.commands", 9, "what each CLI command runs"),
-    ("loopline.bench", 9, "benchmarks the CLI runs"),
     ("loopline.doctor", 9, "`loopline doctor`: versions, CPU, GPUs, sandbox, Ray"),
     ("loopline.preflight", 9, "a run command's checks before torch: config rules, files, out_dir, the plan"),
-    ("loopline.cli", 10, "the `loopline` command"),
-    ("loopline.api", 11, "the Python API: the CLI's commands as functions (after preflight's checks)"),
+    # outside the core: nothing below the CLI imports these two (their config section apart, see SECTION_LAYER)
+    ("loopline.k8s", 10, "a run's config as Kubernetes objects, their checks, the cluster client"),
+    ("loopline.bench", 10, "benchmarks the CLI runs"),
+    ("loopline.cli", 11, "the `loopline` command"),
+    ("loopline.api", 12, "the Python API: the CLI's commands as functions (after preflight's checks)"),
 ]
+
+# A folder's config.py is its config section: pydantic on loopline.section, composed by loopline.config.
+SECTION_LAYER = 1
+
+# runtime/ holds two layers in one folder (docs/architecture.md#departures): the distributed plumbing that knows
+# no model, below everything, and the roles at layer 7. The runtime reshaping moves these into a folder of their
+# own; until then each is placed here by name. Do not add to this list: new plumbing goes in its own folder.
+SPLIT_PENDING: dict[str, int] = {
+    "loopline.runtime.cluster": 1,  # start/join Ray; ClusterConfig, part of the runtime section
+    "loopline.runtime.placement": 1,  # placement groups from pool configs
+    "loopline.runtime.workers": 1,  # WorkerGroup: N ranks of any class, local or Ray
+    "loopline.runtime.shard_layout": 1,  # trainer and engine layouts, shard boxes: pure
+    "loopline.runtime.resharding": 1,  # transfer plans between layouts: pure
+    "loopline.runtime.weight_sync": 1,  # transport of a transfer plan: tensors and collectives
+}
 
 # Imports up the table that are meant; (importer, imported): reason. Keep short: fix instead where cheap.
 ALLOWED_UP: dict[tuple[str, str], str] = {
     ("loopline", "loopline.api"): "`loopline.train(...)`: the API's names, imported on first use",
     ("loopline", "loopline.config"): "`loopline.config.GRPOConfig(...)`: the config sections, on first use",
+    (
+        "loopline.models.config",
+        "loopline.models.presets",
+    ): "the section names presets: a table, imports nothing",
 }
 
 
@@ -112,16 +129,32 @@ def _imports(name: str, path: Path, modules: dict[str, Path], run_only: bool = F
     return {m for m in out if m in modules and m != name}
 
 
+@functools.cache
 def _graph(run_only: bool = False) -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules, run_only) for name, path in modules.items()}
 
 
-def _layer(module: str) -> tuple[str, int]:
+def _room(module: str) -> tuple[str, int]:
+    """The table's entry for `module`: its folder (or itself, a top-level module) and that layer."""
     best = max(
         (p for p in LAYERS if module == p[0] or module.startswith(p[0] + ".")), key=lambda p: len(p[0])
     )
     return best[0], best[1]
+
+
+def _is_section(module: str) -> bool:
+    return module.endswith(".config") and module != "loopline.config"
+
+
+def _layer(module: str) -> tuple[str, int]:
+    """(room, layer) of `module`: its folder's, but a section's and a SPLIT_PENDING module's own."""
+    room, layer = _room(module)
+    if _is_section(module):
+        return f"{module} (a section)", SECTION_LAYER
+    if module in SPLIT_PENDING:
+        return f"{module} (split pending)", SPLIT_PENDING[module]
+    return room, layer
 
 
 def test_the_walker_sees_local_and_submodule_imports():
@@ -193,8 +226,9 @@ def test_the_circle_finder_finds_circles():
 
 
 def test_no_import_circles():
-    """A circle of imports that run (a type-only import back, under TYPE_CHECKING, is not one)."""
-    circles = _circles(_graph(run_only=True))
+    """No circle of imports, counting those under TYPE_CHECKING: a type-only import back still ties two modules
+    into one that must be read (and changed) together."""
+    circles = _circles(_graph())
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 
@@ -204,3 +238,172 @@ def test_section_base_is_a_leaf():
     graph = _graph()
     assert graph["loopline.errors"] == set()
     assert graph["loopline.section"] <= {"loopline.errors"}
+
+
+def _folders() -> list[str]:
+    """Every package folder under loopline/ as a module name (the sandbox's inside/ programs apart)."""
+    return sorted(
+        _module_name(d / "x.py").rpartition(".")[0]
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and any(d.glob("*.py")) and "inside" not in d.relative_to(PACKAGE).parts
+    )
+
+
+def test_each_folder_is_one_room():
+    """The table names folders and top-level modules only, so a folder's modules share its layer (sections and
+    SPLIT_PENDING apart); a module placed by name inside a folder would hide a second layer in it."""
+    modules, folders = _modules(), set(_folders())
+    inside = [p for p, _, _ in LAYERS if p.rpartition(".")[0] in folders and p not in folders]
+    assert not inside, f"LAYERS names modules inside folders (place the folder, or move the module): {inside}"
+    assert all(m in modules and m.startswith("loopline.runtime.") for m in SPLIT_PENDING), (
+        "SPLIT_PENDING is stale"
+    )
+    assert _layer("loopline.envs.sandbox.runner")[1] == _layer("loopline.envs.pool")[1]
+
+
+# What a section may import besides loopline.section, loopline.errors and other sections: (section, module): why.
+SECTION_IMPORTS: dict[tuple[str, str], str] = {
+    ("loopline.models.config", "loopline.models.presets"): "the preset table (names and sizes): data only",
+    ("loopline.runtime.config", "loopline.runtime.cluster"): "ClusterConfig beside start_ray: SPLIT_PENDING",
+    (
+        "loopline.runtime.config",
+        "loopline.runtime.placement",
+    ): "PlacementConfig beside its code: SPLIT_PENDING",
+}
+
+
+def test_sections_are_leaves():
+    """A section imports only the config base and other sections, so that loopline.config can compose every
+    room's section without importing the room (k8s/ and envs/ sit above it)."""
+    graph = _graph()
+    wide = [
+        f"{m} imports {i}"
+        for m in sorted(graph)
+        if _is_section(m)
+        for i in sorted(graph[m])
+        if i not in {"loopline.section", "loopline.errors"}
+        and not _is_section(i)
+        and (m, i) not in SECTION_IMPORTS
+    ]
+    assert not wide, "sections that import more than sections:\n" + "\n".join(wide)
+
+
+def test_k8s_and_bench_are_outside_the_core():
+    """Only the CLI and the API reach k8s/ and bench/ (and loopline.config the k8s section): a run never imports
+    the Kubernetes client or a benchmark."""
+    outside = ("loopline.k8s", "loopline.bench", "loopline.cli", "loopline.api")
+    graph = _graph()
+    reach = [
+        f"{a} imports {b}"
+        for a, bs in sorted(graph.items())
+        if not a.startswith(outside)
+        for b in sorted(bs)
+        if b.startswith(("loopline.k8s", "loopline.bench")) and not _is_section(b)
+    ]
+    assert not reach, "the core imports k8s/ or bench/:\n" + "\n".join(reach)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sizes: files one can read end to end, functions that fit a screen (docs/architecture.md#rooms)
+# ---------------------------------------------------------------------------------------------------------
+
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
+
+# Argument parsers: one add_argument per option reads best as one long flat function.
+ARGUMENT_PARSERS = {"loopline/cli.py:build_parser"}
+
+# Still over, each shrinking in a change of its own; remove an entry when it fits. A new entry needs a reason.
+OVER_ALLOWED: dict[str, str] = {
+    "loopline/runtime/actor.py": "the actor driver: dispatch declared on the worker method (runtime reshaping)",
+    "loopline/runtime/roles.py:_ray_roles": "the Ray roles with their restart closures (runtime reshaping)",
+    "loopline/envs/pool.py": "the env pool's Ray backend, reshaped with runtime's groups (runtime reshaping)",
+    "loopline/training/pipeline.py": "pipeline stages and schedules (training change in flight)",
+    "loopline/rollout/engine.py:_generate": "the engine's decode loop: prefill, preallocated cache, rows leaving",
+    "loopline/bench/generate.py:main": "a benchmark's options and its timed loop",
+    "loopline/bench/restart.py:main": "a benchmark's options and its kill-and-resume scenario",
+    "loopline/envs/sandbox/inside/judge.py:_judge_main": "the in-sandbox judge: standalone, standard library only",
+}
+
+
+@functools.cache
+def _sizes() -> dict[str, int]:
+    """Lines of every file under loopline/ ("path") and of every function in it ("path:name")."""
+    out: dict[str, int] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        text = path.read_text()
+        out[rel] = text.count("\n")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                assert node.end_lineno is not None
+                out[f"{rel}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return out
+
+
+def _over(sizes: dict[str, int]) -> dict[str, int]:
+    return {
+        k: n
+        for k, n in sizes.items()
+        if n > (MAX_FUNCTION_LINES if ":" in k else MAX_FILE_LINES) and k not in ARGUMENT_PARSERS
+    }
+
+
+def test_the_size_walker_counts_files_and_functions():
+    sizes = _sizes()
+    assert sizes["loopline/errors.py"] < 40 and "loopline/cli.py:build_parser" in sizes
+    assert _over({"a.py": 601, "b.py": 600, "a.py:f": 81, "a.py:g": 80}) == {"a.py": 601, "a.py:f": 81}
+
+
+def test_no_file_or_function_too_long():
+    """No file over 600 lines, no function over 80 (argument parsers apart) beyond OVER_ALLOWED, which only
+    shrinks: an entry that now fits must go."""
+    over = _over(_sizes())
+    new = [f"{k}: {n} lines" for k, n in over.items() if k not in OVER_ALLOWED]
+    assert not new, "over the size limits (split along a seam):\n" + "\n".join(new)
+    fits = [k for k in OVER_ALLOWED if k not in over]
+    assert not fits, f"OVER_ALLOWED lists what now fits; remove it: {fits}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Envs plug in through envs/ alone (docs/architecture.md#where-to-look)
+# ---------------------------------------------------------------------------------------------------------
+
+# Env names written outside envs/ on purpose: "path:line-free name" -> why.
+ENV_NAMES_OUTSIDE: dict[str, str] = {
+    "loopline/runtime/scorer.py:addition": "the Scorer's default env, the same as the env section's default",
+    "loopline/bench/env.py:code": "`loopline bench env` times these two built-in envs by name",
+    "loopline/bench/env.py:calculator": "`loopline bench env` times these two built-in envs by name",
+}
+
+
+def _env_names() -> set[str]:
+    """The keys of ENVS in envs/config.py, read with ast (no import)."""
+    tree = ast.parse((PACKAGE / "envs" / "config.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and ast.unparse(node.target) == "ENVS":
+            assert isinstance(node.value, ast.Dict)
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    raise AssertionError("no ENVS table in loopline/envs/config.py")
+
+
+def test_no_env_is_named_outside_envs():
+    """A built-in env is a spec in envs/config.py and code in envs/: no string outside envs/ names one (a dict's
+    keys apart: {"code": ...} in an OpenAI error object is no env), so a new env needs no edit elsewhere."""
+    names = _env_names()
+    assert {"addition", "code", "calculator"} <= names
+    found = set()
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("loopline/envs/"):
+            continue
+        tree = ast.parse(path.read_text())
+        keys = {
+            id(k) for node in ast.walk(tree) if isinstance(node, ast.Dict) for k in node.keys if k is not None
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in keys:
+                found.add(f"{rel}:{node.value}")
+    extra = sorted(found - set(ENV_NAMES_OUTSIDE))
+    assert not extra, "env names outside envs/ (give the env's spec a field instead):\n" + "\n".join(extra)
+    assert not set(ENV_NAMES_OUTSIDE) - found, "ENV_NAMES_OUTSIDE lists names that are gone"

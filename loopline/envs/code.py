@@ -47,6 +47,7 @@ from typing import Any
 
 from loopline.data.rows import PromptRow
 from loopline.envs.base import StepResult
+from loopline.envs.config import EnvConfig
 from loopline.envs.sandbox import Sandbox, SandboxConfig, SandboxResult, inside_source
 
 PROBLEM_FIELDS = ("task_id", "prompt", "entry_point", "test")
@@ -232,6 +233,13 @@ def _verdict(stdout: str) -> str:
 VERDICT = "loopline-verdict"  # the judge's marker (inside/judge.py prints the same)
 # The judge, run in the sandbox as the program; it forks the solution process (see the top).
 JUDGE_PROGRAM = inside_source("judge.py")
+
+
+def code_env(env: EnvConfig) -> functools.partial[CodeEnv]:
+    """env.name=code's factory (its spec in envs.config.ENVS): a CodeEnv per episode on the env section's sandbox."""
+    return functools.partial(
+        CodeEnv, env.sandbox, tally=env.code_reward == "fraction", mbpp=env.code_format == "mbpp"
+    )
 
 
 class CodeEnv:

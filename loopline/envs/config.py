@@ -4,6 +4,7 @@ only (loading a config imports no torch); the names resolve in envs.episodes, on
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -12,27 +13,82 @@ from pydantic import Field, field_validator, model_validator
 from loopline.envs.sandbox.config import SandboxConfig
 from loopline.section import LocalPath, Section
 
-# name -> what it checks; made by envs.episodes
-BUILTIN_ENVS = {
-    "addition": "the built-in task's verifier: the first line of the response equals the answer",
-    "exact_match": "file datasets: the first line of the response equals the row's answer (spaces ignored)",
-    "math": "the response's final answer (its last \\boxed{...}, else 'answer is ...', else its last number, "
-    "fraction or root, taken whole) is mathematically equal to the row's answer (sympy; docs/guide/math-reward.md)",
-    "code": "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
-    "workers (env.code_reward: all, or the fraction of check()'s asserts passed); data.source=builtin: "
-    "env.code_task's one-line functions",
-    "calculator": "the agentic task (multi-turn): the model calls the calculator tool, reads its result and writes "
-    "<answer>...</answer>; reward 1 when the answer equals the row's (data.source=builtin: env.calculator's problems)",
-    "openai_agent": "your agent program (env.command), written against the OpenAI API and unaware of loopline: "
-    "each episode runs it on an env worker against loopline's OpenAI-compatible endpoint; every call it makes is "
-    "recorded (tokens, log-probs) and trained on; reward 1 when the last line it prints equals the row's answer",
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A built-in env, declared once: everything the config, the data loading, the memory plan and the loops need
+    to know of it. Code is named as "module:function", imported only where it runs (loading a config imports no
+    torch): a new built-in env is a spec here and its code in envs/."""
+
+    about: str  # what it checks, for env.name's description
+    factory: str  # function(env: EnvConfig) -> EnvFactory (a fresh Env per episode), on the env workers
+    builtin_rows: str | None = (
+        None  # data.source=builtin: function(env, seed) -> (train, eval, val) of its own task
+    )
+    row_fields: tuple[str, ...] = ()  # the fields of a file's rows it reads besides prompt and answer
+    format_row_fields: dict[str, tuple[str, ...]] = field(default_factory=dict)  # by env.code_format, instead
+    optional_row_fields: dict[str, tuple[str, ...]] = field(
+        default_factory=dict
+    )  # by env.code_format, if present
+    reads_answer: bool = True  # scores against the row's answer
+    max_turns: int = 1  # model turns per episode unless env.max_turns says otherwise
+    stop: tuple[str, ...] = ()  # strings that end a model turn (multi-turn)
+    agent_program: bool = False  # episodes are runs of the user's program (env.command) against the endpoint
+    demonstration: str | None = (
+        None  # multi-turn SFT: function(env, row, rng) -> the actions that solve the row
+    )
+    sandboxed: bool = False  # runs programs in the code sandbox: env.sandbox.memory_mb per env worker
+    long_builtin_prompts: bool = (
+        False  # its built-in rows are not 'a+b=' short (the memory plan's length bound)
+    )
+
+
+_VERIFIER = "loopline.envs.episodes:verifier_env"
+# name -> its spec; env.name=python:MODULE:FACTORY names an env of the user's instead
+ENVS: dict[str, EnvSpec] = {
+    "addition": EnvSpec(
+        "the built-in task's verifier: the first line of the response equals the answer", _VERIFIER
+    ),
+    "exact_match": EnvSpec(
+        "file datasets: the first line of the response equals the row's answer (spaces ignored)", _VERIFIER
+    ),
+    "math": EnvSpec(
+        "the response's final answer (its last \\boxed{...}, else 'answer is ...', else its last number, "
+        "fraction or root, taken whole) is mathematically equal to the row's answer (sympy; "
+        "docs/guide/math-reward.md)",
+        "loopline.envs.episodes:math_env",
+    ),
+    "code": EnvSpec(
+        "HumanEval-form rows (prompt, entry_point, test): the completion's tests run in the sandbox on the env "
+        "workers (env.code_reward: all, or the fraction of check()'s asserts passed); data.source=builtin: "
+        "env.code_task's one-line functions",
+        "loopline.envs.code:code_env",
+        builtin_rows="loopline.envs.tasks:code_rows",
+        row_fields=("entry_point", "test"),
+        format_row_fields={"mbpp": ("test_list",)},
+        optional_row_fields={"mbpp": ("test_imports", "test_setup_code")},  # what MBPP's asserts need
+        reads_answer=False,  # runs the row's tests instead
+        sandboxed=True,
+        long_builtin_prompts=True,
+    ),
+    "calculator": EnvSpec(
+        "the agentic task (multi-turn): the model calls the calculator tool, reads its result and writes "
+        "<answer>...</answer>; reward 1 when the answer equals the row's (data.source=builtin: env.calculator's "
+        "problems)",
+        "loopline.envs.tasks:calculator_env",
+        builtin_rows="loopline.envs.tasks:calculator_rows",
+        demonstration="loopline.envs.tasks:calculator_demonstration",
+        max_turns=3,
+        stop=("</tool_call>", "</answer>"),
+    ),
+    "openai_agent": EnvSpec(
+        "your agent program (env.command), written against the OpenAI API and unaware of loopline: each episode "
+        "runs it on an env worker against loopline's OpenAI-compatible endpoint; every call it makes is recorded "
+        "(tokens, log-probs) and trained on; reward 1 when the last line it prints equals the row's answer",
+        _VERIFIER,  # never stepped: its episodes are runs of env.command (envs.episodes.run_agents)
+        agent_program=True,
+    ),
 }
-# What a multi-turn built-in needs unless the config says otherwise: its turns and the strings that end a turn.
-MULTI_TURN_DEFAULTS: dict[str, dict] = {"calculator": {"max_turns": 3, "stop": ["</tool_call>", "</answer>"]}}
-# The fields of a file's rows an env reads besides the prompt (and whether it reads the answer).
-ROW_FIELDS = {"code": ("entry_point", "test"), "code:mbpp": ("test_list",)}
-# ... and those it reads when a row has them (MBPP's imports and setup code that its asserts need).
-OPTIONAL_ROW_FIELDS = {"code:mbpp": ("test_imports", "test_setup_code")}
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
 # The file in python:FILE.py:FACTORY (a dotted module name is imported from the installed packages instead)
 ENV_FILE = r"^python:(?P<path>[^:]+\.py):[A-Za-z_][A-Za-z0-9_]*$"
@@ -129,7 +185,7 @@ class EnvConfig(Section):
 
     name: Annotated[str, LocalPath("env file", inside=ENV_FILE)] = Field(
         "addition",
-        description="A built-in env (" + ", ".join(BUILTIN_ENVS) + ") or your own: python:MODULE:NAME, where "
+        description="A built-in env (" + ", ".join(ENVS) + ") or your own: python:MODULE:NAME, where "
         "MODULE is a dotted module name or a path to a .py file (stored absolute) and NAME is a factory (NAME() "
         "returns a fresh envs.base.Env, one per episode) or a reward function NAME(prompt, completion, "
         "**row_fields) -> float (a single-turn env; envs.reward_fn). loopline.api writes python:FILE.pkl:reward for "
@@ -200,14 +256,19 @@ class EnvConfig(Section):
     )
 
     @property
+    def spec(self) -> EnvSpec | None:
+        """The built-in env's spec; None for python:MODULE:FACTORY."""
+        return ENVS.get(self.name)
+
+    @property
     def turns(self) -> int:
         """Model turns per episode at most: env.max_turns, or the env's own."""
-        return self.max_turns or MULTI_TURN_DEFAULTS.get(self.name, {}).get("max_turns", 1)
+        return self.max_turns or (self.spec.max_turns if self.spec else 1)
 
     @property
     def agent_program(self) -> bool:
         """Whether episodes are runs of the user's agent program (env.name=openai_agent), which calls the model."""
-        return self.name == "openai_agent"
+        return self.spec is not None and self.spec.agent_program
 
     @property
     def multi_turn(self) -> bool:
@@ -218,30 +279,45 @@ class EnvConfig(Section):
     @property
     def turn_stop(self) -> tuple[str, ...]:
         """The strings that end a model turn besides the sampling's: the env's own, then env.stop."""
-        return tuple(dict.fromkeys([*MULTI_TURN_DEFAULTS.get(self.name, {}).get("stop", []), *self.stop]))
-
-    @property
-    def _fields_key(self) -> str:
-        return (
-            f"code:{self.code_format}"
-            if self.name == "code" and self.code_format != "humaneval"
-            else self.name
-        )
+        return tuple(dict.fromkeys([*(self.spec.stop if self.spec else ()), *self.stop]))
 
     @property
     def row_fields(self) -> tuple[str, ...]:
         """The fields of a file's rows the env reads, besides prompt and answer (kept on PromptRow.extra)."""
-        return tuple(dict.fromkeys([*ROW_FIELDS.get(self._fields_key, ()), *self.fields]))
+        spec = self.spec
+        own = spec.format_row_fields.get(self.code_format, spec.row_fields) if spec else ()
+        return tuple(dict.fromkeys([*own, *self.fields]))
 
     @property
     def optional_row_fields(self) -> tuple[str, ...]:
         """The fields the env reads when a row has them."""
-        return OPTIONAL_ROW_FIELDS.get(self._fields_key, ())
+        return self.spec.optional_row_fields.get(self.code_format, ()) if self.spec else ()
+
+    @property
+    def has_builtin_rows(self) -> bool:
+        """Whether data.source=builtin means the env's own task (else the built-in addition task)."""
+        return self.spec is not None and self.spec.builtin_rows is not None
+
+    @property
+    def sandboxed(self) -> bool:
+        """Whether the env runs programs in the code sandbox (env.sandbox.memory_mb per env worker)."""
+        return self.spec is not None and self.spec.sandboxed
+
+    @property
+    def long_builtin_prompts(self) -> bool:
+        """Whether the env's built-in rows are longer than the addition task's (the memory plan's bound)."""
+        return self.spec is not None and self.spec.long_builtin_prompts
+
+    @property
+    def builtin_row_fields(self) -> tuple[str, ...]:
+        """The fields the built-in rows carry (data.source=builtin): the env's own task's, or none."""
+        spec = self.spec
+        return spec.row_fields if spec and spec.builtin_rows else ()
 
     @property
     def reads_answer(self) -> bool:
         """Whether the env scores against the row's answer (the code env runs the row's tests instead)."""
-        return self.name != "code"
+        return self.spec is None or self.spec.reads_answer
 
     @model_validator(mode="after")
     def _agent_has_a_command(self) -> EnvConfig:
@@ -254,7 +330,7 @@ class EnvConfig(Section):
     @field_validator("name")
     @classmethod
     def _known(cls, name: str) -> str:
-        if name in BUILTIN_ENVS:
+        if name in ENVS:
             return name
         user = USER_ENV.match(name)
         if user and user["module"].endswith(
@@ -264,5 +340,5 @@ class EnvConfig(Section):
         if user:
             return name
         raise ValueError(
-            f"unknown env {name!r}: use one of {', '.join(BUILTIN_ENVS)}, or python:MODULE:FACTORY for your own"
+            f"unknown env {name!r}: use one of {', '.join(ENVS)}, or python:MODULE:FACTORY for your own"
         )

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import pickle
+import random
 import signal
 import sys
 import types
@@ -41,7 +42,7 @@ from typing import NamedTuple
 from loopline.data.rows import PromptRow
 from loopline.data.tasks import exact_match
 from loopline.envs.base import Env, StepResult, VerifierEnv, counts_correct, max_reward
-from loopline.envs.config import BUILTIN_ENVS, USER_ENV, EnvConfig
+from loopline.envs.config import USER_ENV, EnvConfig
 from loopline.envs.math_equal import math_reward
 from loopline.envs.reward_fn import RewardFnEnv, is_reward_fn
 from loopline.errors import UserError
@@ -79,21 +80,36 @@ class EnvError(UserError):
     """An env could not be made, or misbehaved on an episode; the message names the env (and the prompt)."""
 
 
-def _builtin(env: EnvConfig) -> EnvFactory:
-    if env.name == "code":
-        from loopline.envs.code import CodeEnv
+def verifier_env(env: EnvConfig) -> EnvFactory:
+    """addition and exact_match: the first line equals the answer (openai_agent's episodes are runs of env.command,
+    run_agents, so its factory is never stepped)."""
+    return functools.partial(VerifierEnv, exact_match)
 
-        return functools.partial(
-            CodeEnv, env.sandbox, tally=env.code_reward == "fraction", mbpp=env.code_format == "mbpp"
-        )
-    if env.name == "calculator":
-        from loopline.envs.tasks import make_env
 
-        return functools.partial(make_env, None, env.calculator.call_bonus)
-    # addition and exact_match: the first line; openai_agent's episodes are runs of env.command (run_agents), so its
-    # factory is never stepped
-    verify = math_reward if env.name == "math" else exact_match
-    return functools.partial(VerifierEnv, verify)
+def math_env(env: EnvConfig) -> EnvFactory:
+    """math: the final answer is mathematically equal to the row's (envs.math_equal)."""
+    return functools.partial(VerifierEnv, math_reward)
+
+
+def _named(target: str) -> Callable:
+    """The function a spec names as "module:function", imported now."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def env_demonstration(env: EnvConfig, row: PromptRow, rng: random.Random) -> list[str] | None:
+    """The env's own demonstration of `row` for multi-turn SFT (its spec's), as action texts; None: the row's
+    target is the one action."""
+    if env.spec is None or env.spec.demonstration is None:
+        return None
+    return _named(env.spec.demonstration)(env, row, rng)
+
+
+def builtin_rows(env: EnvConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow], list[PromptRow]]:
+    """data.source=builtin for an env with a task of its own (its spec's builtin_rows): train, held-out and
+    validation rows."""
+    assert env.spec is not None and env.spec.builtin_rows is not None, "only for env.has_builtin_rows"
+    return _named(env.spec.builtin_rows)(env, seed)
 
 
 def _load_module(spec: str, name: str):  # -> types.ModuleType
@@ -134,8 +150,8 @@ def env_factory(env: EnvConfig | str) -> EnvFactory:
 def _factory(env_json: str) -> EnvFactory:
     env = EnvConfig.model_validate_json(env_json)
     name = env.name
-    if name in BUILTIN_ENVS:
-        return _builtin(env)
+    if env.spec is not None:
+        return _named(env.spec.factory)(env)
     match = USER_ENV.match(name)
     if match is None:
         raise EnvError(f"unknown env {name!r}")

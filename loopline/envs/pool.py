@@ -38,7 +38,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
-from loopline.runtime.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
+from loopline.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
 from loopline.section import Section
 
 logger = logging.getLogger(__name__)
@@ -513,7 +513,7 @@ class _LocalBackend:
 
 
 class _RayWorkerActor:
-    """Body of a Ray env worker actor (started by runtime.ray_actors.start_actor)."""
+    """Body of a Ray env worker actor (started by loopline.ray_actors.start_actor)."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn

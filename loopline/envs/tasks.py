@@ -25,17 +25,17 @@ whose tool calls all ran: with it, RL raises tool use even while answers are sti
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import random
 import re
 
 from loopline.data.datasets import PromptRow
-from loopline.envs.config import MULTI_TURN_DEFAULTS, CalculatorConfig, CodeTaskConfig
+from loopline.envs.config import CalculatorConfig, CodeTaskConfig, EnvConfig
 from loopline.envs.tools import Toolbox, ToolEnv, ToolsConfig, calculator
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-STOP = MULTI_TURN_DEFAULTS["calculator"]["stop"]  # a model turn ends after a call or an answer
 
 
 def _calculator_problems(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
@@ -81,6 +81,27 @@ def answer_match(text: str, answer: str) -> float:
 def make_env(tools: ToolsConfig | None = None, call_bonus: float = 0.0) -> ToolEnv:
     """One episode's env: the calculator tool and the <answer> verifier (reward 1 when right)."""
     return ToolEnv(Toolbox([calculator], tools), answer_match, call_bonus=call_bonus)
+
+
+def calculator_env(env: EnvConfig) -> functools.partial[ToolEnv]:
+    """env.name=calculator's factory (its spec in envs.config.ENVS): one make_env per episode."""
+    return functools.partial(make_env, None, env.calculator.call_bonus)
+
+
+def calculator_rows(env: EnvConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow], list[PromptRow]]:
+    """env.name=calculator with data.source=builtin: its own problems (train, held-out, validation)."""
+    return (*calculator_splits(env.calculator, seed), calculator_validation(env.calculator, seed))
+
+
+def calculator_demonstration(env: EnvConfig, row: PromptRow, rng: random.Random) -> list[str]:
+    """Multi-turn SFT's actions for `row`: the tool call then the answer, or, for env.calculator.direct_fraction of
+    rows, the answer alone."""
+    return demonstration(row, use_tool=rng.random() >= env.calculator.direct_fraction)
+
+
+def code_rows(env: EnvConfig, seed: int) -> tuple[list[PromptRow], list[PromptRow], list[PromptRow]]:
+    """env.name=code with data.source=builtin: the code task's one-line functions (train, held-out, validation)."""
+    return (*code_splits(env.code_task, seed), code_validation(env.code_task, seed))
 
 
 def tool_call_text(name: str, arguments: dict[str, object], tools: ToolsConfig | None = None) -> str:

@@ -56,145 +56,40 @@ from typing import Any
 
 import yaml
 
-MAX_RAYJOB_NAME = 47  # KubeRay: 53 (RayCluster names) minus the 6-character suffix of the generated cluster
-MAX_KUEUE_POD_SETS = 18  # Kueue's jobframework.MaxPodSets: the head group counts as one
-INT32_MAX = 2**31 - 1
+from loopline.k8s.cluster_rules import cluster_created_by_rayjob, cluster_spec_problems
+from loopline.k8s.manifest import (
+    CLUSTER,
+    CLUSTER_SELECTOR_KEY,
+    ELASTIC_JOB_ANNOTATION,
+    HEAD_POD,
+    MAX_EXEC_TIME_LABEL,
+    MAX_KUEUE_POD_SETS,
+    MAX_RAYJOB_NAME,
+    PREBUILT_WORKLOAD_KEY,
+    QUEUE_LABEL,
+    as_int,
+    as_list,
+    as_map,
+    autoscaling_on,
+    is_dns1035_label,
+    is_dns1123_subdomain,
+    worker_groups,
+    worker_path,
+)
 
-QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-MAX_EXEC_TIME_LABEL = "kueue.x-k8s.io/max-exec-time-seconds"
-PREBUILT_WORKLOAD_KEY = "kueue.x-k8s.io/prebuilt-workload-name"  # a label, or (preferred) an annotation
-ELASTIC_JOB_ANNOTATION = "kueue.x-k8s.io/elastic-job"
-FT_ENABLED_ANNOTATION = "ray.io/ft-enabled"
-EXTERNAL_STORAGE_NS_ANNOTATION = "ray.io/external-storage-namespace"
-CLUSTER_SELECTOR_KEY = "ray.io/cluster"
-AUTOSCALER_V2_ENV = "RAY_enable_autoscaler_v2"
-RAY_RESOURCE_PARAMS = ("num-cpus", "num-gpus", "memory", "resources")
-
-_CLUSTER = "spec.rayClusterSpec"
-_HEAD = f"{_CLUSTER}.headGroupSpec"
-_HEAD_POD = f"{_HEAD}.template.spec"
-
-_DNS1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
-_DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
-_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
-_GENERIC_VERSION = re.compile(r"\s*v?(\d+(?:\.\d+)+)")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Small helpers over the plain-dict manifest
-# ---------------------------------------------------------------------------------------------------------
-
-
-def _map(value: Any) -> Mapping[str, Any]:
-    """`value` if it is a mapping, else an empty one (a wrong type is the schema check's business)."""
-    return value if isinstance(value, Mapping) else {}
-
-
-def _list(value: Any) -> list[Any]:
-    """`value` if it is a list, else an empty one."""
-    return value if isinstance(value, list) else []
-
-
-def _int(value: Any) -> int | None:
-    """`value` if it is an integer (not a bool), else None."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _worker(i: int) -> str:
-    """The field path of worker group `i`."""
-    return f"{_CLUSTER}.workerGroupSpecs[{i}]"
-
-
-def _is_dns1123_subdomain(value: str) -> bool:
-    """Kubernetes' DNS-1123 subdomain: dot-separated lowercase labels, at most 253 characters."""
-    return len(value) <= 253 and all(_DNS1123_LABEL.fullmatch(part) for part in value.split("."))
-
-
-def _is_dns1035_label(value: str) -> bool:
-    """Kubernetes' DNS-1035 label: lowercase alphanumerics and '-', starting with a letter, at most 63."""
-    return len(value) <= 63 and bool(_DNS1035_LABEL.fullmatch(value))
-
-
-def _is_qualified_name(key: str) -> bool:
-    """A label key: an optional DNS-1123 subdomain prefix and '/', then a name of at most 63 characters."""
-    prefix, _, name = key.rpartition("/")
-    if "/" in prefix or (key.count("/") == 1 and not (prefix and _is_dns1123_subdomain(prefix))):
-        return False
-    return len(name) <= 63 and bool(_LABEL_NAME.fullmatch(name))
-
-
-def _is_label_value(value: Any) -> bool:
-    """A label value: empty, or a name of at most 63 characters."""
-    return isinstance(value, str) and (
-        value == "" or (len(value) <= 63 and bool(_LABEL_NAME.fullmatch(value)))
-    )
-
-
-def _version(value: Any) -> tuple[int, ...] | None:
-    """The numeric part of a "generic" version ("2.52.0", "v2.52"); None when it has fewer than two parts."""
-    match = _GENERIC_VERSION.match(value) if isinstance(value, str) else None
-    return tuple(int(p) for p in match.group(1).split(".")) if match else None
-
-
-def _env(container: Mapping[str, Any]) -> dict[str, tuple[int, Any]]:
-    """A container's environment: name -> (index in env, value)."""
-    out: dict[str, tuple[int, Any]] = {}
-    for k, var in enumerate(_list(container.get("env"))):
-        name = _map(var).get("name")
-        if isinstance(name, str) and name not in out:
-            out[name] = (k, _map(var).get("value"))
-    return out
-
-
-def _head_container(cluster: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The head's Ray container (the first one); empty when there is none."""
-    containers = _list(
-        _map(_map(_map(cluster.get("headGroupSpec")).get("template")).get("spec")).get("containers")
-    )
-    return _map(containers[0]) if containers else {}
-
-
-def _head_env_path(env_index: int) -> str:
-    """The field path of the head container's env entry `env_index`."""
-    return f"{_HEAD_POD}.containers[0].env[{env_index}]"
-
-
-def _autoscaling(cluster: Mapping[str, Any]) -> bool:
-    """Whether in-tree autoscaling is on."""
-    return cluster.get("enableInTreeAutoscaling") is True
-
-
-def _autoscaler_v2(cluster: Mapping[str, Any]) -> bool:
-    """Whether autoscalerOptions.version selects autoscaler v2."""
-    return _map(cluster.get("autoscalerOptions")).get("version") == "v2"
-
-
-def _wants_autoscaler_v2(cluster: Mapping[str, Any]) -> bool:
-    """Whether v2 is selected by autoscalerOptions.version or by the head's RAY_enable_autoscaler_v2."""
-    _, value = _env(_head_container(cluster)).get(AUTOSCALER_V2_ENV, (0, None))
-    return _autoscaler_v2(cluster) or value in ("1", "true")
-
-
-def _workers(cluster: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
-    """The worker groups, with their indexes."""
-    return [(i, _map(group)) for i, group in enumerate(_list(cluster.get("workerGroupSpecs")))]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# KubeRay
 # ---------------------------------------------------------------------------------------------------------
 
 
 def kuberay_problems(rayjob: dict[str, Any]) -> list[str]:
     """Every rule KubeRay applies to a new RayJob (metadata, spec, embedded rayClusterSpec) that it breaks."""
-    meta = _map(rayjob.get("metadata"))
-    spec = _map(rayjob.get("spec"))
+    meta = as_map(rayjob.get("metadata"))
+    spec = as_map(rayjob.get("spec"))
     problems = [*_rayjob_name(meta), *_rayjob_spec(spec)]
     if spec.get("rayClusterSpec") is not None:
-        cluster = _map(spec["rayClusterSpec"])
+        cluster = as_map(spec["rayClusterSpec"])
         problems += [
-            *_cluster_spec(cluster, _map(meta.get("annotations"))),
-            *_cluster_created_by_rayjob(cluster),
+            *cluster_spec_problems(cluster, as_map(meta.get("annotations"))),
+            *cluster_created_by_rayjob(cluster),
         ]
     return problems
 
@@ -209,7 +104,7 @@ def _rayjob_name(meta: Mapping[str, Any]) -> Iterator[str]:
             f"metadata.name: {name!r} has {len(name)} characters; KubeRay accepts at most {MAX_RAYJOB_NAME} "
             "(it appends 6 to name the RayCluster, whose names are capped at 53)"
         )
-    if not _is_dns1035_label(name):
+    if not is_dns1035_label(name):
         yield (
             f"metadata.name: {name!r} is not a DNS-1035 label; use lowercase letters, digits and '-', "
             "starting with a letter and ending with a letter or digit"
@@ -233,7 +128,7 @@ def _lifecycle(spec: Mapping[str, Any]) -> Iterator[str]:
             "spec.suspend: a RayJob with shutdownAfterJobFinishes false cannot be suspended; "
             "set shutdownAfterJobFinishes: true, or do not suspend it"
         )
-    ttl = _int(spec.get("ttlSecondsAfterFinished"))
+    ttl = as_int(spec.get("ttlSecondsAfterFinished"))
     if ttl is not None and ttl < 0:
         yield f"spec.ttlSecondsAfterFinished: {ttl} is negative; KubeRay accepts 0 or more seconds"
     if ttl is not None and ttl > 0 and not shutdown:
@@ -242,33 +137,35 @@ def _lifecycle(spec: Mapping[str, Any]) -> Iterator[str]:
             "a TTL is accepted only with shutdownAfterJobFinishes: true"
         )
     for key in ("activeDeadlineSeconds", "preRunningDeadlineSeconds"):
-        value = _int(spec.get(key))
+        value = as_int(spec.get(key))
         if value is not None and value <= 0:
             yield (
                 f"spec.{key}: {value} is not positive; KubeRay accepts 1 or more seconds, or the field unset"
             )
-    backoff = _int(spec.get("backoffLimit"))
+    backoff = as_int(spec.get("backoffLimit"))
     if backoff is not None and backoff < 0:
         yield f"spec.backoffLimit: {backoff} is negative; KubeRay accepts 0 or more retries"
 
 
 def _deletion_strategy(spec: Mapping[str, Any]) -> Iterator[str]:
     """validateDeletionConfiguration and the legacy / rules checks it calls (the shape is CEL's)."""
-    strategy = _map(spec.get("deletionStrategy"))
+    strategy = as_map(spec.get("deletionStrategy"))
     if not strategy:
         return
     path = "spec.deletionStrategy"
-    selector_mode = bool(_map(spec.get("clusterSelector")))
-    autoscaling = _autoscaling(_map(spec.get("rayClusterSpec")))
+    selector_mode = bool(as_map(spec.get("clusterSelector")))
+    autoscaling = autoscaling_on(as_map(spec.get("rayClusterSpec")))
     shutdown = spec.get("shutdownAfterJobFinishes") is True
-    rules = _list(strategy.get("deletionRules"))
+    rules = as_list(strategy.get("deletionRules"))
     if rules and shutdown:
         yield (
             f"{path}.deletionRules: set together with shutdownAfterJobFinishes: true; "
             "use one or the other (the rules decide what is deleted and when)"
         )
     # onSuccess/onFailure with deletionRules too: CEL refuses the strategy, and KubeRay checks only the rules.
-    legacy = {} if rules else {k: _map(strategy.get(k)) for k in ("onSuccess", "onFailure") if k in strategy}
+    legacy = (
+        {} if rules else {k: as_map(strategy.get(k)) for k in ("onSuccess", "onFailure") if k in strategy}
+    )
     for key, policy_spec in legacy.items():
         policy = policy_spec.get("policy")
         where = f"{path}.{key}.policy"
@@ -302,8 +199,8 @@ def _deletion_rules(rules: list[Any], selector_mode: bool, autoscaling: bool) ->
     """validateDeletionRules: per-rule context, unique (condition, policy) pairs, TTLs in deletion order."""
     ttls: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
     for i, raw in enumerate(rules):
-        rule, where = _map(raw), f"spec.deletionStrategy.deletionRules[{i}]"
-        policy, condition = rule.get("policy"), _map(rule.get("condition"))
+        rule, where = as_map(raw), f"spec.deletionStrategy.deletionRules[{i}]"
+        policy, condition = rule.get("policy"), as_map(rule.get("condition"))
         if selector_mode and policy in ("DeleteCluster", "DeleteWorkers"):
             yield (
                 f"{where}.policy: {policy} with clusterSelector; "
@@ -324,7 +221,7 @@ def _deletion_rules(rules: list[Any], selector_mode: bool, autoscaling: bool) ->
                 "each (condition, policy) pair may appear once"
             )
             continue
-        ttls[key][str(policy)] = (i, _int(condition.get("ttlSeconds")) or 0)
+        ttls[key][str(policy)] = (i, as_int(condition.get("ttlSeconds")) or 0)
     for (kind, status), by_policy in ttls.items():
         ordered = [(p, *by_policy[p]) for p in _DELETION_ORDER if p in by_policy]
         for (prev, _, prev_ttl), (policy, i, ttl) in pairwise(ordered):
@@ -338,7 +235,7 @@ def _deletion_rules(rules: list[Any], selector_mode: bool, autoscaling: bool) ->
 
 def _cluster_source(spec: Mapping[str, Any]) -> Iterator[str]:
     """A RayJob makes its own cluster (rayClusterSpec) or uses an existing one (clusterSelector)."""
-    selector = _map(spec.get("clusterSelector"))
+    selector = as_map(spec.get("clusterSelector"))
     if not selector:
         if spec.get("rayClusterSpec") is None:
             yield (
@@ -358,7 +255,7 @@ def _cluster_source(spec: Mapping[str, Any]) -> Iterator[str]:
             "spec.submissionMode: SidecarMode with clusterSelector; "
             "use K8sJobMode, HTTPMode or InteractiveMode"
         )
-    backoff = _int(spec.get("backoffLimit"))
+    backoff = as_int(spec.get("backoffLimit"))
     if backoff is not None and backoff > 0:
         yield (
             f"spec.backoffLimit: {backoff} with clusterSelector; "
@@ -369,7 +266,7 @@ def _cluster_source(spec: Mapping[str, Any]) -> Iterator[str]:
 def _submission_mode(spec: Mapping[str, Any]) -> Iterator[str]:
     """What InteractiveMode and SidecarMode exclude."""
     mode = spec.get("submissionMode")
-    backoff = _int(spec.get("backoffLimit"))
+    backoff = as_int(spec.get("backoffLimit"))
     if mode == "InteractiveMode" and backoff is not None and backoff > 0:
         yield (
             f"spec.backoffLimit: {backoff} with InteractiveMode; InteractiveMode accepts only 0 (no retries)"
@@ -382,12 +279,12 @@ def _submission_mode(spec: Mapping[str, Any]) -> Iterator[str]:
                 f"spec.{key}: set with SidecarMode; "
                 "SidecarMode runs no submitter pod, remove it or use K8sJobMode"
             )
-    head_pod = _map(
-        _map(_map(_map(spec.get("rayClusterSpec")).get("headGroupSpec")).get("template")).get("spec")
+    head_pod = as_map(
+        as_map(as_map(as_map(spec.get("rayClusterSpec")).get("headGroupSpec")).get("template")).get("spec")
     )
     if head_pod.get("restartPolicy") not in (None, "", "Never"):
         yield (
-            f"{_HEAD_POD}.restartPolicy: {head_pod['restartPolicy']} with SidecarMode; "
+            f"{HEAD_POD}.restartPolicy: {head_pod['restartPolicy']} with SidecarMode; "
             "the head pod must use Never or leave it unset"
         )
 
@@ -406,255 +303,6 @@ def _runtime_env(spec: Mapping[str, Any]) -> Iterator[str]:
         yield f"spec.runtimeEnvYAML: a YAML {type(parsed).__name__}, not a mapping; it must be a YAML mapping"
 
 
-def _cluster_spec(cluster: Mapping[str, Any], annotations: Mapping[str, Any]) -> Iterator[str]:
-    """ValidateRayClusterSpec on the embedded rayClusterSpec (annotations are the RayJob's)."""
-    head = _map(cluster.get("headGroupSpec"))
-    if not _list(_map(_map(head.get("template")).get("spec")).get("containers")):
-        yield (
-            f"{_HEAD_POD}.containers: empty; the head group needs at least one container (the first runs Ray)"
-        )
-    yield from _group_params(_HEAD, head)
-    for i, group in _workers(cluster):
-        yield from _worker_group(_worker(i), group, cluster)
-    yield from _fault_tolerance(cluster, annotations)
-    yield from _autoscaler(cluster)
-    yield from _gated_features(cluster)
-    yield from _auth(cluster)
-
-
-def _group_params(path: str, group: Mapping[str, Any]) -> Iterator[str]:
-    """validateRayGroupResources and validateRayGroupLabels, for the head or a worker group."""
-    params = _map(group.get("rayStartParams"))
-    in_params = [p for p in RAY_RESOURCE_PARAMS if params.get(p)]
-    if in_params and _map(group.get("resources")):
-        yield (
-            f"{path}.resources: set while rayStartParams also sets {', '.join(in_params)}; "
-            "declare Ray resources in one of the two places only"
-        )
-    if "labels" in params:
-        yield f"{path}.rayStartParams.labels: not supported; put Ray node labels in {path}.labels instead"
-    for key, value in _map(group.get("labels")).items():
-        if not _is_qualified_name(str(key)):
-            yield (
-                f"{path}.labels[{key}]: {key!r} is not a valid label key; "
-                "use an optional DNS subdomain prefix and '/', then at most 63 alphanumerics, "
-                "'-', '_' or '.', starting and ending alphanumeric"
-            )
-        if not _is_label_value(value):
-            yield (
-                f"{path}.labels[{key}]: value {value!r} is not a valid label value; use at most 63 "
-                "alphanumerics, '-', '_' or '.', starting and ending alphanumeric (or empty)"
-            )
-
-
-def _worker_group(path: str, group: Mapping[str, Any], cluster: Mapping[str, Any]) -> Iterator[str]:
-    """The per-worker-group rules of ValidateRayClusterSpec."""
-    if not _list(_map(_map(group.get("template")).get("spec")).get("containers")):
-        yield f"{path}.template.spec.containers: empty; a worker group needs at least one container"
-    low, high = _int(group.get("minReplicas")), _int(group.get("maxReplicas"))
-    low, high = (0 if low is None else low), (INT32_MAX if high is None else high)  # the CRD's defaults
-    if low < 0:
-        yield f"{path}.minReplicas: {low} is negative; KubeRay accepts 0 or more"
-    if high < 0:
-        yield f"{path}.maxReplicas: {high} is negative; KubeRay accepts 0 or more"
-    if 0 <= high < low:  # a negative maxReplicas is reported once, above
-        yield (
-            f"{path}.minReplicas: {low} is greater than maxReplicas {high}; "
-            "minReplicas must be <= maxReplicas"
-        )
-    yield from _group_params(path, group)
-    idle = _int(group.get("idleTimeoutSeconds"))
-    if idle is not None and idle < 0:
-        yield f"{path}.idleTimeoutSeconds: {idle} is negative; KubeRay accepts 0 or more seconds"
-    elif idle is not None and not _wants_autoscaler_v2(cluster):
-        yield (
-            f"{path}.idleTimeoutSeconds: set without autoscaler v2; it is accepted only with "
-            "spec.rayClusterSpec.autoscalerOptions.version: v2"
-        )
-    yield from _worker_priority(path, group, cluster)
-    if group.get("suspend") is True and _autoscaling(cluster):
-        yield (
-            f"{path}.suspend: true with enableInTreeAutoscaling: true; "
-            "a worker group can be suspended only without autoscaling"
-        )
-
-
-def _worker_priority(path: str, group: Mapping[str, Any], cluster: Mapping[str, Any]) -> Iterator[str]:
-    """validateWorkerGroupPriority: a non-zero priority needs Ray >= 2.56.0 and autoscaler v2."""
-    priority = _int(group.get("priority"))
-    if not priority:
-        return
-    version = _version(cluster.get("rayVersion"))
-    if version is None or version < (2, 56, 0):
-        yield (
-            f"{path}.priority: set with rayVersion {cluster.get('rayVersion')!r}; "
-            "a worker group priority needs spec.rayClusterSpec.rayVersion 2.56.0 or later"
-        )
-    elif not _wants_autoscaler_v2(cluster):
-        yield (
-            f"{path}.priority: {priority} without autoscaler v2; "
-            "a worker group priority is accepted only with spec.rayClusterSpec.autoscalerOptions.version: v2"
-        )
-
-
-def _fault_tolerance(cluster: Mapping[str, Any], annotations: Mapping[str, Any]) -> Iterator[str]:
-    """GCS fault tolerance: configured through gcsFaultToleranceOptions only, never through env or params."""
-    options = cluster.get("gcsFaultToleranceOptions")
-    head_params = _map(_map(cluster.get("headGroupSpec")).get("rayStartParams"))
-    env = _env(_head_container(cluster))
-    ft_annotation = annotations.get(FT_ENABLED_ANNOTATION)
-    if ft_annotation and options is not None:
-        yield (
-            f"metadata.annotations[{FT_ENABLED_ANNOTATION}]: set together with gcsFaultToleranceOptions; "
-            "configure GCS fault tolerance with gcsFaultToleranceOptions only"
-        )
-    ft_enabled = options is not None or str(ft_annotation).lower() == "true"
-    if not ft_enabled and "RAY_REDIS_ADDRESS" in env:
-        yield (
-            f"{_head_env_path(env['RAY_REDIS_ADDRESS'][0])}: RAY_REDIS_ADDRESS turns on GCS fault tolerance "
-            "implicitly; set spec.rayClusterSpec.gcsFaultToleranceOptions instead"
-        )
-    if options is not None:
-        yield from _fault_tolerance_options(_map(options), head_params, env, annotations)
-    if head_params.get("redis-username"):
-        yield (
-            f"{_HEAD}.rayStartParams.redis-username: not accepted; "
-            "set gcsFaultToleranceOptions.redisUsername instead"
-        )
-    if "REDIS_USERNAME" in env:
-        yield (
-            f"{_head_env_path(env['REDIS_USERNAME'][0])}: REDIS_USERNAME is not accepted; "
-            "set gcsFaultToleranceOptions.redisUsername instead"
-        )
-
-
-def _fault_tolerance_options(
-    options: Mapping[str, Any],
-    head_params: Mapping[str, Any],
-    env: Mapping[str, tuple[int, Any]],
-    annotations: Mapping[str, Any],
-) -> Iterator[str]:
-    """With gcsFaultToleranceOptions set: what they replace, and their backend (rocksdb is gated)."""
-    if head_params.get("redis-password"):
-        yield (
-            f"{_HEAD}.rayStartParams.redis-password: set with gcsFaultToleranceOptions; use its redisPassword"
-        )
-    for name, replacement in (("REDIS_PASSWORD", "redisPassword"), ("RAY_REDIS_ADDRESS", "redisAddress")):
-        if name in env:
-            yield (
-                f"{_head_env_path(env[name][0])}: {name} set with gcsFaultToleranceOptions; "
-                f"use its {replacement}"
-            )
-    if annotations.get(EXTERNAL_STORAGE_NS_ANNOTATION):
-        yield (
-            f"metadata.annotations[{EXTERNAL_STORAGE_NS_ANNOTATION}]: set with gcsFaultToleranceOptions; "
-            "use its externalStorageNamespace"
-        )
-    path = f"{_CLUSTER}.gcsFaultToleranceOptions"
-    if options.get("backend") == "rocksdb":
-        yield (
-            f"{path}.backend: rocksdb needs KubeRay's GCSFaultToleranceEmbeddedStorage feature gate, "
-            "off by default; use the redis backend"
-        )
-    elif options.get("storage") is not None:
-        yield f"{path}.storage: set with the redis backend; it applies only to the rocksdb backend"
-
-
-def _autoscaler(cluster: Mapping[str, Any]) -> Iterator[str]:
-    """The autoscaler's switches: v2 by env or by options, restart policies under v2, autoscalerOptions."""
-    env = _env(_head_container(cluster))
-    options = _map(cluster.get("autoscalerOptions"))
-    v2_env = env.get(AUTOSCALER_V2_ENV)
-    if not _autoscaling(cluster) and v2_env and v2_env[1] in ("1", "true"):
-        yield (
-            f"{_head_env_path(v2_env[0])}: {AUTOSCALER_V2_ENV}={v2_env[1]} without autoscaling; "
-            "set enableInTreeAutoscaling: true to use autoscaler v2, or drop the variable"
-        )
-    if _autoscaling(cluster):
-        if options.get("version") is not None and v2_env:
-            yield (
-                f"{_head_env_path(v2_env[0])}: {AUTOSCALER_V2_ENV} set together with "
-                "autoscalerOptions.version; choose the autoscaler with autoscalerOptions.version only"
-            )
-        if _autoscaler_v2(cluster):
-            yield from _v2_restart_policies(cluster)
-    idle = _int(options.get("idleTimeoutSeconds"))
-    if idle is not None and idle < 0:
-        yield (
-            f"{_CLUSTER}.autoscalerOptions.idleTimeoutSeconds: {idle} is negative; KubeRay accepts 0 or more"
-        )
-    for k, var in enumerate(_list(options.get("env"))):
-        if _map(var).get("name") == "KUBERAY_GEN_AUTOSCALER_START_CMD":
-            yield (
-                f"{_CLUSTER}.autoscalerOptions.env[{k}]: "
-                "KUBERAY_GEN_AUTOSCALER_START_CMD is managed by KubeRay; remove it"
-            )
-
-
-def _v2_restart_policies(cluster: Mapping[str, Any]) -> Iterator[str]:
-    """Under autoscaler v2 every pod must use restartPolicy Never (or leave it unset)."""
-    groups = [(_HEAD, _map(cluster.get("headGroupSpec")))] + [(_worker(i), g) for i, g in _workers(cluster)]
-    for path, group in groups:
-        policy = _map(_map(group.get("template")).get("spec")).get("restartPolicy")
-        if policy not in (None, "", "Never"):
-            yield (
-                f"{path}.template.spec.restartPolicy: {policy} with autoscaler v2; "
-                "use Never or leave it unset"
-            )
-
-
-# Cluster features behind KubeRay feature gates that are off by default: field -> gate.
-_GATED_FIELDS = {
-    "historyServerOptions": "RayClusterHistoryServer",
-    "networkPolicy": "RayClusterNetworkPolicy",
-    "tlsOptions": "RayClusterMTLS",
-}
-
-
-def _gated_features(cluster: Mapping[str, Any]) -> Iterator[str]:
-    """Fields that KubeRay refuses unless a feature gate, off by default, is turned on."""
-    for key, gate in _GATED_FIELDS.items():
-        if cluster.get(key) is not None:
-            yield f"{_CLUSTER}.{key}: needs KubeRay's {gate} feature gate, off by default; remove it"
-
-
-def _auth(cluster: Mapping[str, Any]) -> Iterator[str]:
-    """Token authentication needs a known Ray version >= 2.52.0; Kubernetes token auth is not for RayJobs."""
-    auth = _map(cluster.get("authOptions"))
-    if auth.get("enableK8sTokenAuth") is True:
-        yield (
-            f"{_CLUSTER}.authOptions.enableK8sTokenAuth: not supported for a RayJob; leave it unset or false"
-        )
-        return  # KubeRay stops here for a RayJob
-    if auth.get("mode") == "token":
-        version = _version(cluster.get("rayVersion"))
-        if version is None or version < (2, 52, 0):
-            yield (
-                f"{_CLUSTER}.rayVersion: {cluster.get('rayVersion')!r} with authOptions.mode token; "
-                "token authentication needs rayVersion 2.52.0 or later"
-            )
-
-
-def _cluster_created_by_rayjob(cluster: Mapping[str, Any]) -> Iterator[str]:
-    """Rules KubeRay applies to the RayCluster the RayJob creates: its webhook and its controller."""
-    seen: set[Any] = set()
-    for i, group in _workers(cluster):
-        name = group.get("groupName")
-        if name in seen:
-            yield (
-                f"{_worker(i)}.groupName: {name!r} repeats an earlier worker group's name; "
-                "names must be unique"
-            )
-        seen.add(name)
-    if _map(cluster.get("upgradeStrategy")).get("type") is not None:
-        yield (
-            f"{_CLUSTER}.upgradeStrategy.type: set on a RayJob's cluster; "
-            "an upgrade strategy is accepted only on a RayCluster created directly"
-        )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Kueue
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -665,13 +313,13 @@ def kueue_problems(rayjob: dict[str, Any]) -> list[str]:
     Kueue does not manage the job: its RayJob rules are skipped and the job runs unqueued; only generic label
     checks loopline never triggers (max-exec-time, prebuilt workload) would still run. Then this returns [].
     """
-    meta = _map(rayjob.get("metadata"))
-    labels = _map(meta.get("labels"))
+    meta = as_map(rayjob.get("metadata"))
+    labels = as_map(meta.get("labels"))
     if not labels.get(QUEUE_LABEL):
         return []
-    spec = _map(rayjob.get("spec"))
+    spec = as_map(rayjob.get("spec"))
     has_selector, has_cluster = (
-        bool(_map(spec.get("clusterSelector"))),
+        bool(as_map(spec.get("clusterSelector"))),
         spec.get("rayClusterSpec") is not None,
     )
     # Kueue returns straight away in these three cases, skipping even its generic label checks.
@@ -684,7 +332,7 @@ def kueue_problems(rayjob: dict[str, Any]) -> list[str]:
         return []  # a RayJob on an existing cluster is not managed by Kueue
     if not has_cluster:
         return ["spec.rayClusterSpec: missing; a Kueue-managed job needs rayClusterSpec"]
-    return [*_kueue_rayjob(spec, _map(meta.get("annotations"))), *_kueue_generic(meta)]
+    return [*_kueue_rayjob(spec, as_map(meta.get("annotations"))), *_kueue_generic(meta)]
 
 
 def _kueue_rayjob(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> Iterator[str]:
@@ -694,13 +342,13 @@ def _kueue_rayjob(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> It
             "spec.shutdownAfterJobFinishes: not true on a Kueue-managed job; it must be true, "
             "or the finished job's cluster keeps holding the queue's quota"
         )
-    cluster = _map(spec.get("rayClusterSpec"))
-    if _autoscaling(cluster) and annotations.get(ELASTIC_JOB_ANNOTATION) != "true":
+    cluster = as_map(spec.get("rayClusterSpec"))
+    if autoscaling_on(cluster) and annotations.get(ELASTIC_JOB_ANNOTATION) != "true":
         yield (
-            f"{_CLUSTER}.enableInTreeAutoscaling: true on a Kueue-managed job; accepted only with the "
+            f"{CLUSTER}.enableInTreeAutoscaling: true on a Kueue-managed job; accepted only with the "
             f'annotation {ELASTIC_JOB_ANNOTATION}: "true" (workload slicing), else set it to false'
         )
-    workers = _workers(cluster)
+    workers = worker_groups(cluster)
     # The webhook counts the head and the workers; in K8sJobMode (the default) Kueue's Workload also holds
     # the submitter Job's pod set, and a Workload of more than MaxPodSets is refused when it is created:
     # loopline's own stricter check, so that such a job fails here rather than waiting unadmitted.
@@ -708,20 +356,20 @@ def _kueue_rayjob(spec: Mapping[str, Any], annotations: Mapping[str, Any]) -> It
     if len(workers) + 1 + submitter > MAX_KUEUE_POD_SETS:
         extra = " and the submitter (K8sJobMode)" if submitter else ""
         yield (
-            f"{_CLUSTER}.workerGroupSpecs: {len(workers)} worker groups make {len(workers) + 1 + submitter} "
+            f"{CLUSTER}.workerGroupSpecs: {len(workers)} worker groups make {len(workers) + 1 + submitter} "
             f"pod sets with the head{extra}; Kueue accepts at most {MAX_KUEUE_POD_SETS} "
             f"(so {MAX_KUEUE_POD_SETS - 1 - submitter} worker groups)"
         )
     for i, group in workers:
         if group.get("groupName") == "head":
-            yield f"{_worker(i)}.groupName: 'head' is reserved by Kueue for the head group; pick another name"
+            yield f"{worker_path(i)}.groupName: 'head' is reserved by Kueue for the head group; pick another name"
 
 
 def _kueue_generic(meta: Mapping[str, Any]) -> Iterator[str]:
     """jobframework.ValidateJobOnCreate: the queue name, max execution time and prebuilt workload name."""
-    labels, annotations = _map(meta.get("labels")), _map(meta.get("annotations"))
+    labels, annotations = as_map(meta.get("labels")), as_map(meta.get("annotations"))
     queue = str(labels[QUEUE_LABEL])
-    if not _is_dns1123_subdomain(queue):
+    if not is_dns1123_subdomain(queue):
         yield (
             f"metadata.labels[{QUEUE_LABEL}]: {queue!r} is not a DNS-1123 subdomain; a LocalQueue name is "
             "lowercase letters, digits, '-' and '.', starting and ending alphanumeric"
@@ -740,7 +388,7 @@ def _kueue_generic(meta: Mapping[str, Any]) -> Iterator[str]:
         if annotations.get(PREBUILT_WORKLOAD_KEY)
         else ("labels", labels.get(PREBUILT_WORKLOAD_KEY))
     )
-    if prebuilt is not None and not _is_dns1123_subdomain(str(prebuilt)):
+    if prebuilt is not None and not is_dns1123_subdomain(str(prebuilt)):
         yield (
             f"metadata.{where}[{PREBUILT_WORKLOAD_KEY}]: {prebuilt!r} is not a DNS-1123 subdomain; "
             "a Workload name is lowercase letters, digits, '-' and '.'"

@@ -22,7 +22,7 @@ from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
 from loopline.envs.base import MAX_REWARD
-from loopline.envs.episodes import env_factory
+from loopline.envs.episodes import builtin_rows, env_factory
 from loopline.envs.multiturn import (
     ChatFormat,
     MultiTurnConfig,
@@ -32,7 +32,6 @@ from loopline.envs.multiturn import (
     rollout_metrics,
     run_rollout,
 )
-from loopline.envs.tasks import calculator_splits, calculator_validation, code_splits, code_validation
 from loopline.errors import UserError
 from loopline.loops.no_signal import NoSignalWatch
 from loopline.loops.stop import StopFlag
@@ -100,12 +99,8 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     config_rules.chat_template_present(cfg, bool(getattr(tokenizer, "chat_template", None)))
     limits = length_limits(cfg, model, tokenizer)
-    if cfg.env.name == "calculator" and cfg.data.source == "builtin":  # the calculator's own problems
-        (train_rows, eval_rows), skipped = calculator_splits(cfg.env.calculator, cfg.seed), {}
-        val_rows = calculator_validation(cfg.env.calculator, cfg.seed)
-    elif cfg.env.name == "code" and cfg.data.source == "builtin":  # the code task's one-line functions
-        (train_rows, eval_rows), skipped = code_splits(cfg.env.code_task, cfg.seed), {}
-        val_rows = code_validation(cfg.env.code_task, cfg.seed)
+    if cfg.env.has_builtin_rows and cfg.data.source == "builtin":  # the env's own task (calculator, code)
+        (train_rows, eval_rows, val_rows), skipped = builtin_rows(cfg.env, cfg.seed), {}
     else:
         train_rows, eval_rows, skipped = load_splits(
             cfg.data,

@@ -18,32 +18,28 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import TypeVar
 
 import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
-from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
+from loopline.algorithms.dapo import mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
-from loopline.algorithms.losses import behaviour_weights, kl_estimate
-from loopline.algorithms.reward import whiten_clip
+from loopline.algorithms.losses import BehaviourWeights, behaviour_weights, kl_estimate
 from loopline.checkpoint.faults import pause_point
-from loopline.checkpoint.ledger import SampleId
 from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
-from loopline.data.sampler import Sampler, SampleRef
-from loopline.envs.multiturn import rollout_metrics
+from loopline.data.sampler import Sampler
+
+# Scored stays importable from here: the async checkpoints written before collect.py existed pickle it by this name
+from loopline.loops.collect import Scored, StageTimer, collect, reward_function
 from loopline.loops.context import (
     SCALE_REQUEST,
     RunContext,
     apply_scale_request,
-    encode_prompts,
-    episodes,
-    episodes_correct,
     evaluate,
     sampling_params,
     sync_engine,
@@ -51,195 +47,14 @@ from loopline.loops.context import (
 from loopline.loops.estimators import ESTIMATORS, Signals
 from loopline.loops.no_signal import NoSignalWatch, Sample, warn
 from loopline.loops.stream import RolloutStream, too_stale
-from loopline.metrics.trace import Trace
-from loopline.rollout.engine import Completion, SamplingParams
-from loopline.rollout.trajectory import Trajectory
+from loopline.rollout.engine import Completion
 from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Critic
-from loopline.runtime.watchdog import Watchdog
-from loopline.training.critic import RewardModelScorer, ValueBatch
-from loopline.training.policy import grpo_loss
+from loopline.training.critic import ValueBatch, ValueStepStats
+from loopline.training.policy import PolicyStepStats, grpo_loss
 
 B = TypeVar("B", bound=TokenBatch)
 log = logging.getLogger(__name__)
-
-
-class StageTimer:
-    """Wall time per named stage of one step; the run's watchdog (if given) fails a stage that hangs; the run's
-    trace (if given) gets each stage as a span on `lane`."""
-
-    def __init__(
-        self, watchdog: Watchdog | None = None, trace: Trace | None = None, lane: str = "trainer"
-    ) -> None:
-        self.seconds: dict[str, float] = {}
-        self.watchdog, self.trace, self.lane = watchdog, trace, lane
-
-    @contextmanager
-    def __call__(self, stage: str):
-        t0 = time.perf_counter()
-        with self.watchdog.stage(stage) if self.watchdog else nullcontext():
-            yield
-        t1 = time.perf_counter()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + t1 - t0
-        if self.trace is not None:
-            self.trace.span(self.lane, stage, t0, t1)
-
-
-@dataclass
-class Scored:
-    """One step's scored completions: group_size per prompt, the samples of a prompt contiguous. A multi-turn
-    episode is one completion: its tokens are the model's turns and the observations between them."""
-
-    prompts: list[list[int]]  # (B) prompt token ids of each completion
-    completions: list[Completion]  # (B)
-    ids: list[SampleId]  # (B) stable id of each completion: (epoch, prompt index, sample index)
-    scores: torch.Tensor  # (B,) rewards: the verifier's, a reward model's or their sum (reward.source)
-    verified: torch.Tensor  # (B,) the env's rewards alone
-    correct: torch.Tensor  # (B,) bool: the env counts the completion correct (accuracy)
-    rounds: int  # generate calls it took
-    informative_fraction: float  # of all groups generated, those whose scores were not all equal
-    model_masks: list[list[int]] | None = None  # (B) multi-turn: 1 on the model's tokens, 0 on observations
-    episode_metrics: dict[str, float] = field(default_factory=dict)  # multi-turn: turns, tool calls, endings
-    seconds: dict[str, float] = field(default_factory=dict)  # time per stage of its collect (rollout, score)
-
-
-@dataclass
-class _Group:
-    """One prompt's group_size completions, scored."""
-
-    prompts: list[list[int]]  # of each completion (an agent program may prompt each of its runs its own way)
-    completions: list[Completion]
-    scores: torch.Tensor
-    verified: torch.Tensor
-    correct: torch.Tensor
-    ref: SampleRef
-    model_masks: list[list[int]] | None
-
-
-def _episodes_as_completions(trajs: list[Trajectory], n: int) -> list[Completion]:
-    """Multi-turn episodes in the shape of the engine's completions (group g's samples at g*n..g*n+n-1); an episode
-    that ended without the env ending it (turn or token limit) counts as truncated."""
-    return [
-        Completion(
-            k // n,
-            k % n,
-            t.tokens,
-            t.logprobs,
-            "",
-            "stop" if t.finish == "done" else "length",
-            t.policy_version,
-            partial=t.partial,
-        )
-        for k, t in enumerate(trajs)
-    ]
-
-
-def collect(
-    ctx: RunContext,
-    sampler: Sampler,
-    params: SamplingParams,
-    timer: StageTimer,
-    reward: RewardFn | None = None,
-) -> Scored:
-    """Sample and score prompts_per_step groups (multi-turn envs: run group_size episodes of each prompt). With
-    dynamic_sampling, groups whose scores are all equal (no gradient) are set aside and more prompts sampled, for at
-    most max_sampling_rounds generate calls; if the batch is still short, set-aside groups fill it, so every step
-    trains on the same number of rows."""
-    cfg = ctx.cfg.grpo
-    env = ctx.cfg.env
-    reward = reward or verifier_reward
-    n = cfg.group_size
-    kept: list[_Group] = []
-    spare: list[_Group] = []
-    trajs_seen: list[Trajectory] = []
-    generated, rounds = 0, 0
-    while len(kept) < cfg.prompts_per_step and rounds < (
-        cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
-    ):
-        rounds += 1
-        masks: list[list[int]] | None = None
-        with timer("rollout"):
-            refs = sampler.next_batch(cfg.prompts_per_step)
-            rows = [ctx.train_rows[ref.index] for ref in refs]
-            if env.multi_turn:  # the env workers step the episodes between the engines' turns
-                trajs = episodes(ctx, [row for row in rows for _ in range(n)], cfg.sampling)
-                trajs_seen += trajs
-                prompts = [t.prompt_ids for t in trajs]  # (B)
-                completions = _episodes_as_completions(trajs, n)
-                masks = [t.mask for t in trajs]
-            else:
-                encoded = encode_prompts(ctx.tokenizer, rows, ctx.cfg.model.use_chat_template)
-                completions = ctx.rollout.generate(encoded, params, n=n)
-                prompts = [encoded[c.prompt_index] for c in completions]  # (B)
-        with timer("score"):
-            if env.multi_turn:  # scored as they ran
-                verified = torch.tensor([t.total_return(env.returns) for t in trajs])  # (B,)
-                correct = episodes_correct(trajs)  # (B,)
-            else:
-                answered = [rows[c.prompt_index] for c in completions]
-                verdicts = ctx.scorer.score([c.text for c in completions], answered)
-                verified, correct = verdicts.rewards, verdicts.correct  # (B,) the env's rewards, (B,) bool
-            scores = reward(verified, prompts, completions)  # (B,)
-        informative = (
-            informative_groups(scores, n) if cfg.dynamic_sampling else torch.ones(len(rows), dtype=torch.bool)
-        )
-        for g, useful in enumerate(informative.tolist()):
-            rows_g = slice(g * n, (g + 1) * n)
-            group = _Group(
-                prompts[rows_g], completions[rows_g], scores[rows_g], verified[rows_g], correct[rows_g], refs[g],
-                masks[rows_g] if masks is not None else None,
-            )  # fmt: skip
-            (kept if useful else spare).append(group)
-        generated += len(rows)
-    groups = (kept + spare)[: cfg.prompts_per_step]
-    return Scored(
-        prompts=[p for g in groups for p in g.prompts],
-        completions=[c for g in groups for c in g.completions],
-        ids=[(g.ref.epoch, g.ref.index, c.sample_index) for g in groups for c in g.completions],
-        scores=torch.cat([g.scores for g in groups]),
-        verified=torch.cat([g.verified for g in groups]),
-        correct=torch.cat([g.correct for g in groups]),
-        rounds=rounds,
-        informative_fraction=len(kept) / generated,
-        model_masks=[m for g in groups for m in g.model_masks] if env.multi_turn else None,
-        episode_metrics=rollout_metrics(trajs_seen, env.returns) if trajs_seen else {},
-    )
-
-
-# (verifier scores (B,), prompt ids of each completion, completions) -> rewards (B,)
-RewardFn = Callable[[torch.Tensor, list[list[int]], list[Completion]], torch.Tensor]
-
-
-def verifier_reward(
-    verified: torch.Tensor, prompts: list[list[int]], completions: list[Completion]
-) -> torch.Tensor:
-    """reward.source=verifier: the verifier's scores as they are."""
-    return verified
-
-
-def reward_function(ctx: RunContext) -> RewardFn:
-    """The reward of reward.source: the verifier's, a trained reward model's, or their sum (RLHF); the model's
-    scores whitened over the step's batch and/or clipped first (reward.model_norm, model_clip)."""
-    cfg = ctx.cfg.reward
-    if cfg.source == "verifier":
-        return verifier_reward
-    tok = ctx.tokenizer
-    model = RewardModelScorer.load(
-        cfg.model_path, tok.pad_token_id, tok.eos_token_id, cfg.batch_size, ctx.cfg.model.packing
-    )
-    verifier_weight = 1.0 if cfg.source == "sum" else 0.0
-
-    def reward(
-        verified: torch.Tensor, prompts: list[list[int]], completions: list[Completion]
-    ) -> torch.Tensor:
-        learned = model.score(prompts, [c.token_ids for c in completions])  # (B,)
-        if cfg.model_norm == "batch":
-            learned = whiten_clip(learned, cfg.model_clip)
-        elif cfg.model_clip is not None:
-            learned = learned.clamp(-cfg.model_clip, cfg.model_clip)
-        return verifier_weight * verified + cfg.model_coef * learned
-
-    return reward
 
 
 def model_mask(masks: list[list[int]], response_mask: torch.Tensor) -> torch.Tensor:
@@ -429,26 +244,13 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
     try:
         while state.step < cfg.steps and not state.done:
             row, engine_rng, pending = _grpo_step(ctx, state, stream, estimate, critic, kl_control, need_old)
-            if cfg.stop_at_accuracy is not None and ctx.val_rows and state.step % cfg.check_every == 0:
-                with stream.engines(), ctx.watchdog.stage("eval"):
-                    state.val_accuracy = row["val_accuracy"] = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
-                # a fixed skill level, whatever step float noise puts it at (as SFT's stopping rule)
-                state.done = state.val_accuracy >= cfg.stop_at_accuracy
-            last = state.step == cfg.steps or state.done
-            if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
-                with stream.engines(), ctx.watchdog.stage("eval"):
-                    t0 = time.perf_counter()
-                    row.update(evaluate(ctx))
-                    ctx.trace.span("trainer", "eval", t0, time.perf_counter())
+            last = _evaluate(ctx, state, stream, row)
             ctx.logger.log(row)
             # test hook: a kill between a step's row and its checkpoint
             pause_point(f"step:grpo:{state.step}")
             stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
             if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
-                with ctx.watchdog.stage("checkpoint"):
-                    loop_state = _loop_state(kl_control, critic, engine_rng, pending)
-                    ctx.checkpoints.save(state, loop_state, reference=cfg.kl_coef > 0)
-                    ctx.trace.write(ctx.run_dir / "trace.json")
+                _save(ctx, state, _loop_state(kl_control, critic, engine_rng, pending))
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.2f}", acc=row.get("eval_accuracy", "-"))
             if stop:
@@ -458,6 +260,31 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
         stream.close()
         bar.close()
     return state
+
+
+def _save(ctx: RunContext, state: RunState, loop_state: LoopState) -> None:
+    """A checkpoint of the step (with the frozen reference when there is a KL term), and the trace so far."""
+    with ctx.watchdog.stage("checkpoint"):
+        ctx.checkpoints.save(state, loop_state, reference=ctx.cfg.grpo.kl_coef > 0)
+        ctx.trace.write(ctx.run_dir / "trace.json")
+
+
+def _evaluate(ctx: RunContext, state: RunState, stream: RolloutStream[Scored, dict], row: dict) -> bool:
+    """After a step: the validation check of grpo.stop_at_accuracy and the eval of grpo.eval_every, into `row`;
+    whether this is the phase's last step."""
+    cfg = ctx.cfg.grpo
+    if cfg.stop_at_accuracy is not None and ctx.val_rows and state.step % cfg.check_every == 0:
+        with stream.engines(), ctx.watchdog.stage("eval"):
+            state.val_accuracy = row["val_accuracy"] = evaluate(ctx, ctx.val_rows)["eval_accuracy"]
+        # a fixed skill level, whatever step float noise puts it at (as SFT's stopping rule)
+        state.done = state.val_accuracy >= cfg.stop_at_accuracy
+    last = state.step == cfg.steps or state.done
+    if last or (cfg.eval_every and state.step % cfg.eval_every == 0):
+        with stream.engines(), ctx.watchdog.stage("eval"):
+            t0 = time.perf_counter()
+            row.update(evaluate(ctx))
+            ctx.trace.span("trainer", "eval", t0, time.perf_counter())
+    return last
 
 
 def scale_between_batches(ctx: RunContext, stream: RolloutStream) -> dict[str, float]:
@@ -481,7 +308,6 @@ def _grpo_step(
     """One RL step on batch state.step: experience, update, weight sync. Returns its metrics row (before eval)
     and, as of the sync, the engines' generators and the batches generated ahead (what a checkpoint holds)."""
     cfg = ctx.cfg.grpo
-    pad_id = ctx.tokenizer.pad_token_id
     started = time.perf_counter()
     timer = StageTimer(ctx.watchdog, ctx.trace, "trainer")
     scaled = scale_between_batches(ctx, stream)
@@ -502,57 +328,14 @@ def _grpo_step(
             cfg.max_staleness,
         )
         scored = stream.recollect(state.step)
-    completions = scored.completions
 
     # 3. Experience: tokens, masks, shaped rewards, reference/old log-probs, values, advantages.
     with timer("experience"):
-        tokens = collate(scored.prompts, [c.token_ids for c in completions], pad_id)
-        if scored.model_masks is not None:  # multi-turn: observations are not trained
-            tokens = replace(tokens, response_mask=model_mask(scored.model_masks, tokens.response_mask))
-        lengths = tokens.response_mask.sum(dim=1)  # (B,) trained tokens
-        truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
-        rewards = scored.scores  # (B,)
-        if cfg.overlong_buffer:
-            rewards = rewards + overlong_penalty(
-                lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
-            )
-        mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
-        tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
-        ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-        correction = None
-        if cfg.behaviour_correction != "none":
-            # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
-            old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
-            behaviour = engine_logprobs(completions, mask.shape[1])
-            correction = behaviour_weights(
-                proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap
-            )
-        else:
-            old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
-        reward_kl = (
-            kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
-        )
-        values = critic.values(tokens) if critic else None
-        signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
-        advantages, returns = estimate(signals, cfg)  # (B,) or (B, C); returns (B, C) for the critic
-        batch = RolloutBatch(
-            tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
-            is_weights=correction.weights if correction else None,
-        )  # fmt: skip
+        exp = _experience(ctx, scored, estimate, critic, kl_control, need_old)
 
     # 4. Train: epochs_per_step passes, each of `minibatches` optimizer steps on shuffled slices.
     with timer("train"):
-        loss_kl_coef = kl_control.value if cfg.kl_in == "loss" else 0.0
-        for _ in range(cfg.epochs_per_step):
-            for rows in minibatch_rows(len(batch), cfg.minibatches):
-                stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
-                if critic is not None and values is not None and returns is not None:
-                    value_batch = ValueBatch(tokens.input_ids, tokens.attention_mask, mask, values, returns)
-                    critic_stats = critic.step(_take(value_batch, rows))
-        measured_kl = _masked_mean(reward_kl, mask) if reward_kl is not None else stats.kl
-        kl_coef = kl_control.value
-        kl_control.update(measured_kl, len(batch))
+        update = _train(ctx, exp, critic, kl_control)
 
     # 5. Weight sync: the engine samples the next batches from the updated policy (with max_staleness = k,
     # once the batches due under the weights it holds are all generated: up to k versions old when trained).
@@ -569,6 +352,124 @@ def _grpo_step(
         stream.synced(state.step)
 
     # 6. Metrics (eval and checkpoint: the caller's)
+    row = _metrics_row(ctx, state, scored, exp, update, timer, scaled)
+    if cfg.max_staleness:
+        row.update(_async_metrics(scored, trained_at, cfg.max_staleness, waited, stream, started))
+    if cfg.max_staleness or dropped:
+        row["stale_dropped"] = dropped
+    if ctx.no_signal is not None:  # every advantage 0 for grpo.no_signal_steps in a row: say so
+        _watch_signal(ctx, state, scored, exp.rewards, row["truncated_fraction"])
+    row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
+    return row, engine_rng, pending
+
+
+@dataclass
+class Experience:
+    """Stage 3's output: the batch to train on, and what the critic and the metrics row read beside it."""
+
+    tokens: TokenBatch  # (B, P + C); response_mask: the trained tokens
+    batch: RolloutBatch
+    lengths: torch.Tensor  # (B,) response tokens (multi-turn: the model's), before truncation masking
+    truncated: torch.Tensor  # (B,) bool: the completion hit the token limit
+    rewards: torch.Tensor  # (B,) shaped rewards
+    reward_kl: torch.Tensor | None  # (B, C) grpo.kl_in=reward
+    values: torch.Tensor | None  # (B, C) the critic's, PPO
+    returns: torch.Tensor | None  # (B, C) the critic's targets, PPO
+    correction: BehaviourWeights | None  # grpo.behaviour_correction
+
+
+def _experience(
+    ctx: RunContext,
+    scored: Scored,
+    estimate: Callable,
+    critic: Critic | None,
+    kl_control: FixedKLController | AdaptiveKLController,
+    need_old: bool,
+) -> Experience:
+    """Tokens, masks, shaped rewards, reference/old log-probs, values and advantages of a scored batch."""
+    cfg = ctx.cfg.grpo
+    completions = scored.completions
+    tokens = collate(scored.prompts, [c.token_ids for c in completions], ctx.tokenizer.pad_token_id)
+    if scored.model_masks is not None:  # multi-turn: observations are not trained
+        tokens = replace(tokens, response_mask=model_mask(scored.model_masks, tokens.response_mask))
+    lengths = tokens.response_mask.sum(dim=1)  # (B,) trained tokens
+    truncated = torch.tensor([c.finish_reason == "length" for c in completions])  # (B,)
+    rewards = scored.scores  # (B,)
+    if cfg.overlong_buffer:
+        rewards = rewards + overlong_penalty(
+            lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+        )
+    mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
+    tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
+    ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
+    correction = None
+    if cfg.behaviour_correction != "none":
+        # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
+        old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
+        behaviour = engine_logprobs(completions, mask.shape[1])
+        correction = behaviour_weights(proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap)
+    else:
+        old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+    reward_kl = kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
+    values = critic.values(tokens) if critic else None
+    signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
+    advantages, returns = estimate(signals, cfg)  # (B,) or (B, C); returns (B, C) for the critic
+    batch = RolloutBatch(
+        tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
+        is_weights=correction.weights if correction else None,
+    )  # fmt: skip
+    return Experience(tokens, batch, lengths, truncated, rewards, reward_kl, values, returns, correction)
+
+
+@dataclass
+class Update:
+    """Stage 4's output: the last minibatch's stats (the critic's too, PPO) and the KL the controller saw."""
+
+    stats: PolicyStepStats
+    critic_stats: ValueStepStats | None
+    measured_kl: float
+    kl_coef: float  # the coefficient the step trained with (the controller's before its update)
+
+
+def _train(
+    ctx: RunContext,
+    exp: Experience,
+    critic: Critic | None,
+    kl_control: FixedKLController | AdaptiveKLController,
+) -> Update:
+    """epochs_per_step passes over the batch, each of `minibatches` optimizer steps on shuffled slices; then the
+    KL controller's update."""
+    cfg = ctx.cfg.grpo
+    batch, tokens, mask = exp.batch, exp.tokens, exp.tokens.response_mask
+    loss_kl_coef = kl_control.value if cfg.kl_in == "loss" else 0.0
+    critic_stats = None
+    for _ in range(cfg.epochs_per_step):
+        for rows in minibatch_rows(len(batch), cfg.minibatches):
+            stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
+            if critic is not None and exp.values is not None and exp.returns is not None:
+                value_batch = ValueBatch(
+                    tokens.input_ids, tokens.attention_mask, mask, exp.values, exp.returns
+                )
+                critic_stats = critic.step(_take(value_batch, rows))
+    measured_kl = _masked_mean(exp.reward_kl, mask) if exp.reward_kl is not None else stats.kl
+    kl_coef = kl_control.value
+    kl_control.update(measured_kl, len(batch))
+    return Update(stats, critic_stats, measured_kl, kl_coef)
+
+
+def _metrics_row(
+    ctx: RunContext,
+    state: RunState,
+    scored: Scored,
+    exp: Experience,
+    update: Update,
+    timer: StageTimer,
+    scaled: dict[str, float],
+) -> dict:
+    """The step's metrics row (keys declared in metrics/keys.py), before the async and the eval columns."""
+    cfg = ctx.cfg.grpo
+    stats, rewards, lengths = update.stats, exp.rewards, exp.lengths
     row = {
         "phase": "grpo",
         "step": state.step,
@@ -581,9 +482,9 @@ def _grpo_step(
         "lr": stats.lr,
         "response_len_mean": float(lengths.mean()),
         "response_len_max": int(lengths.max()),
-        "truncated_fraction": float(truncated.float().mean()),
+        "truncated_fraction": float(exp.truncated.float().mean()),
         "rollout_tokens_per_s": float(lengths.sum()) / max(scored.seconds["rollout"], 1e-9),
-        "train_tokens_per_s": float(tokens.attention_mask.sum())
+        "train_tokens_per_s": float(exp.tokens.attention_mask.sum())
         * cfg.epochs_per_step
         / max(timer.seconds["train"], 1e-9),
         **{f"time_{k}": v for k, v in {**scored.seconds, **timer.seconds}.items()},
@@ -592,29 +493,28 @@ def _grpo_step(
     row.update(scaled)
     row.update({f"episode_{k}": v for k, v in scored.episode_metrics.items()})
     if cfg.kl_coef > 0:
-        row.update(kl_coef=kl_coef, measured_kl=measured_kl)
+        row.update(kl_coef=update.kl_coef, measured_kl=update.measured_kl)
     if cfg.dynamic_sampling:
         row.update(sampling_rounds=scored.rounds, informative_fraction=scored.informative_fraction)
-    if correction is not None:
+    if (correction := exp.correction) is not None:
         row.update(
             behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
             behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
         )  # fmt: skip
-    if critic is not None:
+    if (critic_stats := update.critic_stats) is not None:
         row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
-    if cfg.max_staleness:
-        row.update(_async_metrics(scored, trained_at, cfg.max_staleness, waited, stream, started))
-    if cfg.max_staleness or dropped:
-        row["stale_dropped"] = dropped
-    if ctx.no_signal is not None:  # every advantage 0 for grpo.no_signal_steps in a row: say so
-        first = completions[0]
-        text = first.text or ctx.tokenizer.decode(
-            first.token_ids, skip_special_tokens=True
-        )  # multi-turn: tokens
-        sample = Sample(text, ctx.train_rows[scored.ids[0][1]].answer, float(rewards[0]))
-        warn(ctx.no_signal.update(state.step, rewards, scored.correct, row["truncated_fraction"], sample))
-    row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
-    return row, engine_rng, pending
+    return row
+
+
+def _watch_signal(
+    ctx: RunContext, state: RunState, scored: Scored, rewards: torch.Tensor, truncated_fraction: float
+) -> None:
+    """grpo.no_signal_steps: warn when every advantage has been 0 that many steps in a row, with a sample."""
+    assert ctx.no_signal is not None
+    first = scored.completions[0]
+    text = first.text or ctx.tokenizer.decode(first.token_ids, skip_special_tokens=True)  # multi-turn: tokens
+    sample = Sample(text, ctx.train_rows[scored.ids[0][1]].answer, float(rewards[0]))
+    warn(ctx.no_signal.update(state.step, rewards, scored.correct, truncated_fraction, sample))
 
 
 def _async_metrics(

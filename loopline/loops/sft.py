@@ -13,8 +13,8 @@ from loopline.checkpoint.state import CheckpointParts, RunState
 from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
+from loopline.envs.episodes import env_demonstration
 from loopline.envs.multiturn import WorkerEnvs, demonstrations, to_batch
-from loopline.envs.tasks import demonstration
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine, turn_format
 
 
@@ -34,12 +34,11 @@ def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
 
 
 def demonstration_actions(ctx: RunContext, row: PromptRow, rng: random.Random) -> list[str]:
-    """A multi-turn env's demonstration of `row`, as action texts: for the calculator, the tool call then the answer
-    (or, for env.calculator.direct_fraction of rows, the answer alone); for other envs, the row's target as the
-    one action."""
-    env = ctx.cfg.env
-    if env.name == "calculator":
-        return demonstration(row, use_tool=rng.random() >= env.calculator.direct_fraction)
+    """A multi-turn env's demonstration of `row`, as action texts: the env's own (its spec's, e.g. the calculator's
+    tool call then answer), else the row's target as the one action."""
+    own = env_demonstration(ctx.cfg.env, row, rng)
+    if own is not None:
+        return own
     if row.messages and row.messages[-1]["role"] == "assistant":
         return [row.messages[-1]["content"]]
     return [row.completion or row.answer]

@@ -22,8 +22,9 @@ never cut); the recorded tokens and log-probs are the same as without streaming.
 
 The server is aiohttp on its own thread and event loop. Engine calls never run on the loop: one
 engine thread owns the engine and generates, in one call, every pending request that samples with
-the same settings (waiting `batch_wait_s` for more to arrive); handlers await its answer. Binds
-127.0.0.1 and a free port by default.
+the same settings (waiting `batch_wait_s` for more to arrive; rollout.engine_queue); handlers await
+its answer. The request fields and response pieces are in rollout.openai_wire. Binds 127.0.0.1 and
+a free port by default.
 """
 
 from __future__ import annotations
@@ -31,13 +32,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import queue
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,13 +47,32 @@ from transformers import PreTrainedTokenizerBase
 
 from loopline.data.datasets import PromptRow
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
+from loopline.rollout.engine_queue import EngineQueue, ServerClosed
+from loopline.rollout.openai_wire import (
+    Choice,
+    RequestError,
+    body_bool,
+    body_float,
+    body_int,
+    builtin_chat_format,
+    decode_ids,
+    error_response,
+    json_body,
+    message_of,
+    parse_messages,
+    sse_response,
+    stream_flags,
+    strip_stop,
+    text_deltas,
+    text_offsets,
+    then,
+    usage_of,
+)
 from loopline.rollout.tool_calls import MalformedCall, ToolsConfig, parse_tool_calls
 from loopline.rollout.trajectory import Trajectory
 from loopline.section import Section
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("system", "user", "assistant", "tool")
 
 
 class ServerConfig(Section):
@@ -96,112 +114,6 @@ class ServedCompletion:
     policy_version: int
 
 
-class RequestError(ValueError):
-    """A request the server refuses; the message goes back to the client with status 400."""
-
-
-class _Closed(RuntimeError):
-    """The server is shutting down: the request is answered 503."""
-
-
-def builtin_chat_format(messages: Sequence[Mapping[str, Any]], eos: str) -> str:
-    """`<|role|>` header, newline, content, EOS per message; then `<|assistant|>` and a newline.
-
-    A message is closed by the EOS text so that an assistant turn the model ended with EOS renders
-    back to the very tokens it sampled (for byte-level tokenizers), and the next call continues it.
-    """
-    parts = [f"<|{m['role']}|>\n{_text(m)}{eos}" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
-
-
-def _text(message: Mapping[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = content
-    else:  # a list of parts: the text ones are kept
-        text = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    tags = ToolsConfig()
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict):
-            raise RequestError("a tool call must be {'type': 'function', 'function': {'name', 'arguments'}}")
-        try:
-            arguments = json.loads(fn.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            arguments = fn.get("arguments")  # shown as sent
-        # compact JSON, as the model writes calls: the message renders back to the tokens it sampled
-        body = json.dumps({"name": fn.get("name"), "arguments": arguments}, separators=(",", ":"))
-        text += tags.call_open + body + tags.call_close
-    return text
-
-
-def text_deltas(
-    tokenizer: PreTrainedTokenizerBase, token_ids: list[int], content: str
-) -> list[tuple[str, int]]:
-    """`content` cut at token boundaries for streaming: (piece, tokens consumed so far) per piece.
-
-    The pieces join to `content` exactly. A piece is cut once the tokens since the last cut decode
-    to whole characters (a byte-level tokenizer splits a character over tokens; decoding with the
-    previous piece's tokens as context keeps word-piece spacing right). Text that does not continue
-    `content` (a stop string removed from it) ends the cutting: the rest goes out as one last piece.
-    """
-    out: list[tuple[str, int]] = []
-    emitted, prefix, read = 0, 0, 0  # characters sent; token window [prefix, read) is the context
-    before = ""
-    for k in range(1, len(token_ids) + 1):
-        now = _decode(tokenizer, token_ids[prefix:k])
-        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
-            continue
-        piece = now[len(before) :]
-        if not content.startswith(piece, emitted):
-            break
-        out.append((piece, k))
-        emitted += len(piece)
-        prefix, read = read, k
-        before = _decode(tokenizer, token_ids[prefix:read])
-    if emitted < len(content):
-        out.append((content[emitted:], len(token_ids)))
-    return out
-
-
-def text_offsets(tokenizer: PreTrainedTokenizerBase, c: Completion) -> list[int]:
-    """Where each token of `c` starts in its text (a token inside a character split over several tokens
-    gets that character's start), in one pass."""
-    offsets: list[int] = []
-    at = 0
-    for piece, upto in text_deltas(tokenizer, c.token_ids, c.text):
-        offsets += [at] * (upto - len(offsets))
-        at += len(piece)
-    return offsets + [at] * (len(c.token_ids) - len(offsets))
-
-
-def _decode(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special: bool = True) -> str:
-    return str(tokenizer.decode(token_ids, skip_special_tokens=skip_special))
-
-
-@dataclass
-class _Pending:
-    """A request waiting for the engine."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    n: int
-    future: Future[list[Completion]]
-
-
-@dataclass
-class _Choice:
-    """One completion as answered: what the client sees of it."""
-
-    completion: Completion
-    content: str  # the text (stop string removed), tool calls included
-    shown: str | None  # message content: the text before the first tool call when there are calls
-    tool_calls: list[dict[str, Any]]
-    finish_reason: str
-
-
 class OpenAIServer:
     """Serves the OpenAI API from `engine` on a background thread; use as a context manager."""
 
@@ -212,9 +124,7 @@ class OpenAIServer:
         self.tools_cfg = ToolsConfig()
         self._records: dict[str, list[ServedCompletion]] = {}
         self._records_lock = threading.Lock()
-        self._engine_lock = threading.Lock()  # generate and update_weights never overlap
-        self._queue: queue.Queue[_Pending] = queue.Queue()
-        self._stop = threading.Event()
+        self._engine_queue = EngineQueue(engine, self.cfg.max_batch, self.cfg.batch_wait_s)
         model_cfg = getattr(getattr(engine, "model", None), "config", None)
         self._context: int | None = getattr(model_cfg, "max_position_embeddings", None)
         # bound now, so that the port is known before start (as with port 0 it is chosen here)
@@ -224,18 +134,14 @@ class OpenAIServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self._threads = [
-            threading.Thread(target=self._serve, name="openai-http", daemon=True),
-            threading.Thread(target=self._generate_loop, name="openai-engine", daemon=True),
-        ]
-        self.batch_sizes: list[int] = []  # sequences per engine call, for metrics and tests
+        self._http = threading.Thread(target=self._serve, name="openai-http", daemon=True)
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def start(self) -> OpenAIServer:
         """Start serving; returns self once the server accepts requests."""
-        for t in self._threads:
-            t.start()
+        self._http.start()
+        self._engine_queue.start()
         if not self._ready.wait(60) or self._startup_error is not None:
             self.close()
             raise RuntimeError(f"the server did not start: {self._startup_error!r}")
@@ -243,14 +149,10 @@ class OpenAIServer:
 
     def close(self) -> None:
         """Stop the engine thread (queued requests are answered 503), then the HTTP server."""
-        self._stop.set()
-        http, engine = self._threads
-        if engine.is_alive():
-            engine.join(timeout=60)
-        self._fail_queued()
-        if self._loop is not None and http.is_alive():
+        self._engine_queue.close()
+        if self._loop is not None and self._http.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
-            http.join(timeout=30)
+            self._http.join(timeout=30)
         self._sock.close()
 
     def __enter__(self) -> OpenAIServer:
@@ -258,6 +160,11 @@ class OpenAIServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def batch_sizes(self) -> list[int]:
+        """Sequences per engine call, for metrics and tests."""
+        return self._engine_queue.batch_sizes
 
     @property
     def port(self) -> int:
@@ -284,8 +191,7 @@ class OpenAIServer:
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """New weights for the engine, between two generate calls."""
-        with self._engine_lock:
-            self.engine.update_weights(state_dict, version)
+        self._engine_queue.update_weights(state_dict, version)
 
     def prompt_ids(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
         """The chat template's rendering of the messages (with a generation prompt), else the built-in one."""
@@ -307,15 +213,15 @@ class OpenAIServer:
     # ======================================================================================
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
-        messages = _messages(body.get("messages"))
+        body = await json_body(request)
+        messages = parse_messages(body.get("messages"))
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RequestError("'tools' must be a list")
-        logprobs = _bool(body, "logprobs")
-        stream, include_usage = _stream(body)
-        requested = _int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
-        requested = _int(body, "max_completion_tokens", requested, 1, self.cfg.max_tokens_limit)
+        logprobs = body_bool(body, "logprobs")
+        stream, include_usage = stream_flags(body)
+        requested = body_int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
+        requested = body_int(body, "max_completion_tokens", requested, 1, self.cfg.max_tokens_limit)
         prompt = self.prompt_ids(messages, tools)
         params, n = self._sampling(body, self._max_tokens(prompt, requested))
         request_id = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -326,18 +232,18 @@ class OpenAIServer:
         self._record(trajectory_id, request_id, prompt, choices)
         head = {"id": request_id, "created": int(time.time()), "model": self.cfg.model_name}
         head["system_fingerprint"] = f"policy-v{completions[0].policy_version}"
-        usage = _usage(prompt, completions)
+        usage = usage_of(prompt, completions)
         if stream:
             events = self._chat_chunks(head, choices, logprobs)
             if include_usage:
-                events = _then(
+                events = then(
                     events, {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage}
                 )
-            return await _sse(request, events)
+            return await sse_response(request, events)
         answer = [
             {
                 "index": i,
-                "message": _message(ch),
+                "message": message_of(ch),
                 "finish_reason": ch.finish_reason,
                 "logprobs": {"content": self._logprobs(ch.completion.token_ids, ch.completion.logprobs)}
                 if logprobs
@@ -348,7 +254,7 @@ class OpenAIServer:
         return web.json_response({**head, "object": "chat.completion", "choices": answer, "usage": usage})
 
     def _chat_chunks(
-        self, head: dict[str, Any], choices: list[_Choice], logprobs: bool
+        self, head: dict[str, Any], choices: list[Choice], logprobs: bool
     ) -> Iterator[dict[str, Any]]:
         """Per choice: the role, the text in pieces, the tool calls, then the finish reason."""
 
@@ -372,15 +278,15 @@ class OpenAIServer:
             yield chunk(i, {}, range(sent, len(ch.completion.token_ids)), ch.finish_reason)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await json_body(request)
         prompt = self._prompt(body.get("prompt"))
-        count = _int(body, "logprobs", -1, 0, 5)  # the legacy API's count of alternatives (none are sent)
-        stream, include_usage = _stream(body)
-        if _bool(body, "echo"):
+        count = body_int(body, "logprobs", -1, 0, 5)  # the legacy API's count of alternatives (none are sent)
+        stream, include_usage = stream_flags(body)
+        if body_bool(body, "echo"):
             raise RequestError("'echo' is not supported")
         if body.get("suffix") is not None:
             raise RequestError("'suffix' is not supported")
-        requested = _int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
+        requested = body_int(body, "max_tokens", 0, 1, self.cfg.max_tokens_limit)  # 0: not given
         params, n = self._sampling(body, self._max_tokens(prompt, requested))
         request_id = f"cmpl-{uuid.uuid4().hex[:24]}"
         trajectory_id = self._trajectory_id(request, body, request_id)
@@ -391,12 +297,12 @@ class OpenAIServer:
         head = {"id": request_id, "object": "text_completion", "created": int(time.time())}
         head["model"] = self.cfg.model_name
         head["system_fingerprint"] = f"policy-v{completions[0].policy_version}"
-        usage = _usage(prompt, completions)
+        usage = usage_of(prompt, completions)
         if stream:
             events = self._completion_chunks(head, choices, count >= 0)
             if include_usage:
-                events = _then(events, {**head, "choices": [], "usage": usage})
-            return await _sse(request, events)
+                events = then(events, {**head, "choices": [], "usage": usage})
+            return await sse_response(request, events)
         answer = [
             {
                 "index": i,
@@ -415,7 +321,7 @@ class OpenAIServer:
         return web.json_response({**head, "choices": answer, "usage": usage})
 
     def _completion_chunks(
-        self, head: dict[str, Any], choices: list[_Choice], logprobs: bool
+        self, head: dict[str, Any], choices: list[Choice], logprobs: bool
     ) -> Iterator[dict[str, Any]]:
         """Per choice: the text in pieces, then the finish reason."""
 
@@ -442,7 +348,7 @@ class OpenAIServer:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise RequestError("'model' must be a string")
-        n = _int(body, "n", 1, 1, self.cfg.max_n)
+        n = body_int(body, "n", 1, 1, self.cfg.max_n)
         stop = body.get("stop") or []
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
@@ -452,8 +358,8 @@ class OpenAIServer:
             raise RequestError("'seed' must be an integer")
         params = SamplingParams(
             max_new_tokens=max_tokens,
-            temperature=_float(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_float(body, "top_p", 1.0, 1e-6, 1.0),
+            temperature=body_float(body, "temperature", 1.0, 0.0, 2.0),
+            top_p=body_float(body, "top_p", 1.0, 1e-6, 1.0),
             stop=tuple(stop),
             seed=seed,
         )
@@ -498,12 +404,9 @@ class OpenAIServer:
 
     async def _generate(self, prompt: list[int], params: SamplingParams, n: int) -> list[Completion]:
         """The engine thread's completions of `prompt`; the event loop stays free while it works."""
-        if self._stop.is_set():
-            raise _Closed("the server is shutting down")
-        pending = _Pending(prompt, params, n, Future())
-        self._queue.put(pending)
+        future = self._engine_queue.submit(prompt, params, n)
         # a timeout cancels the wrapped future, which cancels the pending one if it is not yet generating
-        return await asyncio.wait_for(asyncio.wrap_future(pending.future), self.cfg.request_timeout_s)
+        return await asyncio.wait_for(asyncio.wrap_future(future), self.cfg.request_timeout_s)
 
     def _trajectory_id(self, request: web.Request, body: dict[str, Any], request_id: str) -> str:
         user = body.get("user")
@@ -515,15 +418,15 @@ class OpenAIServer:
             named = key.strip() if scheme.lower() == "bearer" else ""
         return named or request_id
 
-    def _choice(self, c: Completion, stop: Sequence[str], tools: bool) -> _Choice:
-        content = _strip_stop(c.text, stop) if c.finish_reason == "stop" else c.text
+    def _choice(self, c: Completion, stop: Sequence[str], tools: bool) -> Choice:
+        content = strip_stop(c.text, stop) if c.finish_reason == "stop" else c.text
         calls = self._tool_calls(content) if tools else []
         if calls:
             shown = content[: content.find(self.tools_cfg.call_open)] or None
-            return _Choice(c, content, shown, calls, "tool_calls")
-        return _Choice(c, content, content, [], c.finish_reason)
+            return Choice(c, content, shown, calls, "tool_calls")
+        return Choice(c, content, content, [], c.finish_reason)
 
-    def _record(self, trajectory_id: str, request_id: str, prompt: list[int], choices: list[_Choice]) -> None:
+    def _record(self, trajectory_id: str, request_id: str, prompt: list[int], choices: list[Choice]) -> None:
         records = [
             ServedCompletion(
                 trajectory_id,
@@ -558,7 +461,7 @@ class OpenAIServer:
     def _logprobs(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[dict[str, Any]]:
         out = []
         for tok, lp in zip(token_ids, logprobs):
-            text = _decode(self.tokenizer, [tok], skip_special=False)
+            text = decode_ids(self.tokenizer, [tok], skip_special=False)
             out.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
         return out
 
@@ -566,7 +469,7 @@ class OpenAIServer:
         """The completions API's logprobs object for tokens `ids` of `c` (no alternatives: top_logprobs None);
         `offsets`: `text_offsets` of all of c's tokens."""
         return {
-            "tokens": [_decode(self.tokenizer, [c.token_ids[j]], skip_special=False) for j in ids],
+            "tokens": [decode_ids(self.tokenizer, [c.token_ids[j]], skip_special=False) for j in ids],
             "token_logprobs": [c.logprobs[j] for j in ids],
             "top_logprobs": None,
             "text_offset": [offsets[j] for j in ids],
@@ -597,20 +500,20 @@ class OpenAIServer:
         try:
             return await handler(request)
         except RequestError as e:
-            return _error(400, str(e), "invalid_request_error")
+            return error_response(400, str(e), "invalid_request_error")
         except web.HTTPException as e:  # aiohttp's own: no route, wrong method, body too large
             kind = "not_found_error" if e.status == 404 else "invalid_request_error"
             what = f"no route {request.method} {request.path}" if e.status == 404 else e.reason
             if e.status == 405:
                 what = f"{request.method} is not allowed on {request.path}"
-            return _error(e.status, what, kind)
+            return error_response(e.status, what, kind)
         except TimeoutError:
-            return _error(503, "the engine did not answer in time", "server_error")
-        except _Closed as e:
-            return _error(503, str(e), "server_error")
+            return error_response(503, "the engine did not answer in time", "server_error")
+        except ServerClosed as e:
+            return error_response(503, str(e), "server_error")
         except Exception as e:  # noqa: BLE001 - a failed generate fails its request, not the server
             logger.exception("request %s %s failed", request.method, request.path)
-            return _error(500, f"{type(e).__name__}: {e}", "server_error")
+            return error_response(500, f"{type(e).__name__}: {e}", "server_error")
 
     def _serve(self) -> None:
         """The HTTP thread: the aiohttp app on this thread's own event loop, until close() stops it."""
@@ -633,189 +536,6 @@ class OpenAIServer:
         finally:
             loop.run_until_complete(runner.cleanup())
             loop.close()
-
-    def _generate_loop(self) -> None:
-        held: list[_Pending] = []  # requests that did not fit the last batch
-        while not self._stop.is_set():
-            if not held:
-                try:
-                    held.append(self._queue.get(timeout=0.1))
-                except queue.Empty:
-                    continue
-            deadline = time.monotonic() + self.cfg.batch_wait_s
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    held.append(self._queue.get(timeout=left))
-                except queue.Empty:
-                    break
-            while True:  # drain whatever else arrived
-                try:
-                    held.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            batch, held = self._take_batch(held)
-            self._run(batch)
-        for p in held:
-            self._queue.put(p)  # answered by _fail_queued
-
-    def _fail_queued(self) -> None:
-        while True:
-            try:
-                p = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            if p.future.set_running_or_notify_cancel():
-                p.future.set_exception(_Closed("the server is shutting down"))
-
-    def _take_batch(self, held: list[_Pending]) -> tuple[list[_Pending], list[_Pending]]:
-        """The oldest request and every later one with the same sampling settings, up to max_batch."""
-        live = [p for p in held if not p.future.cancelled()]
-        if not live:
-            return [], []
-        key = live[0].params
-        batch: list[_Pending] = []
-        rest: list[_Pending] = []
-        size = 0
-        for p in live:
-            if p.params == key and (not batch or size + p.n <= self.cfg.max_batch):
-                batch.append(p)
-                size += p.n
-            else:
-                rest.append(p)
-        # claimed: from here a timed-out request can no longer cancel its future (False: it just did)
-        return [p for p in batch if p.future.set_running_or_notify_cancel()], rest
-
-    def _run(self, batch: list[_Pending]) -> None:
-        if not batch:
-            return
-        prompts = [p.prompt_ids for p in batch for _ in range(p.n)]
-        try:
-            with self._engine_lock:
-                completions = self.engine.generate(prompts, batch[0].params, n=1)
-        except Exception as e:  # a failed generate fails its requests, not the server
-            logger.exception("generate failed")
-            for p in batch:
-                p.future.set_exception(e)
-            return
-        self.batch_sizes.append(len(prompts))
-        start = 0
-        for p in batch:
-            p.future.set_result(completions[start : start + p.n])
-            start += p.n
-
-
-# ------------------------------------------------------------------------------------------
-# Request fields and response pieces
-# ------------------------------------------------------------------------------------------
-
-
-async def _json_body(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RequestError("the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
-
-
-async def _sse(request: web.Request, events: Iterator[dict[str, Any]]) -> web.StreamResponse:
-    """`events` as Server-Sent Events (`data: {json}` each), then `data: [DONE]`."""
-    response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
-    response.content_type = "text/event-stream"
-    data = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
-    try:
-        await response.prepare(request)
-        await response.write(data)  # the turn is already generated: one write carries every chunk
-        await response.write_eof()
-    except ConnectionResetError:
-        logger.debug("client left during a stream")
-    return response
-
-
-def _then(events: Iterator[dict[str, Any]], last: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    yield from events
-    yield last
-
-
-def _error(status: int, message: str, kind: str) -> web.Response:
-    payload = {"error": {"message": message, "type": kind, "param": None, "code": None}}
-    return web.json_response(payload, status=status)
-
-
-def _message(ch: _Choice) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": ch.shown}
-    if ch.tool_calls:
-        message["tool_calls"] = ch.tool_calls
-    return message
-
-
-def _usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
-    completion_tokens = sum(len(c.token_ids) for c in completions)
-    return {
-        "prompt_tokens": len(prompt),
-        "completion_tokens": completion_tokens,
-        "total_tokens": len(prompt) + completion_tokens,
-    }
-
-
-def _strip_stop(text: str, stop: Sequence[str]) -> str:
-    """The text without the stop string that ended it (the engine keeps it; OpenAI does not)."""
-    for s in stop:
-        if s in text:
-            return text[: text.find(s)]
-    return text
-
-
-def _messages(raw: Any) -> list[dict[str, Any]]:
-    if not isinstance(raw, list) or not raw:
-        raise RequestError("'messages' must be a non-empty list")
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise RequestError(f"messages[{i}] must be an object with a role in {', '.join(ROLES)}")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise RequestError(f"messages[{i}].content must be a string or a list of parts")
-        if content is None and not m.get("tool_calls"):
-            raise RequestError(f"messages[{i}] has no content")
-    return raw
-
-
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
-    """(stream, include_usage) from `stream` and `stream_options`."""
-    stream = _bool(body, "stream")
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not isinstance(options, dict) or not stream:
-        raise RequestError("'stream_options' must be an object, and only given with stream=true")
-    return stream, _bool(options, "include_usage")
-
-
-def _bool(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise RequestError(f"'{key}' must be a boolean, got {value!r}")
-    return bool(value)
-
-
-def _int(body: dict[str, Any], key: str, default: int, low: int, high: int) -> int:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise RequestError(f"'{key}' must be an integer in [{low}, {high}], got {value!r}")
-    return value
-
-
-def _float(body: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, int | float) or isinstance(value, bool) or not low <= value <= high:
-        raise RequestError(f"'{key}' must be a number in [{low}, {high}], got {value!r}")
-    return float(value)
 
 
 def to_trajectories(calls: Sequence[ServedCompletion]) -> list[Trajectory]:

@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from loopline.runtime.ray_actors import (
+from loopline.ray_actors import (
     ActorGone,
     ActorRaised,
     finished,

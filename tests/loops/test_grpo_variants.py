@@ -11,8 +11,9 @@ import torch
 
 from loopline.checkpoint.state import RunState
 from loopline.config import ConfigError, load_config
+from loopline.loops.collect import collect
 from loopline.loops.context import build_context
-from loopline.loops.grpo import collect, minibatch_rows, train_grpo
+from loopline.loops.grpo import minibatch_rows, train_grpo
 from loopline.metrics.logger import read_metrics
 from loopline.runtime.scorer import ScorerRole, Scores
 
@@ -107,8 +108,8 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(tmp_path):
     ctx.scorer = AlternatingScorer()
     try:
         from loopline.data.sampler import Sampler
+        from loopline.loops.collect import StageTimer
         from loopline.loops.context import sampling_params
-        from loopline.loops.grpo import StageTimer
 
         scored = collect(ctx, Sampler(100, seed=0), sampling_params(cfg.grpo.sampling), StageTimer())
     finally:
@@ -176,7 +177,7 @@ def test_a_reward_model_scores_the_rollouts(tmp_path, source):
 
 
 def test_reward_model_scores_whitened_and_clipped(tmp_path):
-    from loopline.loops.grpo import reward_function
+    from loopline.loops.collect import reward_function
     from loopline.models import load_policy
     from loopline.rollout.engine import SamplingParams
     from loopline.training.critic import ScalarModel

@@ -151,7 +151,7 @@ def test_concurrent_requests_are_batched_and_recorded_apart(tokenizer, small_mod
         for t in threads:
             t.start()
         _until(engine.entered.is_set, "the first batch")
-        _until(lambda: server._queue.qsize() == 6 - engine.first_size, "the other requests to queue")
+        _until(lambda: server._engine_queue.queued() == 6 - engine.first_size, "the other requests to queue")
         engine.release.set()
         for t in threads:
             t.join()
@@ -582,10 +582,10 @@ def test_closing_answers_the_queued_requests_instead_of_leaving_them_hanging(tok
     _until(engine.entered.is_set, "the first request in the engine")
     second = threading.Thread(target=ask, args=("second",))
     second.start()
-    _until(lambda: server._queue.qsize() == 1, "the second request to queue")
+    _until(lambda: server._engine_queue.queued() == 1, "the second request to queue")
     closing = threading.Thread(target=server.close)
     closing.start()
-    _until(server._stop.is_set, "close to begin")
+    _until(lambda: server._engine_queue.closing, "close to begin")
     engine.release.set()  # the batch in the engine finishes; what is queued behind it is told the server closed
     for t in (first, second, closing):
         t.join(timeout=60)

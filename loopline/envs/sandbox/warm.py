@@ -20,16 +20,13 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from loopline.envs.sandbox.commands import memfd, scratch_dir
-from loopline.envs.sandbox.config import SANDBOX_MAIN, SANDBOX_ZYGOTE, SandboxError
+from loopline.envs.sandbox.config import SANDBOX_MAIN, SANDBOX_ZYGOTE, Isolation, SandboxConfig, SandboxError
 from loopline.envs.sandbox.programs import inside_source
 from loopline.envs.sandbox.streams import Tail, pump
 from loopline.envs.sandbox.uids import UidLease, kill_tree
-
-if TYPE_CHECKING:
-    from loopline.envs.sandbox.runner import Sandbox
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +41,25 @@ def _launcher() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-launcher")
 
 
+class Host(Protocol):
+    """What a warm sandbox needs of the Sandbox it serves (runner.Sandbox, which imports this module): its
+    settings, whether it runs as root, and how it starts an interpreter under its isolation."""
+
+    config: SandboxConfig
+    isolation: Isolation
+    _root: bool
+
+    def _launch(
+        self,
+        main_args: list[str],
+        uid: int | None,
+        files: dict[str, int],
+        scratch: str | None,
+        pass_fds: tuple[int, ...],
+        **popen: Any,
+    ) -> subprocess.Popen[bytes]: ...
+
+
 class WarmGone(Exception):
     """The warm sandbox died between runs (e.g. killed by the previous run); nothing ran."""
 
@@ -51,7 +67,7 @@ class WarmGone(Exception):
 class Warm:
     """One sandboxed zygote serving runs in turn; see the module docstring."""
 
-    def __init__(self, sandbox: Sandbox) -> None:
+    def __init__(self, sandbox: Host) -> None:
         self.sandbox = sandbox
         self.runs = 0
         self.alive = True
@@ -62,7 +78,8 @@ class Warm:
             if sandbox.isolation == "bwrap":
                 zygote_fd = memfd("zygote.py", ZYGOTE_PROGRAM.encode())
                 self._stack.callback(os.close, zygote_fd)
-                files, pass_fds = {SANDBOX_ZYGOTE: zygote_fd}, (zygote_fd,)
+                files: dict[str, int] = {SANDBOX_ZYGOTE: zygote_fd}
+                pass_fds: tuple[int, ...] = (zygote_fd,)
                 scratch: str | None = None
                 zygote, where = SANDBOX_ZYGOTE, ["/tmp", SANDBOX_MAIN]  # (scratch, argv[0] of runs)
             else:
