@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, cast
 
 import torch
@@ -46,7 +45,6 @@ from loopline.runtime.ranks import (
     rank_and_world,
     rendezvous,
     seeded_model,
-    to_device,
 )
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
@@ -230,7 +228,7 @@ class ActorWorker:
         model = self.cfg.model
         return frozen_logprobs(
             self.model,
-            to_device(batch, self.device),
+            batch.to(self.device),
             model.packing,
             model.share_prompts,
             model.logits_chunk_tokens,
@@ -243,7 +241,7 @@ class ActorWorker:
             return _pipeline(self.trainer).behaviour_logprobs(batch, temperature)
         with torch.no_grad():
             trained, sampled = behaviour_logprobs(
-                self.model, to_device(batch, self.device), temperature, self.cfg.model.packing,
+                self.model, batch.to(self.device), temperature, self.cfg.model.packing,
                 self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
             )  # fmt: skip
         return trained.cpu(), sampled.cpu()
@@ -251,14 +249,14 @@ class ActorWorker:
     def sft_step(self, batch: TokenBatch, micro_batch_size: int, lr_scale: float = 1.0) -> SFTStepStats:
         trainer = _started(self.trainer)
         with self._fault_points("sft_step"):
-            stats = trainer.sft_step(to_device(batch, self.device), micro_batch_size, lr_scale)
+            stats = trainer.sft_step(batch.to(self.device), micro_batch_size, lr_scale)
         self.last_stats = (trainer.updates, stats)
         return stats
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         trainer = _started(self.trainer)
         with self._fault_points("policy_step"):
-            stats = trainer.policy_step(to_device(batch, self.device), kl_coef)
+            stats = trainer.policy_step(batch.to(self.device), kl_coef)
         self.last_stats = (trainer.updates, stats)
         return stats
 
@@ -317,7 +315,7 @@ class ActorWorker:
             model = self.cfg.model
             return summed_logprobs(
                 self.model,
-                to_device(batch, self.device),
+                batch.to(self.device),
                 model.packing,
                 model.share_prompts,
                 model.logits_chunk_tokens,
@@ -326,7 +324,7 @@ class ActorWorker:
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
         _not_pipelined(self.stages, "DPO")
-        return cast(PolicyTrainer, _started(self.trainer)).dpo_step(_pairs_to(pairs, self.device), cfg)
+        return cast(PolicyTrainer, _started(self.trainer)).dpo_step(pairs.to(self.device), cfg)
 
     def start_reward(
         self, weights: Mapping[str, torch.Tensor], cfg: RewardModelConfig, total_steps: int
@@ -350,11 +348,11 @@ class ActorWorker:
 
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One Bradley-Terry step of the reward model on this rank's pairs."""
-        return _reward(self.reward).step(_pairs_to(pairs, self.device))
+        return _reward(self.reward).step(pairs.to(self.device))
 
     def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
         """The reward model's score of each of this rank's rows, (b,), without gradients."""
-        return _reward(self.reward).scores(to_device(batch, self.device)).cpu()
+        return _reward(self.reward).scores(batch.to(self.device)).cpu()
 
     def reward_weights(self) -> dict[str, torch.Tensor] | None:
         """The reward model's whole weights on rank 0 (None elsewhere); every rank must take part."""
@@ -477,29 +475,11 @@ def _reward(trainer: RewardTrainer | None) -> RewardTrainer:
     return trainer
 
 
-def _pairs_to(pairs: PairBatch, device: torch.device) -> PairBatch:
-    """The pairs with every tensor on `device` (their two token batches included)."""
-    ref_c, ref_r = pairs.ref_chosen, pairs.ref_rejected
-    return PairBatch(
-        to_device(pairs.chosen, device),
-        to_device(pairs.rejected, device),
-        pairs.margin.to(device),
-        None if ref_c is None else ref_c.to(device),
-        None if ref_r is None else ref_r.to(device),
-    )
-
-
 def _reward_model(policy: PreTrainedModel) -> ScalarModel:
     """A ScalarModel of `policy`'s body in the driver, to carry weights: this process's torch RNG is left as it
     was (the head's init draws from it before zeroing it), so the run samples as it would without this copy."""
     with torch.random.fork_rng(devices=[]):
         return ScalarModel.from_policy(policy)
-
-
-def _take_rows(batch: B, index: torch.Tensor) -> B:
-    """The rows `index` of a batch (every tensor field indexed along dim 0)."""
-    rows = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v[index] for k, v in rows.items() if isinstance(v, torch.Tensor)})
 
 
 class ActorRole:
@@ -701,7 +681,7 @@ class ActorRole:
         n, dp = len(batch), self.dp
         if n % dp:
             index = torch.cat([torch.arange(n), torch.full(((-n) % dp,), n - 1)])
-            batch = _take_rows(batch, index)
+            batch = batch.select(index)
         outs = self.group.call_each(method, [(s,) for s in self._slices(batch)])
         return torch.cat(self._per_dp(outs))[:n]
 

@@ -35,7 +35,6 @@ from loopline.runtime.ranks import (
     rank_and_world,
     rank_device,
     rendezvous,
-    to_device,
     use_threads,
 )
 from loopline.runtime.workers import WorkerGroup
@@ -127,11 +126,11 @@ class CriticWorker:
     def values(self, tokens: TokenBatch) -> torch.Tensor:
         """Values of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
         trainer = _started(self.trainer)
-        return trainer.values(to_device(tokens, model_device(trainer.model))).cpu()
+        return trainer.values(tokens.to(model_device(trainer.model))).cpu()
 
     def step(self, batch: ValueBatch) -> ValueStepStats:
         trainer = _started(self.trainer)
-        return trainer.step(to_device(batch, model_device(trainer.model)))
+        return trainer.step(batch.to(model_device(trainer.model)))
 
     def state(self) -> dict | None:
         """One unsharded rank: its whole state, for loop.pt; sharded ranks save shards instead (None)."""

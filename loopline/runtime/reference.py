@@ -28,7 +28,6 @@ from loopline.runtime.ranks import (
     rank_and_world,
     rank_device,
     rendezvous,
-    to_device,
     use_threads,
 )
 from loopline.runtime.workers import WorkerGroup
@@ -78,7 +77,7 @@ class ReferenceWorker:
         if self.model is None:
             return frozen_logprobs(None, batch)  # raises: no reference was started
         return frozen_logprobs(
-            self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing,
+            self.model, batch.to(model_device(self.model)), self.cfg.model.packing,
             self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
         ).cpu()  # fmt: skip
 
