@@ -47,7 +47,7 @@ from loopline.runtime.ranks import (
     seeded_model,
 )
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
-from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
+from loopline.runtime.workers import LocalGroup, WorkerDiedError, WorkerError, WorkerGroup
 from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
 from loopline.training.lora import has_lora, merged_state_dict
 from loopline.training.policy import (
@@ -747,5 +747,5 @@ def local_actor(model: PreTrainedModel, cfg: RunConfig | None = None) -> ActorRo
     """The actor as the local backend runs it: one rank in this process, training `model` in place, with a
     reference rank that copies it when a phase asks for one."""
     cfg = cfg if cfg is not None else RunConfig()
-    reference = ReferenceRole(WorkerGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False)
-    return ActorRole(WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model)), model, reference)
+    reference = ReferenceRole(LocalGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False)
+    return ActorRole(LocalGroup(ActorWorker, role="actor", init_args=(cfg, model)), model, reference)

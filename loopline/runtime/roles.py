@@ -3,10 +3,10 @@
 Every role is one worker class (runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
 reference.ReferenceWorker; the scorer's env workers run envs.episodes) under one driver (ActorRole,
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
-- local: each group is one rank in this process (WorkerGroup's local backend), given the driver's objects: the
+- local: each group is one rank in this process (a LocalGroup), given the driver's objects: the
   actor trains `model` in place, the engine holds its own copy of the weights and samples from this process's
   torch RNG, the weight sync runs the planned transfer as in-process copies, the scorer's env workers are processes.
-- ray: the pools are placed (runtime.placement), each group is one Ray actor per bundle, the trainer ranks form
+- ray: the pools are placed (runtime.placement), each group is a RayGroup of one Ray actor per bundle, the trainer ranks form
   their own torch.distributed world (FSDP2, TP), the critic and the reference worlds of their own placed like the
   actor, and the weight sync runs the planned transfer over a sync group of the trainer ranks and the engines.
 """
@@ -35,7 +35,7 @@ from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
-from loopline.runtime.workers import WorkerDiedError, WorkerGroup
+from loopline.runtime.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
 
 if TYPE_CHECKING:
@@ -76,16 +76,16 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     engine = make_engine(cfg, copy.deepcopy(model), tokenizer, seed=None)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
-    trainer = WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model))
-    engines = WorkerGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
+    trainer = LocalGroup(ActorWorker, role="actor", init_args=(cfg, model))
+    engines = LocalGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
     reference = None
     if wants_reference(cfg):  # its rank holds nothing until a phase asks for a reference
         reference = ReferenceRole(
-            WorkerGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False
+            LocalGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False
         )
     critic = None
     if cfg.grpo.advantage == "gae":
-        critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
+        critic = CriticRole(LocalGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
     # the env workers are processes; they start in the background
     rt = cfg.runtime
@@ -174,7 +174,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                 workers[role] = (cls, rt.trainer_ranks, (cfg,))
                 where[role] = colocated_pool(role, pools["actor"], pools)
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
-        options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
 
         def start() -> tuple[
             WorkerGroup, CollectiveSync, RolloutRole, CriticRole | None, ReferenceRole | None
@@ -185,7 +185,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             with ThreadPoolExecutor(len(workers)) as threads:
                 starting = [
                     threads.submit(
-                        WorkerGroup,
+                        RayGroup,
                         cls,
                         n,
                         role=role,
