@@ -29,6 +29,11 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.envs.config", 1, "EnvConfig: the env section (names only), read by loopline.config"),
     ("loopline.envs.sandbox.config", 1, "SandboxConfig: the sandbox's section, part of the env section"),
     ("loopline.runtime.workers", 1, "WorkerGroup: N ranks of any class, local or Ray"),
+    (
+        "loopline.runtime.dispatch",
+        1,
+        "how a worker method's call splits over ranks and gathers: declared on the method",
+    ),
     ("loopline.runtime.ray_actors", 1, "Ray actors: start, wait, failures, kill (workers, env pool)"),
     ("loopline.runtime.shard_layout", 1, "trainer and engine layouts, shard boxes: pure"),
     ("loopline.runtime.resharding", 1, "transfer plans between layouts: pure"),

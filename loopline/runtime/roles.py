@@ -1,6 +1,6 @@
 """Start the roles of one run on cfg.runtime.backend: the one place that reads it.
 
-Every role is one worker class (runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
+Every role is one worker class (runtime.actor_worker.ActorWorker, engine.EngineWorker, critic.CriticWorker,
 reference.ReferenceWorker; the scorer's env workers run envs.episodes) under one driver (ActorRole,
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
 - local: each group is one rank in this process (a LocalGroup), given the driver's objects: the
@@ -27,8 +27,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
 from loopline.errors import EXIT_TEMPFAIL, WorkersLost
-from loopline.runtime.actor import ActorRole, ActorWorker
+from loopline.runtime.actor import ActorRole
+from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.cluster import ClusterConfig
+from loopline.runtime.dispatch import RankMesh
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
 from loopline.runtime.placement import PlacementConfig
@@ -193,6 +195,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                         init_args=args,
                         standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
                         warm=rt.trainer_warm,
+                        mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
                         **options,
                     )
                     for role, (cls, n, args) in workers.items()
@@ -201,7 +204,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
             # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
             # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
-            address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
+            address, layout = trainer.run("join", trainer.run("rendezvous"))
             sync = CollectiveSync(trainer, engines, address, layout)
             rollout = RolloutRole(engines, sync, pools["rollout"], rt.max_engine_replacements)
             more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
@@ -250,7 +253,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         t0 = time.perf_counter()
         group.group.restart_ranks(list(range(group.group.world_size)))
         t1 = time.perf_counter()
-        group.group.call("join", group.group.call("rendezvous")[0])  # a new world of their own
+        group.group.call("join", group.group.run("rendezvous"))  # a new world of their own
         print(
             f"{role} ranks restarted in {time.perf_counter() - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
             f"{time.perf_counter() - t1:.2f}s)",
@@ -266,7 +269,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         trainer.restart_ranks(list(range(trainer.world_size)))  # new processes import torch; spares have
         t1 = time.perf_counter()
         # the new world, the model sharded over it, rank 0 serving the sync's store
-        sync.serve(*trainer.call("join", trainer.call("rendezvous")[0])[0])
+        sync.serve(*trainer.run("join", trainer.run("rendezvous")))
         t2 = time.perf_counter()
         sync.open()  # the engines reconnect
         t3 = time.perf_counter()
@@ -284,8 +287,6 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             trainer,
             model,
             reference,
-            rt.trainer_tp,
-            rt.trainer_pp,
             rt.trainer_replicas,
             restart_trainer if rt.trainer_replicas > 1 else None,
             rt.max_restarts,

@@ -34,6 +34,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
+from loopline.runtime.dispatch import RankMesh, gather, rule_of, split_args
 from loopline.runtime.ray_actors import (
     ActorGone,
     ActorRaised,
@@ -113,15 +114,27 @@ class WorkerGroup(ABC):
     The interface both backends implement (LocalGroup, RayGroup): the calls, their futures and their failures are
     the same; only a Ray group's ranks can change while it runs (the local one raises ValueError)."""
 
-    def __init__(self, cls: type, num_ranks: int, role: str, timeout_s: float | None) -> None:
+    def __init__(
+        self, cls: type, num_ranks: int, role: str, timeout_s: float | None, mesh: RankMesh | None
+    ) -> None:
         if num_ranks < 1:
             raise ValueError(f"role '{role}': num_ranks must be >= 1, got {num_ranks}")
         self.cls, self.role, self.world_size, self.timeout_s = cls, role, num_ranks, timeout_s
+        self.mesh = (
+            mesh or RankMesh()
+        )  # how `run` splits a batch: over dp ranks, shared by tp ranks and stages
         self._ranks: list[Any] = []  # the worker objects (local) or actor handles (ray), in rank order
 
     # -----------------------------------------------------------------------------------------------------
     # Calls
     # -----------------------------------------------------------------------------------------------------
+
+    def run(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call `method` as its `@dispatch` declares (runtime.dispatch): its arguments split over the ranks, the
+        ranks' results gathered into one."""
+        rule = rule_of(self.cls, method)
+        per_rank, rows = split_args(rule, self.mesh, self.world_size, args)
+        return gather(rule, self.mesh, self.call_each(method, per_rank, timeout_s=timeout_s), rows)
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         """Call `method(*args, **kwargs)` on every rank; return the results in rank order."""
@@ -267,10 +280,11 @@ class LocalGroup(WorkerGroup):
         init_kwargs: dict[str, Any] | None = None,
         env_vars: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        mesh: RankMesh | None = None,
     ) -> None:
         """Build the worker in this process. env_vars: extra environment (RANK, WORLD_SIZE, ... take precedence).
         timeout_s: kept for the interface; a call in the caller's thread cannot be timed out."""
-        super().__init__(cls, 1, role, timeout_s)
+        super().__init__(cls, 1, role, timeout_s, mesh)
         os.environ.update({**(env_vars or {}), **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
         try:
             self._ranks = [cls(*init_args, **(init_kwargs or {}))]
@@ -320,6 +334,7 @@ class RayGroup(WorkerGroup):
         timeout_s: float | None = None,
         standby: bool = False,
         warm: bool = False,
+        mesh: RankMesh | None = None,
     ) -> None:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
@@ -331,8 +346,9 @@ class RayGroup(WorkerGroup):
         take no resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
         warm: (with standby) the spares are warm processes, not built ranks: imports paid, constructor run when
         a restart promotes them.
+        mesh: the ranks' (pp, dp, tp) shape, for `run`; None = all data-parallel.
         """
-        super().__init__(cls, num_ranks, role, timeout_s)
+        super().__init__(cls, num_ranks, role, timeout_s, mesh)
         self._places: list[tuple[Pool, int]] = []  # (pool, bundle index) of each rank
         self._standby: dict[int, Any] | None = {} if standby else None  # rank -> its spare's actor
         self._warm = standby and warm  # the spares are warm processes (warm_class), built when promoted
