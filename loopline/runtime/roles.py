@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -116,12 +116,6 @@ def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> Cluste
 
 def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     """Start or join Ray, place the pools, start the worker groups, the trainer's world and the sync group."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-    from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
-    from loopline.runtime.placement import place_pools, remove_pools
-
     rt = cfg.runtime
     if rt.trainer_tp > 1:  # a model without a TP plan, or sizes that do not divide: say so before Ray starts
         from loopline.training.parallel import check_tp
@@ -131,101 +125,82 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         from loopline.training.pipeline import check_split
 
         check_split(model, rt.trainer_pp, rt.trainer_pp_virtual)
-    placement = rt.pools()
-    started = start_ray(_local_cluster(rt.cluster, placement))
-    groups: list[WorkerGroup] = []
-    pools: dict[str, Pool] = {}
-    scorer: ScorerRole | None = None
-    rollout: RolloutRole | None = None
-    critic: CriticRole | None = None
-
-    def stop_groups() -> None:
-        nonlocal rollout
-        if rollout is not None:
-            rollout.close()
-            rollout = None
-        for group in groups:
-            group.shutdown()
-        groups.clear()
-
-    def shutdown() -> None:
-        if scorer is not None:
-            scorer.close()
-        stop_groups()
-        if pools:
-            remove_pools(pools)
-        if started:
-            ray.shutdown()
-
+    run = _RayRun(cfg)
     try:
-        pools = place_pools(placement)
-        scorer = ScorerRole(
+        run.place()
+        run.start()
+    except BaseException:
+        run.shutdown()
+        raise
+    assert (
+        run.trainer is not None and run.rollout is not None and run.scorer is not None
+    )  # started, or raised
+    heal = run.restart_trainer if rt.trainer_replicas > 1 else None
+    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, rt.max_restarts)
+    return Roles(actor, run.rollout, run.scorer, run.shutdown, run.critic, run.restart_group)
+
+
+class _RayRun:
+    """The Ray side of one run's roles: the pools, the worker groups, the weight sync; how to start them (again,
+    when a rank is lost while they start), restart one role's ranks, and stop them all."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from loopline.runtime.cluster import start_ray
+
+        self.cfg, self.rt = cfg, cfg.runtime
+        self.placement = self.rt.pools()
+        self.started = start_ray(_local_cluster(self.rt.cluster, self.placement))
+        self.groups: list[WorkerGroup] = []
+        self.pools: dict[str, Pool] = {}
+        self.scorer: ScorerRole | None = None
+        self.rollout: RolloutRole | None = None
+        self.critic: Any = None  # CriticRole (PPO's critic), once started
+        self.reference: ReferenceRole | None = None
+        self.trainer: WorkerGroup | None = None
+        self.sync: CollectiveSync | None = None
+        self.workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {}  # role -> (worker class, ranks, args)
+        self.where: dict[str, Pool] = {}  # role -> the pool its ranks are placed in
+
+    def place(self) -> None:
+        """Place the pools, start the env workers (in the background) and say which worker groups go where."""
+        from loopline.runtime.critic import CriticWorker, colocated_pool
+        from loopline.runtime.placement import place_pools
+
+        cfg, rt = self.cfg, self.rt
+        self.pools = pools = place_pools(self.placement)
+        self.scorer = ScorerRole(
             cfg.env, pools["env"], rt.env_workers, rt.env_task_timeout_s, rt.env_task_attempts
-        )  # its workers start in the background
-        workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {
+        )
+        self.workers = {
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
         # PPO's critic and the frozen reference (KL): as many ranks as the actor each, placed like it
-        where = dict(pools)
+        self.where = dict(pools)
         for role, cls, wanted in (
             ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
             ("ref", ReferenceWorker, wants_reference(cfg)),
         ):
             if wanted:
-                workers[role] = (cls, rt.trainer_ranks, (cfg,))
-                where[role] = colocated_pool(role, pools["actor"], pools)
-        # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
-        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+                self.workers[role] = (cls, rt.trainer_ranks, (cfg,))
+                self.where[role] = colocated_pool(role, pools["actor"], pools)
 
-        def start() -> tuple[
-            WorkerGroup, CollectiveSync, RolloutRole, CriticRole | None, ReferenceRole | None
-        ]:
-            """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
-            nonlocal rollout
-            # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
-            with ThreadPoolExecutor(len(workers)) as threads:
-                starting = [
-                    threads.submit(
-                        RayGroup,
-                        cls,
-                        n,
-                        role=role,
-                        pool=where[role],
-                        init_args=args,
-                        standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
-                        warm=rt.trainer_warm,
-                        mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
-                        **options,
-                    )
-                    for role, (cls, n, args) in workers.items()
-                ]
-            groups.extend(f.result() for f in starting if f.exception() is None)
-            trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
-            # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
-            # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
-            address, layout = trainer.run("join", trainer.run("rendezvous"))
-            sync = CollectiveSync(trainer, engines, address, layout)
-            rollout = RolloutRole(engines, sync, pools["rollout"], rt.max_engine_replacements)
-            more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
-            critic = (
-                CriticRole(more["critic"]) if "critic" in more else None
-            )  # its ranks join a world of their own
-            reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
-            return trainer, sync, rollout, critic, reference
+    def start(self) -> None:
+        """Start the groups, at most runtime.max_restarts times again when a rank is lost meanwhile.
 
-        # A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
-        # as a lost rank mid-run costs a restart: at most runtime.max_restarts times, then the run is given up
-        # (WorkersLost: the CLI exits EX_TEMPFAIL for a job controller to retry). A rank that raised is not retried
-        # (its constructor would raise again), nor one past runtime.call_timeout_s (slow, not lost: a start again
-        # would be slower still). The env workers replace their own (envs.pool).
+        A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
+        as a lost rank mid-run costs a restart; then the run is given up (WorkersLost: the CLI exits EX_TEMPFAIL
+        for a job controller to retry). A rank that raised is not retried (its constructor would raise again), nor
+        one past runtime.call_timeout_s (slow, not lost: a start again would be slower still). The env workers
+        replace their own (envs.pool)."""
+        rt = self.rt
         for attempt in range(rt.max_restarts + 1):
             try:
-                trainer, sync, rollout, critic, reference = start()
-                break
+                self._start_groups()
+                return
             except WorkerDiedError as e:
                 lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
-                stop_groups()
+                self.stop_groups()
                 if attempt == rt.max_restarts:
                     raise WorkersLost(
                         f"{lost}: a worker was lost while the roles started, and runtime.max_restarts="
@@ -237,17 +212,72 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                     f"{rt.max_restarts})",
                     flush=True,
                 )
-    except BaseException:
-        shutdown()
-        raise
 
-    def restart_group(role: str) -> None:
+    def _start_groups(self) -> None:
+        """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
+        from loopline.runtime.critic import CriticRole
+
+        rt = self.rt
+        # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
+        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+        # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
+        with ThreadPoolExecutor(len(self.workers)) as threads:
+            starting = [
+                threads.submit(
+                    RayGroup,
+                    cls,
+                    n,
+                    role=role,
+                    pool=self.where[role],
+                    init_args=args,
+                    standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
+                    warm=rt.trainer_warm,
+                    mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
+                    **options,
+                )
+                for role, (cls, n, args) in self.workers.items()
+            ]
+        self.groups.extend(f.result() for f in starting if f.exception() is None)
+        trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
+        # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
+        # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
+        address, layout = trainer.run("join", trainer.run("rendezvous"))
+        self.trainer, self.sync = trainer, CollectiveSync(trainer, engines, address, layout)
+        self.rollout = RolloutRole(engines, self.sync, self.pools["rollout"], rt.max_engine_replacements)
+        more = dict(zip(list(self.workers)[2:], others))  # role -> group: critic, ref
+        self.critic = (
+            CriticRole(more["critic"]) if "critic" in more else None
+        )  # its ranks join a world of their own
+        self.reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
+
+    def stop_groups(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+        for group in self.groups:
+            group.shutdown()
+        self.groups.clear()
+
+    def shutdown(self) -> None:
+        import ray
+
+        from loopline.runtime.placement import remove_pools
+
+        if self.scorer is not None:
+            self.scorer.close()
+        self.stop_groups()
+        if self.pools:
+            remove_pools(self.pools)
+        if self.started:
+            ray.shutdown()
+
+    def restart_group(self, role: str) -> None:
         """A rank of `role` died (or its world broke): that role's ranks are replaced, the rest keep running; the
         caller loads the checkpoint. Prints where the time went."""
         if role == "actor":
-            restart_trainer()
+            self.restart_trainer()
             return
-        group = {"critic": critic, "ref": reference}[role]
+        group = {"critic": self.critic, "ref": self.reference}[role]
         if group is None:
             raise ValueError(f"this run has no {role!r} group to restart")
         t0 = time.perf_counter()
@@ -260,11 +290,12 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             flush=True,
         )
 
-    def restart_trainer() -> None:
+    def restart_trainer(self) -> None:
         """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle (by its spare with
         runtime.trainer_standby), the new ranks form a new world, and the engines open the weight sync against its
         new store. The caller loads the checkpoint into it; engines, env workers, the critic and the reference keep
         running. Prints where the time went."""
+        trainer, sync = cast(WorkerGroup, self.trainer), cast(CollectiveSync, self.sync)
         t0 = time.perf_counter()
         trainer.restart_ranks(list(range(trainer.world_size)))  # new processes import torch; spares have
         t1 = time.perf_counter()
@@ -280,20 +311,3 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
             flush=True,
         )
-
-    assert rollout is not None  # started above, or raised
-    return Roles(
-        ActorRole(
-            trainer,
-            model,
-            reference,
-            rt.trainer_replicas,
-            restart_trainer if rt.trainer_replicas > 1 else None,
-            rt.max_restarts,
-        ),  # fmt: skip
-        rollout,
-        scorer,
-        shutdown,
-        critic,
-        restart_group,
-    )
