@@ -86,7 +86,7 @@ class ActorRole:
     ) -> None:
         """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills.
         replicas, restart, heals (ray, runtime.trainer_replicas > 1): `restart` replaces every trainer rank in its
-        bundle in a new world with the weight sync reopened (roles.restart_trainer); a lost rank is healed from a
+        bundle in a new world with the weight sync reopened (roles._RayRun.restart_trainer); a lost rank is healed from a
         live replica through it, at most `heals` times."""
         self.group = group
         self.model = model
