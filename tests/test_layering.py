@@ -65,6 +65,7 @@ SPLIT_PENDING: dict[str, int] = {
     "loopline.runtime.cluster": 1,  # start/join Ray; ClusterConfig, part of the runtime section
     "loopline.runtime.placement": 1,  # placement groups from pool configs
     "loopline.runtime.workers": 1,  # WorkerGroup: N ranks of any class, local or Ray
+    "loopline.runtime.dispatch": 1,  # how a worker method's call splits over ranks and gathers
     "loopline.runtime.shard_layout": 1,  # trainer and engine layouts, shard boxes: pure
     "loopline.runtime.resharding": 1,  # transfer plans between layouts: pure
     "loopline.runtime.weight_sync": 1,  # transport of a transfer plan: tensors and collectives

@@ -1,9 +1,14 @@
-"""Typed batches that cross stage boundaries (tokens, masks, log-probs, advantages)."""
+"""Typed batches that cross stage boundaries (tokens, masks, log-probs, advantages).
+
+Every batch is a dataclass of row-major tensors (dim 0 = rows): `apply` maps a function over its tensor fields,
+and `select`, `split` and `to` are built on it, so no caller walks a batch's fields by hand.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import torch
 
@@ -25,6 +30,23 @@ class TokenBatch:
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Self:
+        """The batch, of its own type, with `fn` applied to every tensor field (fields that are None stay None)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return replace(self, **{k: fn(v) for k, v in values.items() if isinstance(v, torch.Tensor)})
+
+    def select(self, rows: torch.Tensor | slice) -> Self:
+        """The rows `rows` (an index tensor or a slice) of every tensor field."""
+        return self.apply(lambda v: v[rows])
+
+    def split(self, size: int) -> list[Self]:
+        """Consecutive slices of at most `size` rows, in order."""
+        return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
+
+    def to(self, device: torch.device) -> Self:
+        """The batch with every tensor on `device`."""
+        return self.apply(lambda v: v.to(device))
 
 
 @dataclass
@@ -65,13 +87,5 @@ B = TypeVar("B", bound="TokenBatch")
 
 
 def split_rows(batch: B, size: int) -> list[B]:
-    """Micro-batches of at most `size` rows (every tensor field sliced along dim 0), of the batch's own type."""
-    out: list[B] = []
-    for start in range(0, len(batch), size):
-        sliced = {
-            f.name: (v[start : start + size] if isinstance(v, torch.Tensor) else v)
-            for f in fields(batch)
-            for v in [getattr(batch, f.name)]
-        }
-        out.append(replace(batch, **sliced))
-    return out
+    """Micro-batches of at most `size` rows, of the batch's own type (`batch.split(size)`)."""
+    return batch.split(size)

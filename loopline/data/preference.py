@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from loopline.data.batches import TokenBatch, split_rows
+from loopline.data.batches import TokenBatch
 from loopline.data.config import PreferenceDataConfig
 from loopline.data.datasets import DataError, PromptRow
 
@@ -175,13 +176,29 @@ class PairBatch:
     def __len__(self) -> int:
         return len(self.chosen)
 
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PairBatch:
+        """The pairs with `fn` applied to every tensor (the two token batches' fields included)."""
+        ref_c, ref_r = self.ref_chosen, self.ref_rejected
+        return PairBatch(
+            self.chosen.apply(fn),
+            self.rejected.apply(fn),
+            fn(self.margin),
+            None if ref_c is None else fn(ref_c),
+            None if ref_r is None else fn(ref_r),
+        )
+
+    def select(self, rows: torch.Tensor | slice) -> PairBatch:
+        """The pairs `rows` (an index tensor or a slice)."""
+        return self.apply(lambda v: v[rows])
+
+    def split(self, size: int) -> list[PairBatch]:
+        """Consecutive slices of at most `size` pairs, in order."""
+        return [self.select(slice(start, start + size)) for start in range(0, len(self), size)]
+
+    def to(self, device: torch.device) -> PairBatch:
+        """The pairs with every tensor on `device`."""
+        return self.apply(lambda v: v.to(device))
+
     def micro_batches(self, size: int) -> list[PairBatch]:
-        """Consecutive slices of at most `size` pairs."""
-        parts = zip(split_rows(self.chosen, size), split_rows(self.rejected, size), self.margin.split(size))
-        out = []
-        for i, (chosen, rejected, margin) in enumerate(parts):
-            rows = slice(i * size, (i + 1) * size)
-            ref_c = None if self.ref_chosen is None else self.ref_chosen[rows]
-            ref_r = None if self.ref_rejected is None else self.ref_rejected[rows]
-            out.append(PairBatch(chosen, rejected, margin, ref_c, ref_r))
-        return out
+        """Consecutive slices of at most `size` pairs (`split`)."""
+        return self.split(size)

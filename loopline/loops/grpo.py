@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -82,12 +82,6 @@ def engine_logprobs(completions: list[Completion], width: int) -> torch.Tensor:
     for row, c in enumerate(completions):
         out[row, : len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
     return out
-
-
-def _take(batch: B, rows: torch.Tensor) -> B:
-    """The batch's rows at `rows` (every tensor field indexed along dim 0)."""
-    picked = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v[rows] if isinstance(v, torch.Tensor) else v for k, v in picked.items()})
 
 
 def minibatch_rows(size: int, minibatches: int) -> list[torch.Tensor]:
@@ -446,12 +440,12 @@ def _train(
     critic_stats = None
     for _ in range(cfg.epochs_per_step):
         for rows in minibatch_rows(len(batch), cfg.minibatches):
-            stats = ctx.actor.policy_step(_take(batch, rows), loss_kl_coef)
+            stats = ctx.actor.policy_step(batch.select(rows), loss_kl_coef)
             if critic is not None and exp.values is not None and exp.returns is not None:
                 value_batch = ValueBatch(
                     tokens.input_ids, tokens.attention_mask, mask, exp.values, exp.returns
                 )
-                critic_stats = critic.step(_take(value_batch, rows))
+                critic_stats = critic.step(value_batch.select(rows))
     measured_kl = _masked_mean(exp.reward_kl, mask) if exp.reward_kl is not None else stats.kl
     kl_coef = kl_control.value
     kl_control.update(measured_kl, len(batch))

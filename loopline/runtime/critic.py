@@ -27,15 +27,14 @@ from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
 from loopline.models.load import load_policy
+from loopline.runtime.dispatch import dispatch
 from loopline.runtime.protocols import Critic
 from loopline.runtime.ranks import (
-    even_slices,
     join_sharded,
     model_device,
     rank_and_world,
     rank_device,
     rendezvous,
-    to_device,
     use_threads,
 )
 from loopline.runtime.workers import WorkerGroup
@@ -85,6 +84,7 @@ class CriticWorker:
         self.trainer: CriticTrainer | None = None
         self.writer = ShardWriter()
 
+    @dispatch(gather="first")
     def rendezvous(self) -> str:
         return rendezvous(self.cfg.runtime.call_timeout_s)
 
@@ -125,15 +125,18 @@ class CriticWorker:
         elif whole is not None:
             self.trainer.load_state_dict(whole)
 
+    @dispatch(split="rows", gather="concat")
     def values(self, tokens: TokenBatch) -> torch.Tensor:
         """Values of this rank's rows (a forward on every rank: FSDP2 gathers the weights)."""
         trainer = _started(self.trainer)
-        return trainer.values(to_device(tokens, model_device(trainer.model))).cpu()
+        return trainer.values(tokens.to(model_device(trainer.model))).cpu()
 
+    @dispatch(split="rows", gather="first")  # global statistics: alike on every rank
     def step(self, batch: ValueBatch) -> ValueStepStats:
         trainer = _started(self.trainer)
-        return trainer.step(to_device(batch, model_device(trainer.model)))
+        return trainer.step(batch.to(model_device(trainer.model)))
 
+    @dispatch(gather="first")
     def state(self) -> dict | None:
         """One unsharded rank: its whole state, for loop.pt; sharded ranks save shards instead (None)."""
         return _started(self.trainer).state_dict() if self.mesh is None else None
@@ -149,6 +152,7 @@ class CriticWorker:
     def wait_saved(self, timeout_s: float) -> None:
         self.writer.wait(timeout_s)
 
+    @dispatch(gather="first")
     def full_state(self) -> dict[str, torch.Tensor] | None:
         """The whole weights on rank 0 (None elsewhere; every rank takes part), for checks."""
         from loopline.training.parallel import full_model_state
@@ -171,7 +175,7 @@ class CriticRole:
         holds the whole model, in no world)."""
         self.group = group
         if sharded:
-            group.call("join", group.call("rendezvous")[0])
+            group.call("join", group.run("rendezvous"))
 
     def start_phase(
         self,
@@ -189,15 +193,13 @@ class CriticRole:
         self.group.call("start_phase", weights, cfg, total_steps, restore, whole)
 
     def values(self, tokens: TokenBatch) -> torch.Tensor:
-        slices = even_slices(tokens, self.group.world_size)
-        return torch.cat(self.group.call_each("values", [(s,) for s in slices]))
+        return self.group.run("values", tokens)
 
     def step(self, batch: ValueBatch) -> ValueStepStats:
-        slices = even_slices(batch, self.group.world_size)
-        return self.group.call_each("step", [(s,) for s in slices])[0]  # global statistics, the same on all
+        return self.group.run("step", batch)
 
     def state(self) -> dict:
-        whole = self.group.call("state")[0]
+        whole = self.group.run("state")
         return whole if whole is not None else {"dcp": CRITIC_DIR}
 
     def save(self, path: str, blocking: bool) -> None:
@@ -208,7 +210,7 @@ class CriticRole:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """The critic's whole weights (gathered from the ranks)."""
-        return self.group.call("full_state")[0]
+        return self.group.run("full_state")
 
 
 def colocated_pool(role: str, actor_pool: Pool, pools: dict[str, Pool]) -> Pool:

@@ -1,35 +1,25 @@
-"""What every rank of a role's worker group does alike: pick its device, move a batch there, load the run's
-seeded initial model, split a batch evenly over ranks, take frozen log-probs, find its rendezvous and join a
-sharded world. Public, so that every role's worker (runtime.actor, engine, critic, reference) imports them from
-here rather than from another role."""
+"""What every rank of a role's worker group does alike: pick its device, load the run's seeded initial model,
+take frozen log-probs, find its rendezvous and join a sharded world. Public, so that every role's worker
+(runtime.actor_worker, engine, critic, reference) imports them from here rather than from another role."""
 
 from __future__ import annotations
 
 import os
 import sys
-from dataclasses import fields, replace
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.config import RunConfig
-from loopline.data.batches import TokenBatch, split_rows
+from loopline.data.batches import TokenBatch
 from loopline.models.load import load_policy
 from loopline.training.policy import response_logprobs
-
-B = TypeVar("B", bound=TokenBatch)
 
 
 def rank_device() -> torch.device:
     """The device a rank computes on: its GPU when Ray gave it one."""
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def to_device(batch: B, device: torch.device) -> B:
-    """The batch with every tensor on `device`."""
-    moved = {f.name: getattr(batch, f.name) for f in fields(batch)}
-    return replace(batch, **{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
 
 
 def use_threads(threads: int) -> None:
@@ -50,13 +40,6 @@ def seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreT
     torch.manual_seed(cfg.seed + rng_offset)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     return model.to(rank_device()), tokenizer  # type: ignore[arg-type]  # transformers types .to() oddly
-
-
-def even_slices(batch: B, ranks: int) -> list[B]:
-    """`ranks` slices of equal rows (RunConfig checks that the batch sizes divide)."""
-    if len(batch) % ranks:
-        raise ValueError(f"a batch of {len(batch)} rows does not split evenly over {ranks} trainer ranks")
-    return split_rows(batch, len(batch) // ranks)
 
 
 def frozen_logprobs(

@@ -20,15 +20,14 @@ from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
 from loopline.models.load import load_policy
+from loopline.runtime.dispatch import dispatch
 from loopline.runtime.ranks import (
-    even_slices,
     frozen_logprobs,
     join_sharded,
     model_device,
     rank_and_world,
     rank_device,
     rendezvous,
-    to_device,
     use_threads,
 )
 from loopline.runtime.workers import WorkerGroup
@@ -50,6 +49,7 @@ class ReferenceWorker:
         self.model: PreTrainedModel | None = None
         self.writer = ShardWriter()
 
+    @dispatch(gather="first")
     def rendezvous(self) -> str:
         return rendezvous(self.cfg.runtime.call_timeout_s)
 
@@ -73,12 +73,13 @@ class ReferenceWorker:
             load_shards(restore, model, group=self.checkpoint_group)
         self.model = model.eval().requires_grad_(False)
 
+    @dispatch(split="rows", gather="concat")
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
         """Response log-probs of this rank's rows under the reference (a forward on every rank)."""
         if self.model is None:
             return frozen_logprobs(None, batch)  # raises: no reference was started
         return frozen_logprobs(
-            self.model, to_device(batch, model_device(self.model)), self.cfg.model.packing,
+            self.model, batch.to(model_device(self.model)), self.cfg.model.packing,
             self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
         ).cpu()  # fmt: skip
 
@@ -100,14 +101,13 @@ class ReferenceRole:
         over it (the local rank holds the whole model, in no world)."""
         self.group = group
         if sharded:
-            group.call("join", group.call("rendezvous")[0])
+            group.call("join", group.run("rendezvous"))
 
     def start(self, weights: dict[str, torch.Tensor] | None, restore: str | None) -> None:
         self.group.call("start", self.group.put(weights) if weights is not None else None, restore)
 
     def logprobs(self, batch: TokenBatch) -> torch.Tensor:
-        slices = even_slices(batch, self.group.world_size)
-        return torch.cat(self.group.call_each("logprobs", [(s,) for s in slices]))
+        return self.group.run("logprobs", batch)
 
     def save(self, path: str, blocking: bool) -> None:
         self.group.call("save", path, blocking)

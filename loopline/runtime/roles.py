@@ -1,12 +1,12 @@
 """Start the roles of one run on cfg.runtime.backend: the one place that reads it.
 
-Every role is one worker class (runtime.actor.ActorWorker, engine.EngineWorker, critic.CriticWorker,
+Every role is one worker class (runtime.actor_worker.ActorWorker, engine.EngineWorker, critic.CriticWorker,
 reference.ReferenceWorker; the scorer's env workers run envs.episodes) under one driver (ActorRole,
 RolloutRole, CriticRole, ReferenceRole, ScorerRole), the same code on both backends:
-- local: each group is one rank in this process (WorkerGroup's local backend), given the driver's objects: the
+- local: each group is one rank in this process (a LocalGroup), given the driver's objects: the
   actor trains `model` in place, the engine holds its own copy of the weights and samples from this process's
   torch RNG, the weight sync runs the planned transfer as in-process copies, the scorer's env workers are processes.
-- ray: the pools are placed (runtime.placement), each group is one Ray actor per bundle, the trainer ranks form
+- ray: the pools are placed (runtime.placement), each group is a RayGroup of one Ray actor per bundle, the trainer ranks form
   their own torch.distributed world (FSDP2, TP), the critic and the reference worlds of their own placed like the
   actor, and the weight sync runs the planned transfer over a sync group of the trainer ranks and the engines.
 """
@@ -20,22 +20,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
 from loopline.errors import EXIT_TEMPFAIL, WorkersLost
-from loopline.runtime.actor import ActorRole, ActorWorker
+from loopline.runtime.actor import ActorRole
+from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.cluster import ClusterConfig
+from loopline.runtime.dispatch import RankMesh
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
 from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
-from loopline.runtime.workers import WorkerDiedError, WorkerGroup
+from loopline.runtime.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
 
 if TYPE_CHECKING:
@@ -76,16 +78,16 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     engine = make_engine(cfg, copy.deepcopy(model), tokenizer, seed=None)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
-    trainer = WorkerGroup(ActorWorker, role="actor", init_args=(cfg, model))
-    engines = WorkerGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
+    trainer = LocalGroup(ActorWorker, role="actor", init_args=(cfg, model))
+    engines = LocalGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
     reference = None
     if wants_reference(cfg):  # its rank holds nothing until a phase asks for a reference
         reference = ReferenceRole(
-            WorkerGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False
+            LocalGroup(ReferenceWorker, role="ref", init_args=(cfg, model)), sharded=False
         )
     critic = None
     if cfg.grpo.advantage == "gae":
-        critic = CriticRole(WorkerGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
+        critic = CriticRole(LocalGroup(CriticWorker, role="critic", init_args=(cfg, model)), sharded=False)
     rollout = RolloutRole(engines, InProcessSync(trainer, engines))
     # the env workers are processes; they start in the background
     rt = cfg.runtime
@@ -114,12 +116,6 @@ def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> Cluste
 
 def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
     """Start or join Ray, place the pools, start the worker groups, the trainer's world and the sync group."""
-    import ray
-
-    from loopline.runtime.cluster import start_ray
-    from loopline.runtime.critic import CriticRole, CriticWorker, colocated_pool
-    from loopline.runtime.placement import place_pools, remove_pools
-
     rt = cfg.runtime
     if rt.trainer_tp > 1:  # a model without a TP plan, or sizes that do not divide: say so before Ray starts
         from loopline.training.parallel import check_tp
@@ -129,100 +125,82 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         from loopline.training.pipeline import check_split
 
         check_split(model, rt.trainer_pp, rt.trainer_pp_virtual)
-    placement = rt.pools()
-    started = start_ray(_local_cluster(rt.cluster, placement))
-    groups: list[WorkerGroup] = []
-    pools: dict[str, Pool] = {}
-    scorer: ScorerRole | None = None
-    rollout: RolloutRole | None = None
-    critic: CriticRole | None = None
-
-    def stop_groups() -> None:
-        nonlocal rollout
-        if rollout is not None:
-            rollout.close()
-            rollout = None
-        for group in groups:
-            group.shutdown()
-        groups.clear()
-
-    def shutdown() -> None:
-        if scorer is not None:
-            scorer.close()
-        stop_groups()
-        if pools:
-            remove_pools(pools)
-        if started:
-            ray.shutdown()
-
+    run = _RayRun(cfg)
     try:
-        pools = place_pools(placement)
-        scorer = ScorerRole(
+        run.place()
+        run.start()
+    except BaseException:
+        run.shutdown()
+        raise
+    assert (
+        run.trainer is not None and run.rollout is not None and run.scorer is not None
+    )  # started, or raised
+    heal = run.restart_trainer if rt.trainer_replicas > 1 else None
+    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, rt.max_restarts)
+    return Roles(actor, run.rollout, run.scorer, run.shutdown, run.critic, run.restart_group)
+
+
+class _RayRun:
+    """The Ray side of one run's roles: the pools, the worker groups, the weight sync; how to start them (again,
+    when a rank is lost while they start), restart one role's ranks, and stop them all."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        from loopline.runtime.cluster import start_ray
+
+        self.cfg, self.rt = cfg, cfg.runtime
+        self.placement = self.rt.pools()
+        self.started = start_ray(_local_cluster(self.rt.cluster, self.placement))
+        self.groups: list[WorkerGroup] = []
+        self.pools: dict[str, Pool] = {}
+        self.scorer: ScorerRole | None = None
+        self.rollout: RolloutRole | None = None
+        self.critic: Any = None  # CriticRole (PPO's critic), once started
+        self.reference: ReferenceRole | None = None
+        self.trainer: WorkerGroup | None = None
+        self.sync: CollectiveSync | None = None
+        self.workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {}  # role -> (worker class, ranks, args)
+        self.where: dict[str, Pool] = {}  # role -> the pool its ranks are placed in
+
+    def place(self) -> None:
+        """Place the pools, start the env workers (in the background) and say which worker groups go where."""
+        from loopline.runtime.critic import CriticWorker, colocated_pool
+        from loopline.runtime.placement import place_pools
+
+        cfg, rt = self.cfg, self.rt
+        self.pools = pools = place_pools(self.placement)
+        self.scorer = ScorerRole(
             cfg.env, pools["env"], rt.env_workers, rt.env_task_timeout_s, rt.env_task_attempts
-        )  # its workers start in the background
-        workers: dict[str, tuple[type, int, tuple[Any, ...]]] = {
+        )
+        self.workers = {
             "actor": (ActorWorker, rt.trainer_ranks, (cfg,)),
             "rollout": (EngineWorker, rt.engines, (cfg,)),
         }
         # PPO's critic and the frozen reference (KL): as many ranks as the actor each, placed like it
-        where = dict(pools)
+        self.where = dict(pools)
         for role, cls, wanted in (
             ("critic", CriticWorker, cfg.grpo.advantage == "gae"),
             ("ref", ReferenceWorker, wants_reference(cfg)),
         ):
             if wanted:
-                workers[role] = (cls, rt.trainer_ranks, (cfg,))
-                where[role] = colocated_pool(role, pools["actor"], pools)
-        # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
-        options: dict[str, Any] = {"backend": "ray", "timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+                self.workers[role] = (cls, rt.trainer_ranks, (cfg,))
+                self.where[role] = colocated_pool(role, pools["actor"], pools)
 
-        def start() -> tuple[
-            WorkerGroup, CollectiveSync, RolloutRole, CriticRole | None, ReferenceRole | None
-        ]:
-            """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
-            nonlocal rollout
-            # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
-            with ThreadPoolExecutor(len(workers)) as threads:
-                starting = [
-                    threads.submit(
-                        WorkerGroup,
-                        cls,
-                        n,
-                        role=role,
-                        pool=where[role],
-                        init_args=args,
-                        standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
-                        warm=rt.trainer_warm,
-                        **options,
-                    )
-                    for role, (cls, n, args) in workers.items()
-                ]
-            groups.extend(f.result() for f in starting if f.exception() is None)
-            trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
-            # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
-            # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
-            address, layout = trainer.call("join", trainer.call("rendezvous")[0])[0]
-            sync = CollectiveSync(trainer, engines, address, layout)
-            rollout = RolloutRole(engines, sync, pools["rollout"], rt.max_engine_replacements)
-            more = dict(zip(list(workers)[2:], others))  # role -> group: critic, ref
-            critic = (
-                CriticRole(more["critic"]) if "critic" in more else None
-            )  # its ranks join a world of their own
-            reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
-            return trainer, sync, rollout, critic, reference
+    def start(self) -> None:
+        """Start the groups, at most runtime.max_restarts times again when a rank is lost meanwhile.
 
-        # A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
-        # as a lost rank mid-run costs a restart: at most runtime.max_restarts times, then the run is given up
-        # (WorkersLost: the CLI exits EX_TEMPFAIL for a job controller to retry). A rank that raised is not retried
-        # (its constructor would raise again), nor one past runtime.call_timeout_s (slow, not lost: a start again
-        # would be slower still). The env workers replace their own (envs.pool).
+        A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
+        as a lost rank mid-run costs a restart; then the run is given up (WorkersLost: the CLI exits EX_TEMPFAIL
+        for a job controller to retry). A rank that raised is not retried (its constructor would raise again), nor
+        one past runtime.call_timeout_s (slow, not lost: a start again would be slower still). The env workers
+        replace their own (envs.pool)."""
+        rt = self.rt
         for attempt in range(rt.max_restarts + 1):
             try:
-                trainer, sync, rollout, critic, reference = start()
-                break
+                self._start_groups()
+                return
             except WorkerDiedError as e:
                 lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
-                stop_groups()
+                self.stop_groups()
                 if attempt == rt.max_restarts:
                     raise WorkersLost(
                         f"{lost}: a worker was lost while the roles started, and runtime.max_restarts="
@@ -234,39 +212,95 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
                     f"{rt.max_restarts})",
                     flush=True,
                 )
-    except BaseException:
-        shutdown()
-        raise
 
-    def restart_group(role: str) -> None:
+    def _start_groups(self) -> None:
+        """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
+        from loopline.runtime.critic import CriticRole
+
+        rt = self.rt
+        # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
+        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+        # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
+        with ThreadPoolExecutor(len(self.workers)) as threads:
+            starting = [
+                threads.submit(
+                    RayGroup,
+                    cls,
+                    n,
+                    role=role,
+                    pool=self.where[role],
+                    init_args=args,
+                    standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
+                    warm=rt.trainer_warm,
+                    mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
+                    **options,
+                )
+                for role, (cls, n, args) in self.workers.items()
+            ]
+        self.groups.extend(f.result() for f in starting if f.exception() is None)
+        trainer, engines, *others = (f.result() for f in starting)  # raises the first failure
+        # The trainer ranks form their own world (FSDP2, checkpoints); the weight sync gets a group of its own
+        # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
+        address, layout = trainer.run("join", trainer.run("rendezvous"))
+        self.trainer, self.sync = trainer, CollectiveSync(trainer, engines, address, layout)
+        self.rollout = RolloutRole(engines, self.sync, self.pools["rollout"], rt.max_engine_replacements)
+        more = dict(zip(list(self.workers)[2:], others))  # role -> group: critic, ref
+        self.critic = (
+            CriticRole(more["critic"]) if "critic" in more else None
+        )  # its ranks join a world of their own
+        self.reference = ReferenceRole(more["ref"]) if "ref" in more else None  # so do the reference's
+
+    def stop_groups(self) -> None:
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+        for group in self.groups:
+            group.shutdown()
+        self.groups.clear()
+
+    def shutdown(self) -> None:
+        import ray
+
+        from loopline.runtime.placement import remove_pools
+
+        if self.scorer is not None:
+            self.scorer.close()
+        self.stop_groups()
+        if self.pools:
+            remove_pools(self.pools)
+        if self.started:
+            ray.shutdown()
+
+    def restart_group(self, role: str) -> None:
         """A rank of `role` died (or its world broke): that role's ranks are replaced, the rest keep running; the
         caller loads the checkpoint. Prints where the time went."""
         if role == "actor":
-            restart_trainer()
+            self.restart_trainer()
             return
-        group = {"critic": critic, "ref": reference}[role]
+        group = {"critic": self.critic, "ref": self.reference}[role]
         if group is None:
             raise ValueError(f"this run has no {role!r} group to restart")
         t0 = time.perf_counter()
         group.group.restart_ranks(list(range(group.group.world_size)))
         t1 = time.perf_counter()
-        group.group.call("join", group.group.call("rendezvous")[0])  # a new world of their own
+        group.group.call("join", group.group.run("rendezvous"))  # a new world of their own
         print(
             f"{role} ranks restarted in {time.perf_counter() - t0:.2f}s (new actors {t1 - t0:.2f}s, world joined "
             f"{time.perf_counter() - t1:.2f}s)",
             flush=True,
         )
 
-    def restart_trainer() -> None:
+    def restart_trainer(self) -> None:
         """A trainer rank died (or its world broke): every rank's actor is replaced in its bundle (by its spare with
         runtime.trainer_standby), the new ranks form a new world, and the engines open the weight sync against its
         new store. The caller loads the checkpoint into it; engines, env workers, the critic and the reference keep
         running. Prints where the time went."""
+        trainer, sync = cast(WorkerGroup, self.trainer), cast(CollectiveSync, self.sync)
         t0 = time.perf_counter()
         trainer.restart_ranks(list(range(trainer.world_size)))  # new processes import torch; spares have
         t1 = time.perf_counter()
         # the new world, the model sharded over it, rank 0 serving the sync's store
-        sync.serve(*trainer.call("join", trainer.call("rendezvous")[0])[0])
+        sync.serve(*trainer.run("join", trainer.run("rendezvous")))
         t2 = time.perf_counter()
         sync.open()  # the engines reconnect
         t3 = time.perf_counter()
@@ -277,22 +311,3 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
             f"{t2 - t1:.2f}s, weight sync reopened {t3 - t2:.2f}s)",
             flush=True,
         )
-
-    assert rollout is not None  # started above, or raised
-    return Roles(
-        ActorRole(
-            trainer,
-            model,
-            reference,
-            rt.trainer_tp,
-            rt.trainer_pp,
-            rt.trainer_replicas,
-            restart_trainer if rt.trainer_replicas > 1 else None,
-            rt.max_restarts,
-        ),  # fmt: skip
-        rollout,
-        scorer,
-        shutdown,
-        critic,
-        restart_group,
-    )

@@ -1,15 +1,16 @@
 """Worker groups: N ranks of one plain Python class, driven by a single controller.
 
-The controller calls a method by name on every rank and gets one result per rank. Backends:
-- `local`: one rank in this process; the object is called directly (the embedded default, no Ray).
-- `ray`: one Ray actor per bundle of the role's pool (placement.place_pools), pinned to its bundle.
+The controller calls a method by name on every rank and gets one result per rank. `WorkerGroup` is the
+interface; each backend is one implementation of it (runtime.roles picks which, once):
+- `LocalGroup`: one rank in this process; the object is called directly (the embedded default, no Ray).
+- `RayGroup`: one Ray actor per bundle of the role's pool (placement.place_pools), pinned to its bundle.
 
 Every rank finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
 environment, so a worker can call torch.distributed.init_process_group("gloo") with the default env://
 rendezvous. Failures name the role, the rank and the method: a method that raised (WorkerError), a call
 that did not finish in time (WorkerTimeoutError), a rank whose process is gone (WorkerDiedError).
 
-On ray a running group can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
+A running RayGroup can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
 starts more ranks in bundles the caller found, `remove_ranks` stops the last ones; `settle` collects every
 outcome of a call, so a caller can recover from some failures (the roles decide which; engine.RolloutRole).
 With `standby`, every rank has a spare: a second actor of the same class, arguments and environment in the
@@ -28,9 +29,10 @@ from __future__ import annotations
 import os
 import socket
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Self
 
 from loopline.ray_actors import (
     ActorGone,
@@ -42,11 +44,10 @@ from loopline.ray_actors import (
     start_actor,
     warm_class,
 )
+from loopline.runtime.dispatch import RankMesh, gather, rule_of, split_args
 
 if TYPE_CHECKING:
     from loopline.runtime.placement import Pool
-
-Backend = Literal["local", "ray"]
 
 
 class WorkerError(RuntimeError):
@@ -107,15 +108,223 @@ def _rank_env(
     }
 
 
-class WorkerGroup:
-    """N ranks of one worker class for one role; call a method on all ranks and get one result per rank."""
+class WorkerGroup(ABC):
+    """N ranks of one worker class for one role; call a method on all ranks and get one result per rank.
+
+    The interface both backends implement (LocalGroup, RayGroup): the calls, their futures and their failures are
+    the same; only a Ray group's ranks can change while it runs (the local one raises ValueError)."""
+
+    def __init__(
+        self, cls: type, num_ranks: int, role: str, timeout_s: float | None, mesh: RankMesh | None
+    ) -> None:
+        if num_ranks < 1:
+            raise ValueError(f"role '{role}': num_ranks must be >= 1, got {num_ranks}")
+        self.cls, self.role, self.world_size, self.timeout_s = cls, role, num_ranks, timeout_s
+        self.mesh = (
+            mesh or RankMesh()
+        )  # how `run` splits a batch: over dp ranks, shared by tp ranks and stages
+        self._ranks: list[Any] = []  # the worker objects (local) or actor handles (ray), in rank order
+
+    # -----------------------------------------------------------------------------------------------------
+    # Calls
+    # -----------------------------------------------------------------------------------------------------
+
+    def run(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call `method` as its `@dispatch` declares (runtime.dispatch): its arguments split over the ranks, the
+        ranks' results gathered into one."""
+        rule = rule_of(self.cls, method)
+        per_rank, rows = split_args(rule, self.mesh, self.world_size, args)
+        return gather(rule, self.mesh, self.call_each(method, per_rank, timeout_s=timeout_s), rows)
+
+    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        """Call `method(*args, **kwargs)` on every rank; return the results in rank order."""
+        return self.wait(self.call_async(method, *args, **kwargs), timeout_s)
+
+    def call_each(
+        self, method: str, args_per_rank: list[tuple[Any, ...]], *, timeout_s: float | None = None
+    ) -> list[Any]:
+        """Call `method(*args_per_rank[r])` on each rank r (e.g. one data shard per rank); results in rank order."""
+        if len(args_per_rank) != self.world_size:
+            raise ValueError(
+                f"role '{self.role}' {method}(): got {len(args_per_rank)} argument tuples for {self.world_size} ranks"
+            )
+        futures = [self._submit(r, method, tuple(a), {}) for r, a in enumerate(args_per_rank)]
+        return self.wait(futures, timeout_s)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
+        """Start `method(*args, **kwargs)` on every rank without waiting; collect with wait()."""
+        return [self._submit(r, method, args, kwargs) for r in range(self.world_size)]
+
+    def submit(self, rank: int, method: str, *args: Any, side: bool = False, **kwargs: Any) -> RankFuture:
+        """Start `method(*args, **kwargs)` on one rank without waiting; collect with wait() or settle().
+        side: (ray) in the class's "side" concurrency group (its `concurrency_groups`), beside a call that runs."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"role '{self.role}' {method}(): no rank {rank} among {self.world_size}")
+        return self._submit(rank, method, args, kwargs, side)
+
+    def _submit(
+        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool = False
+    ) -> RankFuture:
+        self._running(method)
+        if not callable(getattr(self.cls, method, None)):
+            raise AttributeError(f"role '{self.role}': {self.cls.__name__} has no method '{method}'")
+        if side and "side" not in (getattr(self.cls, "concurrency_groups", None) or {}):
+            raise ValueError(f"role '{self.role}': {self.cls.__name__} has no 'side' concurrency group")
+        return self._start_call(rank, method, args, kwargs, side)
+
+    def _running(self, what: str) -> None:
+        if not self._ranks:
+            raise ValueError(f"role '{self.role}' {what}(): the worker group is shut down")
+
+    @abstractmethod
+    def _start_call(
+        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool
+    ) -> RankFuture:
+        """Start one checked call on one rank."""
+
+    @abstractmethod
+    def wait(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
+        """Results of `futures` in their order; raise at the first failed rank, or when timeout_s runs out.
+
+        timeout_s: None = the group's timeout_s (None there = no limit). The first failure seen is raised
+        at once, so a rank that died surfaces even while the others block waiting for it in a collective.
+        """
+
+    def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
+        """Like wait, but waits for every call and puts a WorkerError in the place of each failed one; a call
+        still running at the deadline raises WorkerTimeoutError. For callers that recover from some failures."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outcomes: list[Any] = []
+        for f in futures:
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            try:
+                outcomes.append(self.wait([f], left)[0])
+            except WorkerTimeoutError:
+                raise
+            except WorkerError as e:
+                outcomes.append(e)
+        return outcomes
+
+    def put(self, value: Any) -> Any:
+        """`value` as an argument for every rank (one copy in Ray's object store on ray)."""
+        return value
+
+    def made(self, futures: list[RankFuture], timeout_s: float | None = None) -> None:
+        """Wait until every call of `futures` has ended without fetching their values (ray: their refs can then go
+        to other ranks as arguments); a local call has ended when it is submitted."""
+        return None
+
+    # -----------------------------------------------------------------------------------------------------
+    # The ranks: only a Ray group's can change while it runs
+    # -----------------------------------------------------------------------------------------------------
+
+    def start_spares(self) -> None:
+        """With standby, start a spare for every rank that has none, without waiting for it (ray)."""
+        return None  # a local group has no spares
+
+    def restart_ranks(self, ranks: list[int]) -> None:
+        """Replace the actors of `ranks` with new ones in their bundles (ray)."""
+        raise self._fixed("restart_rank")
+
+    def restart_rank(self, rank: int) -> None:
+        """Replace rank `rank`'s actor (ray; restart_ranks)."""
+        self.restart_ranks([rank])
+
+    def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
+        """Start one more rank in each (pool, bundle index) of `places` (ray)."""
+        raise self._fixed("add_ranks")
+
+    def remove_ranks(self, keep: int) -> list[tuple[Pool, int]]:
+        """Stop the ranks from `keep` on; return their places (ray)."""
+        raise self._fixed("remove_ranks")
+
+    def places(self) -> list[tuple[Pool, int]]:
+        """(pool, bundle index) of every rank, in rank order (ray)."""
+        raise self._fixed("places")
+
+    def local(self) -> Any:
+        """The worker object of the one rank in this process (local backend), for checks and tests."""
+        raise ValueError(f"role '{self.role}': only a running local group has its worker in this process")
+
+    def _fixed(self, what: str) -> ValueError:
+        return ValueError(
+            f"role '{self.role}' {what}(): the local backend runs one fixed rank in this process"
+        )
+
+    # -----------------------------------------------------------------------------------------------------
+    # Lifetime
+    # -----------------------------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop every rank; safe to call twice."""
+        self._ranks = []
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+class LocalGroup(WorkerGroup):
+    """One rank in this process: the worker object is called directly, in the caller's thread (the embedded
+    default, no Ray). Its environment is this process's environment."""
+
+    def __init__(
+        self,
+        cls: type,
+        *,
+        role: str = "worker",
+        init_args: tuple[Any, ...] = (),
+        init_kwargs: dict[str, Any] | None = None,
+        env_vars: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        mesh: RankMesh | None = None,
+    ) -> None:
+        """Build the worker in this process. env_vars: extra environment (RANK, WORLD_SIZE, ... take precedence).
+        timeout_s: kept for the interface; a call in the caller's thread cannot be timed out."""
+        super().__init__(cls, 1, role, timeout_s, mesh)
+        os.environ.update({**(env_vars or {}), **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
+        try:
+            self._ranks = [cls(*init_args, **(init_kwargs or {}))]
+        except Exception as e:
+            raise WorkerError(role, 0, "__init__", f"raised {type(e).__name__}: {e}") from e
+
+    def _start_call(
+        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool
+    ) -> RankFuture:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(getattr(self._ranks[rank], method)(*args, **kwargs))
+        except Exception as e:
+            done.set_exception(e)
+        return RankFuture(rank, method, done)
+
+    def wait(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
+        return [self._result(f) for f in futures]
+
+    def _result(self, f: RankFuture) -> Any:
+        """The value of one finished call, or its failure as a WorkerError naming role, rank and method."""
+        try:
+            return f.ref.result()
+        except Exception as e:
+            raise WorkerError(self.role, f.rank, f.method, f"raised {type(e).__name__}: {e}") from e
+
+    def local(self) -> Any:
+        self._running("local")
+        return self._ranks[0]
+
+
+class RayGroup(WorkerGroup):
+    """One Ray actor per bundle of the role's pool (placement.place_pools), pinned to its bundle; its ranks can be
+    replaced, added and removed while it runs, and can have spares (standby)."""
 
     def __init__(
         self,
         cls: type,
         num_ranks: int = 1,
         *,
-        backend: Backend = "local",
         role: str = "worker",
         pool: Pool | None = None,
         init_args: tuple[Any, ...] = (),
@@ -125,42 +334,25 @@ class WorkerGroup:
         timeout_s: float | None = None,
         standby: bool = False,
         warm: bool = False,
+        mesh: RankMesh | None = None,
     ) -> None:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
-        pool: where the ray backend puts rank i (bundle i of the pool); the local backend takes none.
+        pool: where rank i goes (bundle i of the pool).
         env_vars: extra environment for every rank (RANK, WORLD_SIZE, ... take precedence).
-        max_restarts: passed to Ray's actor options (ray backend only).
+        max_restarts: passed to Ray's actor options.
         timeout_s: default limit for construction and for every call; None = no limit.
-        standby: (ray) a spare for every rank, started once the ranks are ready; a restart promotes it. Spares
+        standby: a spare for every rank, started once the ranks are ready; a restart promotes it. Spares
         take no resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
         warm: (with standby) the spares are warm processes, not built ranks: imports paid, constructor run when
         a restart promotes them.
+        mesh: the ranks' (pp, dp, tp) shape, for `run`; None = all data-parallel.
         """
-        if backend not in ("local", "ray"):
-            raise ValueError(f"backend must be 'local' or 'ray', got {backend!r}")
-        if num_ranks < 1:
-            raise ValueError(f"role '{role}': num_ranks must be >= 1, got {num_ranks}")
-        self.cls, self.role, self.backend, self.world_size = cls, role, backend, num_ranks
-        self.timeout_s = timeout_s
-        self._ranks: list[Any] = []  # local: [the worker object]; ray: one actor handle per rank
-        self._places: list[tuple[Pool, int]] = []  # ray: (pool, bundle index) of each rank
-        self._standby: dict[int, Any] | None = {} if standby else None  # ray: rank -> its spare's actor
-        self._warm = standby and warm  # ray: the spares are warm processes (warm_class), built when promoted
-        init_kwargs, env_vars = dict(init_kwargs or {}), dict(env_vars or {})
-        if backend == "local":
-            if num_ranks != 1 or pool is not None or standby:
-                raise ValueError(
-                    f"role '{role}': the local backend runs one rank in this process, without a pool or spare"
-                )
-            # One rank in this very process: its environment is this process's environment.
-            os.environ.update({**env_vars, **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
-            try:
-                self._ranks = [cls(*init_args, **init_kwargs)]
-            except Exception as e:
-                raise WorkerError(role, 0, "__init__", f"raised {type(e).__name__}: {e}") from e
-        else:
-            self._start_actors(pool, init_args, init_kwargs, env_vars, max_restarts)
+        super().__init__(cls, num_ranks, role, timeout_s, mesh)
+        self._places: list[tuple[Pool, int]] = []  # (pool, bundle index) of each rank
+        self._standby: dict[int, Any] | None = {} if standby else None  # rank -> its spare's actor
+        self._warm = standby and warm  # the spares are warm processes (warm_class), built when promoted
+        self._start_actors(pool, init_args, dict(init_kwargs or {}), dict(env_vars or {}), max_restarts)
 
     def _start_actors(
         self,
@@ -254,10 +446,6 @@ class WorkerGroup:
                 by_pool[id(pool)] = pool.bundle_nodes()
         return [by_pool[id(pool)][b] for pool, b in self._places]
 
-    # -----------------------------------------------------------------------------------------------------
-    # Changing the ranks of a running group (ray): replace one, add some, remove the last ones
-    # -----------------------------------------------------------------------------------------------------
-
     def restart_rank(self, rank: int) -> None:
         """Kill rank `rank`'s actor (if still alive) and start a new one in its bundle, with the same arguments
         and environment; wait (at most timeout_s) until it is built. The other ranks are not touched."""
@@ -266,7 +454,7 @@ class WorkerGroup:
     def restart_ranks(self, ranks: list[int]) -> None:
         """restart_rank for each of `ranks`, the new actors starting side by side; with standby, each rank's
         spare takes its place (start_spares starts new ones: after the restart, so as not to slow it down)."""
-        self._ray_only("restart_rank")
+        self._running("restart_rank")
         for rank in ranks:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
@@ -292,7 +480,7 @@ class WorkerGroup:
     def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
         """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;
         on failure the new ones are stopped and the group is as before."""
-        self._ray_only("add_ranks")
+        self._running("add_ranks")
         for pool, _ in places:
             _check_role(self.role, pool)
         first = self.world_size
@@ -312,7 +500,7 @@ class WorkerGroup:
 
     def remove_ranks(self, keep: int) -> list[tuple[Pool, int]]:
         """Stop the ranks from `keep` on (their actors are killed); return their places, last rank last."""
-        self._ray_only("remove_ranks")
+        self._running("remove_ranks")
         if not 1 <= keep <= self.world_size:
             raise ValueError(
                 f"role '{self.role}': cannot keep {keep} of {self.world_size} ranks (1 at least)"
@@ -329,92 +517,24 @@ class WorkerGroup:
             return []
         return [self._standby.pop(r) for r in sorted(self._standby) if r >= first]
 
-    def local(self) -> Any:
-        """The worker object of the one rank in this process (local backend), for checks and tests."""
-        if self.backend != "local" or not self._ranks:
-            raise ValueError(f"role '{self.role}': only a running local group has its worker in this process")
-        return self._ranks[0]
-
     def places(self) -> list[tuple[Pool, int]]:
-        """(pool, bundle index) of every rank, in rank order (ray)."""
+        """(pool, bundle index) of every rank, in rank order."""
         return list(self._places)
 
-    def _ray_only(self, what: str) -> None:
-        if self.backend != "ray":
-            raise ValueError(
-                f"role '{self.role}' {what}(): the local backend runs one fixed rank in this process"
-            )
-        if not self._ranks:
-            raise ValueError(f"role '{self.role}' {what}(): the worker group is shut down")
-
-    # -----------------------------------------------------------------------------------------------------
-    # Calls
-    # -----------------------------------------------------------------------------------------------------
-
     def put(self, value: Any) -> Any:
-        """`value` as an argument for every rank: one copy in Ray's object store (ray), the value itself (local)."""
-        if self.backend != "ray":
-            return value
         import ray
 
         return ray.put(value)
 
-    def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        """Call `method(*args, **kwargs)` on every rank; return the results in rank order."""
-        return self.wait(self.call_async(method, *args, **kwargs), timeout_s)
-
-    def call_each(
-        self, method: str, args_per_rank: list[tuple[Any, ...]], *, timeout_s: float | None = None
-    ) -> list[Any]:
-        """Call `method(*args_per_rank[r])` on each rank r (e.g. one data shard per rank); results in rank order."""
-        if len(args_per_rank) != self.world_size:
-            raise ValueError(
-                f"role '{self.role}' {method}(): got {len(args_per_rank)} argument tuples for {self.world_size} ranks"
-            )
-        futures = [self._submit(r, method, tuple(a), {}) for r, a in enumerate(args_per_rank)]
-        return self.wait(futures, timeout_s)
-
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[RankFuture]:
-        """Start `method(*args, **kwargs)` on every rank without waiting; collect with wait()."""
-        return [self._submit(r, method, args, kwargs) for r in range(self.world_size)]
-
-    def submit(self, rank: int, method: str, *args: Any, side: bool = False, **kwargs: Any) -> RankFuture:
-        """Start `method(*args, **kwargs)` on one rank without waiting; collect with wait() or settle().
-        side: (ray) in the class's "side" concurrency group (its `concurrency_groups`), beside a call that runs."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"role '{self.role}' {method}(): no rank {rank} among {self.world_size}")
-        return self._submit(rank, method, args, kwargs, side)
-
-    def _submit(
-        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool = False
+    def _start_call(
+        self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool
     ) -> RankFuture:
-        if not self._ranks:
-            raise ValueError(f"role '{self.role}' {method}(): the worker group is shut down")
-        if not callable(getattr(self.cls, method, None)):
-            raise AttributeError(f"role '{self.role}': {self.cls.__name__} has no method '{method}'")
-        if side and "side" not in (getattr(self.cls, "concurrency_groups", None) or {}):
-            raise ValueError(f"role '{self.role}': {self.cls.__name__} has no 'side' concurrency group")
-        if self.backend == "ray":
-            call = getattr(self._ranks[rank], method)
-            call = call.options(concurrency_group="side") if side else call
-            return RankFuture(rank, method, call.remote(*args, **kwargs))
-        done: Future[Any] = Future()
-        try:
-            done.set_result(getattr(self._ranks[rank], method)(*args, **kwargs))
-        except Exception as e:
-            done.set_exception(e)
-        return RankFuture(rank, method, done)
+        call = getattr(self._ranks[rank], method)
+        call = call.options(concurrency_group="side") if side else call
+        return RankFuture(rank, method, call.remote(*args, **kwargs))
 
     def wait(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
-        """Results of `futures` in their order; raise at the first failed rank, or when timeout_s runs out.
-
-        timeout_s: None = the group's timeout_s (None there = no limit). The first failure seen is raised
-        at once, so a rank that died surfaces even while the others block waiting for it in a collective.
-        """
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        if self.backend == "local":
-            return [self._result(f) for f in futures]
-
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         pending = {f.ref: i for i, f in enumerate(futures)}
         results: dict[int, Any] = {}
@@ -440,8 +560,8 @@ class WorkerGroup:
 
     def made(self, futures: list[RankFuture], timeout_s: float | None = None) -> None:
         """Wait (at most timeout_s, None = the group's) until every call of `futures` has ended, without fetching
-        their values (ray): their refs can then go to other ranks as arguments. A failure shows where it is used."""
-        if self.backend != "ray" or not futures:
+        their values: their refs can then go to other ranks as arguments. A failure shows where it is used."""
+        if not futures:
             return
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -454,29 +574,8 @@ class WorkerGroup:
                 raise WorkerTimeoutError(self.role, f.rank, f.method, f"did not finish within {timeout_s:g}s")
             pending = [r for r in pending if r not in done]
 
-    def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
-        """Like wait, but waits for every call and puts a WorkerError in the place of each failed one; a call
-        still running at the deadline raises WorkerTimeoutError. For callers that recover from some failures."""
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        outcomes: list[Any] = []
-        for f in futures:
-            left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            try:
-                outcomes.append(self.wait([f], left)[0])
-            except WorkerTimeoutError:
-                raise
-            except WorkerError as e:
-                outcomes.append(e)
-        return outcomes
-
     def _result(self, f: RankFuture) -> Any:
         """The value of one finished call, or its failure as a WorkerError naming role, rank and method."""
-        if self.backend == "local":
-            try:
-                return f.ref.result()
-            except Exception as e:
-                raise WorkerError(self.role, f.rank, f.method, f"raised {type(e).__name__}: {e}") from e
         try:
             return get(f.ref)
         except ActorRaised as e:
@@ -485,18 +584,7 @@ class WorkerGroup:
         except ActorGone as e:
             raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's actor {e}") from e.__cause__
 
-    # -----------------------------------------------------------------------------------------------------
-    # Lifetime
-    # -----------------------------------------------------------------------------------------------------
-
     def shutdown(self) -> None:
         """Stop every rank (Ray actors are killed, without restart); safe to call twice."""
-        if self.backend == "ray":
-            kill(*self._ranks, *self._drop_spares(0))
+        kill(*self._ranks, *self._drop_spares(0))
         self._ranks = []
-
-    def __enter__(self) -> WorkerGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()

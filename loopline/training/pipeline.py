@@ -26,7 +26,7 @@ import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -92,15 +92,13 @@ def pad_batch(batch: B, rows: int, width: int) -> B:
     extra_rows, extra_cols = rows - len(batch), width - batch.input_ids.shape[1]
     if len(batch) == 0 or extra_rows < 0 or extra_cols < 0:
         raise ValueError(f"cannot pad a {tuple(batch.input_ids.shape)} batch to ({rows}, {width})")
-    out = {}
-    for f in fields(batch):
-        value = getattr(batch, f.name)
-        if isinstance(value, torch.Tensor):
-            if value.ndim == 2:  # per token: (B, L) or (B, C)
-                value = nn.functional.pad(value, (0, extra_cols))
-            value = torch.cat([value, value[:1].expand(extra_rows, *value.shape[1:])])
-        out[f.name] = value
-    padded = replace(batch, **out)
+
+    def pad(value: torch.Tensor) -> torch.Tensor:
+        if value.ndim == 2:  # per token: (B, L) or (B, C)
+            value = nn.functional.pad(value, (0, extra_cols))
+        return torch.cat([value, value[:1].expand(extra_rows, *value.shape[1:])])
+
+    padded = batch.apply(pad)
     padded.response_mask[len(batch) :] = 0.0
     return padded
 

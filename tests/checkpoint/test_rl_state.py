@@ -15,7 +15,7 @@ from loopline.rollout.engine import SamplingParams, TorchEngine
 from loopline.runtime.actor import local_actor
 from loopline.runtime.engine import EngineWorker, RolloutRole
 from loopline.runtime.engine_sync import InProcessSync
-from loopline.runtime.workers import WorkerGroup
+from loopline.runtime.workers import LocalGroup
 from loopline.training.critic import CriticTrainer, ScalarModel
 
 PROMPTS = [[5, 6, 7], [8, 9]]
@@ -48,7 +48,7 @@ def test_an_engine_generator_replays_from_its_saved_state(small_model, tokenizer
 
 def _local_rollout(engine: TorchEngine) -> RolloutRole:
     """One engine rank in this process (the local backend's rollout), synced from a local actor."""
-    engines = WorkerGroup(EngineWorker, role="rollout", init_args=(RunConfig(), engine))
+    engines = LocalGroup(EngineWorker, role="rollout", init_args=(RunConfig(), engine))
     return RolloutRole(engines, InProcessSync(local_actor(copy.deepcopy(engine.model)).group, engines))
 
 

@@ -35,3 +35,19 @@ def test_split_rows_slices_every_tensor_field():
     assert all(isinstance(p, RolloutBatch) and p.old_logprobs is None for p in parts)
     assert torch.cat([p.advantages for p in parts]).tolist() == [0, 1, 2, 3, 4]
     assert parts[2].rewards.tolist() == [40.0] and parts[2].ref_logprobs.tolist() == [[4.0]]
+
+
+def test_select_and_to_keep_the_type_and_none_fields():
+    tokens = collate([[1, 2], [3], [4, 5]], [[6], [7, 8], [9]], pad_id=0)
+    batch = RolloutBatch(
+        tokens.input_ids, tokens.attention_mask, tokens.response_mask,
+        old_logprobs=None, ref_logprobs=None, advantages=torch.tensor([0.5, -1.0, 2.0]),
+        rewards=torch.tensor([1.0, 0.0, 1.0]),
+    )  # fmt: skip
+    picked = batch.select(torch.tensor([2, 0]))
+    assert isinstance(picked, RolloutBatch) and picked.old_logprobs is None and picked.is_weights is None
+    assert picked.input_ids.tolist() == [tokens.input_ids[2].tolist(), tokens.input_ids[0].tolist()]
+    assert picked.advantages.tolist() == [2.0, 0.5] and picked.rewards.tolist() == [1.0, 1.0]
+    moved = batch.to(torch.device("meta"))
+    assert isinstance(moved, RolloutBatch) and moved.old_logprobs is None
+    assert moved.advantages.device.type == "meta" and moved.input_ids.device.type == "meta"

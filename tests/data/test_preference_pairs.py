@@ -103,3 +103,13 @@ def test_micro_batches_slice_every_field():
     assert torch.equal(torch.cat([p.ref_chosen for p in parts]), batch.ref_chosen)
     assert all(p.ref_rejected is None for p in parts)
     assert torch.equal(torch.cat([p.rejected.input_ids for p in parts]), batch.rejected.input_ids)
+
+
+def test_select_and_to_reach_both_token_batches():
+    prompts, responses = [[1, 2]] * 3, [[3], [3, 4], [5]]
+    batch = PairBatch(collate(prompts, responses, 0), collate(prompts, responses[::-1], 0), torch.arange(3.0))
+    picked = batch.select(torch.tensor([2, 1]))
+    assert picked.margin.tolist() == [2.0, 1.0] and picked.ref_chosen is None
+    assert torch.equal(picked.rejected.input_ids, batch.rejected.input_ids[[2, 1]])
+    moved = batch.to(torch.device("meta"))
+    assert moved.chosen.input_ids.device.type == "meta" and moved.rejected.response_mask.device.type == "meta"

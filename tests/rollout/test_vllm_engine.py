@@ -125,7 +125,7 @@ def test_weight_sync_lands_in_the_running_engine(engine, policy):
     samples under the new weights, its prefix cache (filled by the old ones) dropped."""
     from loopline.runtime.engine import EngineWorker
     from loopline.runtime.resharding import TrainerLayout
-    from loopline.runtime.workers import WorkerGroup
+    from loopline.runtime.workers import LocalGroup
 
     model, tokenizer = policy
     trainer = copy.deepcopy(model)
@@ -137,7 +137,7 @@ def test_weight_sync_lands_in_the_running_engine(engine, policy):
     params = SamplingParams(max_new_tokens=6, temperature=1.0, stop=())
     engine.generate([prompt], params, n=2)  # its prompt's KV blocks now sit in the prefix cache
     cfg = load_config(overrides=["rollout.engine=vllm"])
-    group = WorkerGroup(EngineWorker, role="rollout", init_args=(cfg, engine))  # the local backend's one rank
+    group = LocalGroup(EngineWorker, role="rollout", init_args=(cfg, engine))  # the local backend's one rank
     group.call("copy_weights", {0: engine_tensors(trainer)}, TrainerLayout(fsdp=1), 3, (0,))
     try:
         mine = engine_tensors(engine.model)

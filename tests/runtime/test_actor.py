@@ -11,7 +11,8 @@ import torch
 
 from loopline.config import OptimConfig
 from loopline.data.batches import collate
-from loopline.runtime.actor import ActorWorker, heal_sources, local_actor
+from loopline.runtime.actor import heal_sources, local_actor
+from loopline.runtime.actor_worker import ActorWorker
 from loopline.training.policy import PolicyTrainer
 
 OPTIM = OptimConfig(lr=1e-2, warmup_steps=0)

@@ -66,7 +66,7 @@ def _value_batch() -> ValueBatch:
 
 def test_two_critic_ranks_in_the_actor_bundles_step_like_one(ray_cluster: None) -> None:
     from loopline.runtime.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
-    from loopline.runtime.workers import WorkerGroup
+    from loopline.runtime.workers import LocalGroup, RayGroup
 
     cfg = load_config(overrides=[*ARGS, *RAY])
     # the actor's pool: 2 bundles of 1 CPU on a 4-CPU cluster; the critic ranks take no CPU of their own
@@ -74,12 +74,10 @@ def test_two_critic_ranks_in_the_actor_bundles_step_like_one(ray_cluster: None) 
     pools = place_pools(placement)
     pool = colocated_pool("critic", pools["actor"], pools)
     assert pool.placement_group is pools["actor"].placement_group and pool.rank_resources() == {}
-    group = WorkerGroup(
-        CriticWorker, 2, backend="ray", role="critic", pool=pool, init_args=(cfg,), timeout_s=120
-    )
+    group = RayGroup(CriticWorker, 2, role="critic", pool=pool, init_args=(cfg,), timeout_s=120)
     try:
         policy = load_policy(cfg.model, seed=cfg.seed)[0]
-        local_group = WorkerGroup(
+        local_group = LocalGroup(
             CriticWorker, role="critic", init_args=(cfg, policy)
         )  # one rank, this process
         ray_critic, local = CriticRole(group), CriticRole(local_group, sharded=False)

@@ -13,7 +13,7 @@ import torch
 from loopline.config import load_config
 from loopline.data.rows import PromptRow
 from loopline.rollout.engine import SamplingParams, TorchEngine
-from loopline.runtime.actor import ActorWorker
+from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.engine import EngineWorker
 from loopline.runtime.resharding import TrainerLayout, check_plan
 from loopline.runtime.roles import build_roles

@@ -32,7 +32,7 @@ def test_reference_ranks_give_the_policy_logprobs_and_read_back_their_shards(
     ray_cluster: None, tmp_path: Path
 ) -> None:
     from loopline.runtime.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
-    from loopline.runtime.workers import WorkerGroup
+    from loopline.runtime.workers import RayGroup
 
     cfg = load_config(overrides=OVERRIDES)
     pools = place_pools(
@@ -54,9 +54,7 @@ def test_reference_ranks_give_the_policy_logprobs_and_read_back_their_shards(
 
         refs = []
         for _ in range(2):
-            group = WorkerGroup(
-                ReferenceWorker, 2, backend="ray", role="ref", pool=pool, init_args=(cfg,), timeout_s=120
-            )
+            group = RayGroup(ReferenceWorker, 2, role="ref", pool=pool, init_args=(cfg,), timeout_s=120)
             groups.append(group)
             refs.append(ReferenceRole(group))
         first, second = refs

@@ -19,7 +19,14 @@ import ray
 import ray.cloudpickle
 
 from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
-from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup, WorkerTimeoutError
+from loopline.runtime.workers import (
+    LocalGroup,
+    RayGroup,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerTimeoutError,
+)
 
 LIMIT_S = 60.0  # no group in these tests may wait longer than this for anything
 
@@ -151,9 +158,7 @@ def test_heterogeneous_placement(cluster: dict[str, str]) -> None:
         {"actor": "train", "ref": "train", "rollout": "gen", "env": "env"},
     )
     groups = {
-        role: WorkerGroup(
-            Probe, n, backend="ray", role=role, pool=pools[role], env_vars={"TAG": role}, timeout_s=LIMIT_S
-        )
+        role: RayGroup(Probe, n, role=role, pool=pools[role], env_vars={"TAG": role}, timeout_s=LIMIT_S)
         for role, n in [("actor", 2), ("ref", 2), ("rollout", 1), ("env", 2)]
     }
     try:
@@ -180,9 +185,7 @@ def test_heterogeneous_placement(cluster: dict[str, str]) -> None:
 def test_ray_ranks_all_reduce_over_gloo(cluster: dict[str, str]) -> None:
     pools = _place([("train", 2, {"trainer": 1})], {"actor": "train"})
     try:
-        with WorkerGroup(
-            Probe, 2, backend="ray", role="actor", pool=pools["actor"], timeout_s=LIMIT_S
-        ) as group:
+        with RayGroup(Probe, 2, role="actor", pool=pools["actor"], timeout_s=LIMIT_S) as group:
             out = group.call_each("all_reduce", [(10.0,), (32.0,)])
     finally:
         remove_pools(pools)
@@ -201,9 +204,7 @@ def test_a_ray_rank_takes_the_threads_asked_at_most_its_cpus(cluster: dict[str, 
     try:
         got = {}
         for role in ("actor", "ref", "critic"):
-            with WorkerGroup(
-                Probe, 1, backend="ray", role=role, pool=pools[role], timeout_s=LIMIT_S
-            ) as group:
+            with RayGroup(Probe, 1, role=role, pool=pools[role], timeout_s=LIMIT_S) as group:
                 got[role] = group.call_each("threads", [(2,)])[0]
     finally:
         remove_pools(pools)
@@ -237,13 +238,12 @@ def test_local_backend_matches_ray_backend(cluster: dict[str, str]) -> None:
                 group.call("nope")
             return results
 
-    local = run(WorkerGroup(Accumulator, role="critic", init_args=(1.0,), init_kwargs={"scale": 3.0}))
+    local = run(LocalGroup(Accumulator, role="critic", init_args=(1.0,), init_kwargs={"scale": 3.0}))
     pools = _place([("gen", 1, {"gen": 1})], {"critic": "gen"})
     try:
         remote = run(
-            WorkerGroup(
+            RayGroup(
                 Accumulator,
-                backend="ray",
                 role="critic",
                 pool=pools["critic"],
                 init_args=(1.0,),
@@ -255,13 +255,13 @@ def test_local_backend_matches_ray_backend(cluster: dict[str, str]) -> None:
             WorkerError,
             match=r"role 'critic' rank 0 __init__\(\): raised RuntimeError: no weights at /nowhere",
         ):
-            WorkerGroup(Broken, backend="ray", role="critic", pool=pools["critic"], timeout_s=LIMIT_S)
+            RayGroup(Broken, role="critic", pool=pools["critic"], timeout_s=LIMIT_S)
     finally:
         remove_pools(pools)
     with pytest.raises(
         WorkerError, match=r"role 'critic' rank 0 __init__\(\): raised RuntimeError: no weights"
     ):
-        WorkerGroup(Broken, role="critic")
+        LocalGroup(Broken, role="critic")
 
     assert local == remote == [[("0", "1")], [7.0], [13.0], [10.0], [40.0]]
 
@@ -269,7 +269,7 @@ def test_local_backend_matches_ray_backend(cluster: dict[str, str]) -> None:
 def test_stuck_rank_times_out_naming_role_rank_method(cluster: dict[str, str]) -> None:
     pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
     try:
-        with WorkerGroup(Probe, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+        with RayGroup(Probe, 2, role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
             assert group.call("nap", 0.0) == ["awake", "awake"]
             futures = group.call_async("nap", 600.0)
             t0 = time.monotonic()
@@ -290,7 +290,7 @@ def test_a_side_call_is_answered_while_the_ranks_own_call_hangs(cluster: dict[st
     beside a call that hangs, while the rank's other calls still queue behind it."""
     pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
     try:
-        with WorkerGroup(Sider, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+        with RayGroup(Sider, 2, role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
             group.call_async("nap", 600.0)  # rank 1 sleeps in it
             assert group.wait([group.submit(1, "where", side=True)], timeout_s=LIMIT_S)[0]["RANK"] == "1"
             with pytest.raises(WorkerTimeoutError, match=r"rank 1 where\(\)"):
@@ -298,13 +298,13 @@ def test_a_side_call_is_answered_while_the_ranks_own_call_hangs(cluster: dict[st
     finally:
         remove_pools(pools)
     with pytest.raises(ValueError, match="Accumulator has no 'side' concurrency group"):
-        WorkerGroup(Accumulator, init_args=(0.0,)).submit(0, "add", 1.0, side=True)
+        LocalGroup(Accumulator, init_args=(0.0,)).submit(0, "add", 1.0, side=True)
 
 
 def test_dead_rank_is_reported_by_role_and_rank(cluster: dict[str, str]) -> None:
     pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
     try:
-        with WorkerGroup(Probe, 2, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+        with RayGroup(Probe, 2, role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
             # reported as a death (WorkerDiedError), not found out by the group's 60 s timeout
             with pytest.raises(
                 WorkerDiedError, match=r"role 'env' rank 1 exit_on_rank\(\): the rank's actor died"
@@ -320,7 +320,7 @@ def test_a_running_group_replaces_adds_and_removes_ranks(cluster: dict[str, str]
     pools = _place([("env", 2, {"env_node": 1})], {"env": "env"})
     extra = _place([("gen", 1, {"gen": 1})], {"env": "gen"})  # a one-bundle pool elsewhere, as resize makes
     try:
-        with WorkerGroup(Probe, 1, backend="ray", role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
+        with RayGroup(Probe, 1, role="env", pool=pools["env"], timeout_s=LIMIT_S) as group:
             group.add_ranks([(pools["env"], 1)])  # the pool's free bundle
             assert group.world_size == 2 and group.places() == [(pools["env"], 0), (pools["env"], 1)]
             # settle: every outcome, a dead rank's as a WorkerDiedError in its place
@@ -339,7 +339,7 @@ def test_a_running_group_replaces_adds_and_removes_ranks(cluster: dict[str, str]
         remove_pools(pools)
         remove_pools(extra)
     with pytest.raises(ValueError, match="the local backend runs one fixed rank"):
-        WorkerGroup(Accumulator, role="critic", init_args=(1.0,)).add_ranks([])
+        LocalGroup(Accumulator, role="critic", init_args=(1.0,)).add_ranks([])
 
 
 def test_spares_take_the_places_of_restarted_ranks(cluster: dict[str, str]) -> None:
@@ -348,9 +348,7 @@ def test_spares_take_the_places_of_restarted_ranks(cluster: dict[str, str]) -> N
     with the ranks' environment, on the ranks' node), start_spares starts new ones, shutdown stops them all."""
     pools = _place([("trainer", 2, {"trainer": 1})], {"actor": "trainer"})
     try:
-        with WorkerGroup(
-            Probe, 2, backend="ray", role="actor", pool=pools["actor"], timeout_s=LIMIT_S, standby=True
-        ) as group:
+        with RayGroup(Probe, 2, role="actor", pool=pools["actor"], timeout_s=LIMIT_S, standby=True) as group:
             ranks = group.call("pid")
             spares = [group._standby[r] for r in (0, 1)]  # started once the ranks were ready
             spare_pids = ray.get([s.pid.remote() for s in spares], timeout=LIMIT_S)
@@ -384,8 +382,8 @@ def test_warm_spares_build_the_ranks_they_replace(cluster: dict[str, str]) -> No
     state held); restart_ranks builds each rank in its spare's process, with the rank's arguments and environment."""
     pools = _place([("trainer", 2, {"trainer": 1})], {"actor": "trainer"})
     try:
-        with WorkerGroup(
-            Built, 2, backend="ray", role="actor", pool=pools["actor"], init_args=(5.0,), timeout_s=LIMIT_S,
+        with RayGroup(
+            Built, 2, role="actor", pool=pools["actor"], init_args=(5.0,), timeout_s=LIMIT_S,
             standby=True, warm=True,
         ) as group:  # fmt: skip
             assert group.call("add", 1.0) == [6.0, 6.0]
