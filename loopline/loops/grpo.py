@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 
 from loopline.algorithms.dapo import informative_groups, mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
-from loopline.algorithms.losses import behaviour_weights, kl_estimate
+from loopline.algorithms.losses import behaviour_weights, kl_estimate, logprob_mismatch
 from loopline.algorithms.reward import whiten_clip
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.ledger import SampleId
@@ -519,7 +519,7 @@ def _grpo_step(
         mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
         tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
         ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-        correction = None
+        correction, mismatch = None, None
         if cfg.behaviour_correction != "none":
             # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
             old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
@@ -527,8 +527,14 @@ def _grpo_step(
             correction = behaviour_weights(
                 proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap
             )
+            mismatch = logprob_mismatch(proximal, behaviour, mask)
         else:
             old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+            if (
+                ctx.cfg.engine_dtype != ctx.cfg.compute_dtype
+            ):  # engine and trainer differ: measure by how much
+                _, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
+                mismatch = logprob_mismatch(proximal, engine_logprobs(completions, mask.shape[1]), mask)
         reward_kl = (
             kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
         )
@@ -600,6 +606,8 @@ def _grpo_step(
             behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
             behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
         )  # fmt: skip
+    if mismatch is not None:  # the engine's sampled log-probs against the trainer's, same tokens
+        row.update(logprob_mismatch_kl=mismatch[0], logprob_mismatch_max_abs=mismatch[1])
     if critic is not None:
         row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
     if cfg.max_staleness:
