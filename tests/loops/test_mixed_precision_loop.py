@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
+from loopline.checkpoint.export import export
 from loopline.checkpoint.state import RunState
 from loopline.config import load_config
 from loopline.loops.context import build_context
@@ -52,6 +54,13 @@ def test_mixed_precision_run_trains_fp32_masters_and_feeds_a_bf16_engine(tmp_pat
     assert all(torch.equal(engine[n], p.detach().to(torch.bfloat16)) for n, p in masters.items())
     assert rows[0]["grad_norm"] > 0
     assert "logprob_mismatch_kl" not in rows[0]  # engine and trainer both compute in bf16: not measured
+    # the checkpoint keeps the fp32 masters; export writes them as they are, or rounded to the dtype asked for
+    as_is, rounded = export(tmp_path, tmp_path / "fp32"), export(tmp_path, tmp_path / "bf16", "bfloat16")
+    saved = load_file(as_is / "model.safetensors")
+    low = load_file(rounded / "model.safetensors")
+    for name, p in masters.items():
+        assert torch.equal(saved[name], p.detach()), name
+        assert low[name].dtype == torch.bfloat16 and torch.equal(low[name], p.detach().to(torch.bfloat16)), name
 
 
 ARGS = [
