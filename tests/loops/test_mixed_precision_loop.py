@@ -60,7 +60,9 @@ def test_mixed_precision_run_trains_fp32_masters_and_feeds_a_bf16_engine(tmp_pat
     low = load_file(rounded / "model.safetensors")
     for name, p in masters.items():
         assert torch.equal(saved[name], p.detach()), name
-        assert low[name].dtype == torch.bfloat16 and torch.equal(low[name], p.detach().to(torch.bfloat16)), name
+        assert low[name].dtype == torch.bfloat16 and torch.equal(low[name], p.detach().to(torch.bfloat16)), (
+            name
+        )
 
 
 ARGS = [

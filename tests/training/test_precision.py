@@ -4,7 +4,6 @@ FSDP2's MixedPrecisionPolicy give the same gradients."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ from loopline.config import OptimConfig, TinyModelConfig
 from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.models.load import build_tiny_model
 from loopline.models.tokenizer import build_byte_tokenizer
-from loopline.training.precision import cast_in_forward
 from loopline.training.policy import PolicyTrainer, response_logprobs
+from loopline.training.precision import cast_in_forward
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
