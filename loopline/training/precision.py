@@ -61,38 +61,38 @@ def cast_in_forward(model: nn.Module, mode: str) -> nn.Module:
     if mode == "none" or getattr(model, "_loopline_casts", None) is not None:
         return model
     casts = _Casts(COMPUTE_DTYPES[mode])
-    model._loopline_casts = casts  # type: ignore[assignment]  # marks the model (and travels with a deep copy)
+    model.__dict__["_loopline_casts"] = casts  # marks the model (and travels with a deep copy)
     model.register_forward_pre_hook(_open)
     model.register_forward_hook(_close, always_call=True)
     for module in model.modules():
         if any(p is not None and p.is_floating_point() for p in module._parameters.values()):
-            module._loopline_casts = casts  # type: ignore[assignment]
+            module.__dict__["_loopline_casts"] = casts
             module.register_forward_pre_hook(_swap_in)
             module.register_forward_hook(_swap_out, always_call=True)
     return model
 
 
 def _open(model: nn.Module, args: Any) -> None:
-    casts = model._loopline_casts
+    casts: _Casts = model.__dict__["_loopline_casts"]
     if casts.depth == 0:
         casts.copies = {}
     casts.depth += 1
 
 
 def _close(model: nn.Module, args: Any, output: Any) -> None:
-    casts = model._loopline_casts
+    casts: _Casts = model.__dict__["_loopline_casts"]
     casts.depth -= 1
     if casts.depth == 0:
         casts.copies = None  # the copies live on only in the autograd graph, until its backward
 
 
 def _swap_in(module: nn.Module, args: Any) -> None:
-    casts: _Casts = module._loopline_casts  # type: ignore[assignment]
+    casts: _Casts = module.__dict__["_loopline_casts"]
     masters = {n: p for n, p in module._parameters.items() if p is not None and p.is_floating_point()}
-    module._loopline_masters = masters  # type: ignore[assignment]
+    module.__dict__["_loopline_masters"] = masters
     for name, param in masters.items():
         # a plain tensor where the Parameter was, for this call only: module.weight reads it
-        module._parameters[name] = casts.copy(param)  # type: ignore[assignment]
+        module._parameters[name] = casts.copy(param)  # type: ignore[assignment]  # a Tensor, not a Parameter
 
 
 def _swap_out(module: nn.Module, args: Any, output: Any) -> None:
