@@ -310,7 +310,7 @@ class SyncGroup:
     def connect(cls, address: tuple[str, int], host: str, timeout_s: float) -> SyncGroup:
         """Connect to the store served at `address`; host: this process's address."""
         store = dist.TCPStore(address[0], address[1], is_master=False, timeout=_delta(timeout_s))
-        return cls(store, tuple(address), host, timeout_s)
+        return cls(store, tuple(address), host, timeout_s)  # type: ignore[arg-type]
 
     def open(self, generation: int, rank: int, size: int) -> None:
         """Close the current group; build generation `generation` as rank `rank` of `size` (all members at once)."""
