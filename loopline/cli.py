@@ -191,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write a checkpoint (or a run's newest) as a Hugging Face model")
     p.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
     p.add_argument("out", help="directory to write the model to")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the written weights (default: the checkpoint's: float32 masters under mixed precision)",
+    )
 
     p = sub.add_parser("plot", help="write PNG curves for a run directory")
     p.add_argument("run_dir")
@@ -355,7 +361,7 @@ def _run(argv: list[str]) -> int:
         check_export(args.checkpoint, args.out)
         from loopline.checkpoint.export import main as export_main
 
-        return export_main([args.checkpoint, args.out])
+        return export_main([args.checkpoint, args.out, *(["--dtype", args.dtype] if args.dtype else [])])
     if args.command == "plot":
         if not (Path(args.run_dir) / "metrics.jsonl").is_file():
             raise UserError(f"plot: '{args.run_dir}' is not a run directory (no metrics.jsonl)")

@@ -192,6 +192,39 @@ class RunConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _mixed_precision_fits(self) -> RunConfig:
+        if self.training.mixed_precision == "none":
+            return self
+        if self.model.dtype != "float32":
+            raise ValueError(
+                f"training.mixed_precision={self.training.mixed_precision} keeps float32 master weights and "
+                f"computes in bfloat16: set model.dtype=float32 (not {self.model.dtype})"
+            )
+        if self.grpo.advantage == "gae":
+            raise ValueError(
+                f"training.mixed_precision={self.training.mixed_precision} covers the policy and its reference, not "
+                "PPO's critic (grpo.advantage=gae): set training.mixed_precision=none or another grpo.advantage"
+            )
+        rt = self.runtime
+        for key, value in (("runtime.trainer_tp", rt.trainer_tp), ("runtime.trainer_pp", rt.trainer_pp)):
+            if value > 1:
+                raise ValueError(
+                    f"training.mixed_precision={self.training.mixed_precision} runs on the local backend and on "
+                    f"FSDP2 ranks only, not with {key}={value}: set {key}=1 or training.mixed_precision=none"
+                )
+        return self
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the policy trainer computes in: bfloat16 under training.mixed_precision=bf16, else model.dtype."""
+        return "bfloat16" if self.training.mixed_precision == "bf16" else self.model.dtype
+
+    @property
+    def engine_dtype(self) -> str:
+        """rollout.dtype resolved: auto = what the trainer computes in (compute_dtype)."""
+        return self.compute_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
+
+    @model_validator(mode="after")
     def _pipeline_fits(self) -> RunConfig:
         rt = self.runtime
         stages = rt.trainer_pp * rt.trainer_pp_virtual

@@ -103,6 +103,32 @@ def _cpu_flags() -> tuple[str, set[str]]:
     return model, flags
 
 
+# CPU flags of native bf16 arithmetic: x86's AVX-512 BF16 and AMX tiles (oneDNN's bf16 matmuls), Arm's BF16
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16", "bf16")
+# the vector units torch's CPU kernels convert bf16 through (to float32 and back) when there is no native bf16
+VECTOR_UNITS = ("avx2", "avx512f", "asimd")
+
+
+def bf16_support() -> tuple[str, str]:
+    """How this CPU runs bf16 compute, read from /proc/cpuinfo (no torch import): ("native", ...), ("emulated",
+    why it is slow) or ("none", why torch has no bf16 path here); the second item says it in words."""
+    _, flags = _cpu_flags()
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if forced == "default" or not flags & set(VECTOR_UNITS):
+        return "none", (
+            "torch runs scalar kernels here (ATEN_CPU_CAPABILITY=default)"
+            if forced == "default"
+            else f"the CPU has none of {', '.join(VECTOR_UNITS)} for torch's vectorised kernels"
+        )
+    native = sorted(flags & set(NATIVE_BF16))
+    if native:
+        return "native", f"native bf16 ({', '.join(native)})"
+    return "emulated", (
+        f"no native bf16 ({'/'.join(NATIVE_BF16)}): bf16 matmuls are converted through float32, ~20x slower than "
+        "float32 on an AVX2 EPYC here (docs/background/results.md); bf16 saves memory, not time"
+    )
+
+
 def _memory() -> str:
     fields = {}
     try:
@@ -132,8 +158,15 @@ def cpu() -> list[Item]:
             "avx512_bf16",
             "bf16 matmuls without native support: model.dtype=bfloat16 runs slower than float32",
         ),
+        _bf16_item(),
         flag("amx_tile", "no AMX tiles: no bf16/int8 matrix units (SGLang's CPU backend needs them)"),
     ]
+
+
+def _bf16_item() -> Item:
+    level, why = bf16_support()
+    off = {"native": "", "emulated": why, "none": f"{why}: training.mixed_precision=bf16 is refused"}[level]
+    return Item("bf16", level, off)
 
 
 def gpu() -> list[Item]:

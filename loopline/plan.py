@@ -5,7 +5,8 @@ Per rank, the terms (bytes):
 - runtime: the Python process with torch and transformers imported (measured here, RUNTIME_BYTES);
 - params, grads, optimizer: the model's parameters at model.dtype, their gradients, AdamW's two fp32 moments;
   a trainer's three are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps grads and moments
-  of) the adapters only;
+  of) the adapters only; training.mixed_precision=bf16 adds compute_copy (the bf16 copy of the fp32 master
+  weights its forwards run on) and halves the activations (bf16);
 - activations: what backward keeps per decoder layer for one micro-batch (ModelShape.act_floats_per_token
   floats a token) and one layer's worth it works in, less under training.activation_checkpointing (full: each
   layer's input only, plus one layer recomputed; selective: every other layer checkpointed);
@@ -272,13 +273,20 @@ def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> 
     """What backward keeps of one micro-batch's decoder layers (fp32 compute), at the chosen checkpointing, plus
     one layer's worth that backward works in (the gradients of a layer's activations as it goes through it)."""
     tokens = rows * seq
-    full_layer = tokens * shape.act_floats_per_token * 4
-    kept_input = tokens * shape.hidden * 4
+    word = 2 if cfg.training.mixed_precision == "bf16" else 4  # bytes of an activation: bf16 compute or fp32
+    full_layer = tokens * shape.act_floats_per_token * word
+    kept_input = tokens * shape.hidden * word
     mode = activation_checkpointing(cfg)
     # a checkpointed layer keeps its input; while backward recomputes it, its activations exist again
     checkpointed = {"none": 0, "full": shape.layers, "selective": shape.layers // 2}[mode]
     kept = (shape.layers - checkpointed) * full_layer + checkpointed * kept_input
     return kept + full_layer * (checkpointed > 0) + full_layer
+
+
+def compute_copy_bytes(cfg: RunConfig, shape: ModelShape) -> int:
+    """training.mixed_precision=bf16: the bf16 copy of the fp32 master weights that forwards and backwards run on
+    (locally the whole model's through a step; on FSDP2 ranks counted as a shard's worth); 0 without it."""
+    return shape.params * 2 if cfg.training.mixed_precision == "bf16" else 0
 
 
 def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
@@ -302,6 +310,7 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
         Term("params", shape.params * width // ranks, f"model.dtype=bfloat16 or {more_ranks}"),
         Term("grads", trainable * width // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
         Term("optimizer", trainable * 4 * 2 // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
+        Term("compute_copy", compute_copy_bytes(cfg, shape) // ranks, "training.mixed_precision=none"),
         Term(
             "activations",
             activation_bytes(cfg, shape, phase.micro_rows, phase.seq),
@@ -313,8 +322,9 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
 
 
 def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list[Term]:
-    """An engine's memory: its own copy of the weights and the KV cache of the rows it runs at once."""
-    width = DTYPE_BYTES[cfg.model.dtype]
+    """An engine's memory: its own copy of the weights and the KV cache of the rows it runs at once, in its dtype
+    (rollout.dtype)."""
+    width = DTYPE_BYTES[cfg.engine_dtype]
     rows = phase.generated_rows if phase else 0
     rows = cfg.runtime.engine_max_rows or math.ceil(rows / cfg.runtime.engines)
     rows = max(rows, cfg.eval.batch_size)
@@ -328,7 +338,7 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
     if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
         kv, shrink = cfg.rollout.vllm.cpu_kv_cache_gib * GIB, "rollout.vllm.cpu_kv_cache_gib"
     return [
-        Term("params", shape.params * width, "model.dtype=bfloat16"),
+        Term("params", shape.params * width, "rollout.dtype=bfloat16"),
         Term("kv_cache", kv, shrink),
     ]
 
@@ -518,14 +528,18 @@ def _mib(n: float) -> str:
 def report(cfg: RunConfig, command: str) -> list[str]:
     """The plan as lines of text."""
     shape = model_shape(cfg)
+    mixed = cfg.training.mixed_precision
     lines = [
         f"loopline plan: {command}, runtime.backend={cfg.runtime.backend}, model {shape.params / 1e6:.1f}M "
         f"parameters (hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}), {cfg.model.dtype}, "
-        f"activation_checkpointing={activation_checkpointing(cfg)}",
+        f"activation_checkpointing={activation_checkpointing(cfg)}"
+        + (f", mixed_precision={mixed} (engines {cfg.engine_dtype})" if mixed != "none" else ""),
     ]
     for p in phases(cfg, command, shape):
         lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
     names = ["runtime", "params", "grads", "optimizer", "activations", "logits", "kv_cache", "sandbox"]
+    if mixed != "none":  # the bf16 copy the trainer computes on
+        names.insert(4, "compute_copy")
     for node in nodes(cfg, command):
         lines.append("")
         cap = f"{_gib(node.capacity)} GiB ({node.capacity_from})" if node.capacity else "not declared"

@@ -107,6 +107,7 @@ def check_run(
         raise UserError(WANDB_INSTALL_HINT + " (no module named 'wandb')")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UserError(VLLM_INSTALL_HINT + " (no module named 'vllm')")
+    _check_bf16(cfg, command)
     if plan:
         from loopline.plan import check
 
@@ -115,6 +116,35 @@ def check_run(
         _check_out_dir(cfg.out_dir)
     if command == "eval":
         _check_eval_set(cfg)
+
+
+def _check_bf16(cfg: RunConfig, command: str) -> None:
+    """bf16 asked for (training.mixed_precision, rollout.dtype, model.dtype) on a CPU where torch has no bf16 path
+    is refused; where bf16 is emulated (no avx512_bf16/AMX), the new switches warn that it saves memory, not time."""
+    from loopline.doctor import bf16_support
+
+    mixed = cfg.training.mixed_precision != "none"
+    asked = [
+        key
+        for key, on in (
+            (f"training.mixed_precision={cfg.training.mixed_precision}", mixed),
+            ("rollout.dtype=bfloat16", cfg.rollout.dtype == "bfloat16"),
+            ("model.dtype=bfloat16", cfg.model.dtype == "bfloat16"),
+        )
+        if on
+    ]
+    if not asked:
+        return
+    if mixed and command == "rm":
+        raise UserError(
+            f"training.mixed_precision={cfg.training.mixed_precision} covers the policy and its reference, not the "
+            "reward model `loopline rm` trains: set training.mixed_precision=none"
+        )
+    level, why = bf16_support()
+    if level == "none":
+        raise UserError(f"{asked[0]}: this machine has no bf16 support ({why}): use float32 here")
+    if level == "emulated" and command in WRITING_COMMANDS and not asked[0].startswith("model.dtype"):
+        config_rules.warn(f"{asked[0]}: {why}")
 
 
 # What a model learned that eval must score it on: a default here means the built-in addition task.

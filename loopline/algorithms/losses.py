@@ -49,6 +49,17 @@ def kl_estimate(
     raise ValueError(f"unknown KL estimator {kind!r}; use k1, k2 or k3")
 
 
+def logprob_mismatch(trainer: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """How far the engine's sampled log-probs are from the trainer's for the same tokens, (B, T) each: the k3
+    estimate of KL(engine || trainer) (the tokens are the engine's samples), token mean over the mask, and the
+    largest |trainer - engine| on the mask. Both 0 when the two compute the same numbers."""
+    m = mask.to(trainer.dtype)
+    log_ratio = ((trainer - engine) * m).clamp(-20.0, 20.0)  # log(trainer / engine), 0 off the mask
+    k3 = torch.exp(log_ratio) - 1.0 - log_ratio
+    kl = float((k3 * m).sum() / m.sum().clamp(min=1.0))
+    return kl, float(log_ratio.abs().max()) if log_ratio.numel() else 0.0
+
+
 @dataclass
 class PolicyLossOutput:
     """The scalar loss and per-batch statistics for logging."""

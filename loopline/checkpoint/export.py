@@ -21,6 +21,7 @@ from loopline.checkpoint.state import latest_checkpoint, load_weights
 from loopline.config import load_config
 from loopline.errors import UserError
 from loopline.models.config import LoRAConfig
+from loopline.models.load import DTYPES
 from loopline.models.tokenizer import load_tokenizer
 
 
@@ -43,15 +44,16 @@ def _lora_config(ckpt: Path) -> LoRAConfig | None:
     return lora if lora.r else None
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
+def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
     """Write the policy of `checkpoint` to `out` (config, model.safetensors, tokenizer, and its model card README.md:
-    checkpoint.model_card); returns `out`."""
+    checkpoint.model_card); returns `out`. dtype: the written weights' (float32, bfloat16, float16), rounded from
+    the checkpoint's (float32 master weights under training.mixed_precision); None: the checkpoint's own."""
     if Path(out).exists() and not Path(out).is_dir():  # save_pretrained would only log an error and return
         raise UserError(f"export: destination '{out}' is a file: give a directory to write the model to")
     ckpt = resolve_checkpoint(checkpoint)
     config = AutoConfig.from_pretrained(ckpt / "model")
-    dtype = getattr(config, "dtype", None) or torch.float32
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    saved = getattr(config, "dtype", None) or torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=saved)
     lora = _lora_config(ckpt)
     if lora is not None:  # the shards hold adapters beside the frozen weights: fold them in
         from loopline.training.lora import apply_lora, merged_state_dict
@@ -59,6 +61,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         apply_lora(model, lora)
     load_weights(ckpt, model)
     out = Path(out)
+    if dtype is not None:
+        model.to(DTYPES[dtype])  # rounds to nearest even, as the weight sync into a bf16 engine does
     weights = merged_state_dict(model) if lora is not None else None
     model.save_pretrained(out, safe_serialization=True, state_dict=weights)
     load_tokenizer(ckpt / "model").save_pretrained(out)
@@ -73,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loopline export", description=__doc__, allow_abbrev=False)
     parser.add_argument("checkpoint", help="checkpoint directory, or a run directory (its newest checkpoint)")
     parser.add_argument("out", help="directory to write the Hugging Face model to")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="dtype of the written weights")
     args = parser.parse_args(argv)
-    print(f"exported {resolve_checkpoint(args.checkpoint)} to {export(args.checkpoint, args.out)}")
+    print(
+        f"exported {resolve_checkpoint(args.checkpoint)} to {export(args.checkpoint, args.out, args.dtype)}"
+    )
     return 0

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 
 from loopline.algorithms.dapo import mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
-from loopline.algorithms.losses import BehaviourWeights, behaviour_weights, kl_estimate
+from loopline.algorithms.losses import BehaviourWeights, behaviour_weights, kl_estimate, logprob_mismatch
 from loopline.checkpoint.faults import pause_point
 from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import GRPOConfig
@@ -370,6 +370,9 @@ class Experience:
     values: torch.Tensor | None  # (B, C) the critic's, PPO
     returns: torch.Tensor | None  # (B, C) the critic's targets, PPO
     correction: BehaviourWeights | None  # grpo.behaviour_correction
+    mismatch: (
+        tuple[float, float] | None
+    )  # (KL, max-abs) of the engine's sampled log-probs against the trainer's
 
 
 def _experience(
@@ -396,14 +399,18 @@ def _experience(
     mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
     tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
     ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
-    correction = None
+    correction, mismatch = None, None
     if cfg.behaviour_correction != "none":
         # the trainer's log-probs as trained (the ratio's denominator) and as sampled (against the engine's)
         old_logprobs, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
         behaviour = engine_logprobs(completions, mask.shape[1])
         correction = behaviour_weights(proximal, behaviour, mask, cfg.behaviour_correction, cfg.behaviour_cap)
+        mismatch = logprob_mismatch(proximal, behaviour, mask)
     else:
         old_logprobs = ctx.actor.logprobs(tokens) if need_old else None
+        if ctx.cfg.engine_dtype != ctx.cfg.compute_dtype:  # engine and trainer differ: measure by how much
+            _, proximal = ctx.actor.behaviour_logprobs(tokens, cfg.sampling.temperature)
+            mismatch = logprob_mismatch(proximal, engine_logprobs(completions, mask.shape[1]), mask)
     reward_kl = kl_estimate(old_logprobs, ref_logprobs, cfg.kl_estimator) if cfg.kl_in == "reward" else None
     values = critic.values(tokens) if critic else None
     signals = Signals(rewards, mask, reward_kl, kl_control.value, values)
@@ -413,7 +420,9 @@ def _experience(
         ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
         is_weights=correction.weights if correction else None,
     )  # fmt: skip
-    return Experience(tokens, batch, lengths, truncated, rewards, reward_kl, values, returns, correction)
+    return Experience(
+        tokens, batch, lengths, truncated, rewards, reward_kl, values, returns, correction, mismatch
+    )
 
 
 @dataclass
@@ -495,6 +504,8 @@ def _metrics_row(
             behaviour_weight_min=correction.low, behaviour_weight_max=correction.high,
             behaviour_weight_mean=correction.mean, behaviour_cut_fraction=correction.cut_fraction,
         )  # fmt: skip
+    if exp.mismatch is not None:  # the engine's sampled log-probs against the trainer's, same tokens
+        row.update(logprob_mismatch_kl=exp.mismatch[0], logprob_mismatch_max_abs=exp.mismatch[1])
     if (critic_stats := update.critic_stats) is not None:
         row.update(critic_stats.extra, value_loss=critic_stats.loss, value_grad_norm=critic_stats.grad_norm)
     return row

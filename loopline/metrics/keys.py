@@ -78,6 +78,11 @@ GRPO = {
     "behaviour_weight_mean": "grpo.behaviour_correction: mean weight.",
     "behaviour_weight_max": "grpo.behaviour_correction: largest weight.",
     "behaviour_cut_fraction": "grpo.behaviour_correction: fraction of tokens truncated or masked.",
+    "logprob_mismatch_kl": "GRPO when the trainer's log-probs at the sampling temperature are computed "
+    "(grpo.behaviour_correction, or an engine dtype (rollout.dtype) other than the trainer's compute dtype): token "
+    "mean of the k3 estimate of KL(engine || trainer) over the sampled tokens; 0 when both compute the same.",
+    "logprob_mismatch_max_abs": "GRPO, as logprob_mismatch_kl: the largest |trainer - engine| log-prob of a "
+    "sampled token.",
     "value_loss": "PPO (grpo.advantage=gae): the critic's clipped value loss.",
     "value_grad_norm": "PPO: the critic's gradient norm before clipping.",
     "value_clip_fraction": "PPO: token fraction where the clipped value error was the larger.",

@@ -49,6 +49,16 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase, s
     return model
 
 
+def cast_parameters(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """`model` with its floating-point parameters in `dtype` (in place; tied ones stay tied). Buffers keep theirs, as
+    FSDP2's mixed precision keeps them: the rotary frequencies stay float32, as in the trainer's forward."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != DTYPES[dtype]:
+                param.data = param.data.to(DTYPES[dtype])
+    return model
+
+
 def shape_config(cfg: ModelConfig) -> PretrainedConfig:
     """The Hugging Face config model.init=random builds: model.preset's published numbers, or the config.json
     in model.config (or model.path). UserError naming the field when it is not a causal LM's."""

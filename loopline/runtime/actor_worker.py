@@ -126,7 +126,8 @@ class ActorWorker:
         timeout_s = self.cfg.runtime.call_timeout_s
         device = init_distributed(init_method, self.rank, self.ranks, timeout_s)
         tp = self.cfg.runtime.trainer_tp
-        self.sync_params = plan_params(self.model, tp)  # of the whole model: what the engines hold
+        # of the whole model, in the engines' dtype (rollout.dtype): what the engines hold; the sends cast to it
+        self.sync_params = plan_params(self.model, tp, self.cfg.engine_dtype)
         if self.cfg.runtime.trainer_pp > 1:
             self.layout = self._split_into_stages(device.type)
         else:
@@ -137,7 +138,9 @@ class ActorWorker:
                 self.mesh = dp_tp_mesh(self.ranks, tp, device.type)
                 self.dp_mesh = self.mesh["dp"]
             # TP inside each group of tp ranks, FSDP2 across; in place: the same module
-            self.model = cast(PreTrainedModel, parallelize(self.model, self.mesh))
+            self.model = cast(
+                PreTrainedModel, parallelize(self.model, self.mesh, self.cfg.training.mixed_precision)
+            )
             # the engines get their weights from replica 0's ranks (the others are not in the sync group)
             self.layout = TrainerLayout(fsdp=self.ranks // (replicas * tp), tp=tp)
         # DCP's collectives get a group of their own: an async save runs them in a thread beside training's

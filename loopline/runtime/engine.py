@@ -27,6 +27,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import pause_point
 from loopline.config import RunConfig
+from loopline.models.load import cast_parameters
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.engine_sync import sync_plan
 from loopline.runtime.protocols import WeightSync
@@ -42,7 +43,8 @@ def make_engine(
     cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, seed: int | None
 ) -> TorchEngine | VllmEngine:
     """The engine cfg.rollout.engine names, on `model` (its own copy: the weight sync fills it); seed: its
-    sampling generator's (None: the process's torch RNG)."""
+    sampling generator's (None: the process's torch RNG). Its weights in rollout.dtype (the weight sync casts)."""
+    cast_parameters(model, cfg.engine_dtype)
     if cfg.rollout.engine == "vllm":
         from loopline.rollout.vllm_engine import VllmEngine
 

@@ -22,14 +22,18 @@ import torch
 from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 
 
-def plan_params(model: torch.nn.Module, tp: int) -> tuple[list[Any], Any]:
+def plan_params(model: torch.nn.Module, tp: int, dtype: str | None = None) -> tuple[list[Any], Any]:
     """What the weight-sync planner reads off a whole model (an engine's, or the trainer's before any pipeline
-    split): its parameters (names, shapes, dtypes) and the dim the trainer's TP (of `tp` ranks) splits each on."""
+    split): its parameters (names, shapes, dtypes) and the dim the trainer's TP (of `tp` ranks) splits each on.
+    dtype: the engines' (rollout.dtype, resolved), when it is not the model's: the plan moves that dtype, and a
+    trainer rank casts its shards to it as it packs them."""
+    from loopline.models.load import DTYPES
     from loopline.runtime.resharding import default_tp_dim
     from loopline.runtime.weight_sync import param_specs
     from loopline.training.parallel import tp_param_dims
 
-    return param_specs(model), tp_param_dims(model) if tp > 1 else default_tp_dim
+    specs = param_specs(model, DTYPES[dtype] if dtype else None)
+    return specs, tp_param_dims(model) if tp > 1 else default_tp_dim
 
 
 def sync_plan(

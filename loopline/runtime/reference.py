@@ -68,7 +68,8 @@ class ReferenceWorker:
         if weights is not None:
             model.load_state_dict(weights)
         if self.mesh is not None:
-            shard_model(model, self.mesh)  # in place: the same module
+            # in place: the same module; it computes as the policy does (training.mixed_precision)
+            shard_model(model, self.mesh, self.cfg.training.mixed_precision)
         if restore is not None:
             load_shards(restore, model, group=self.checkpoint_group)
         self.model = model.eval().requires_grad_(False)

@@ -39,6 +39,7 @@ from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
 from loopline.runtime.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
+from loopline.training.precision import cast_in_forward
 
 if TYPE_CHECKING:
     from loopline.runtime.placement import Pool
@@ -78,6 +79,9 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     engine = make_engine(cfg, copy.deepcopy(model), tokenizer, seed=None)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
+    # training.mixed_precision: the trainer's forwards on bf16 copies of its fp32 weights (FSDP2's policy on ray);
+    # the reference and the critic, deep copies of this model, compute the same way
+    cast_in_forward(model, cfg.training.mixed_precision)
     trainer = LocalGroup(ActorWorker, role="actor", init_args=(cfg, model))
     engines = LocalGroup(EngineWorker, role="rollout", init_args=(cfg, engine))
     reference = None

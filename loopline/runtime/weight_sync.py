@@ -63,9 +63,13 @@ class SyncStats:
 # ---------------------------------------------------------------------------------------------
 
 
-def param_specs(model: nn.Module) -> list[ParamSpec]:
-    """The planner's view of a model: names, full shapes (also under FSDP2/TP) and dtypes of its parameters."""
-    return [ParamSpec(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()]
+def param_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[ParamSpec]:
+    """The planner's view of a model: names, full shapes (also under FSDP2/TP) and dtypes of its parameters (or
+    `dtype`, the engines', for every floating-point one: the plan then moves the engines' dtype)."""
+    return [
+        ParamSpec(n, tuple(p.shape), dtype if dtype is not None and p.is_floating_point() else p.dtype)
+        for n, p in model.named_parameters()
+    ]
 
 
 def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -154,6 +158,8 @@ def sync_weights(
     rank = dist.get_rank() if group is None else group.rank()
     _check_roles(plan, rank, src_shards, dst_tensors)
     src, dst = src_shards or {}, dst_tensors or {}
+    # the engines' dtype (rollout.dtype): a trainer's shard is cast to it as it is packed
+    wire = {s.name: s.dtype for s in plan.params}
     stats = SyncStats()
     start = time.perf_counter()
     with torch.no_grad():
@@ -172,7 +178,7 @@ def sync_weights(
             for peer, ts in by_dst.items():
                 _, j = plan.dst_position(peer) or (0, 0)
                 if j not in packed:
-                    packed[j] = _pack(ts, src)
+                    packed[j] = _pack(ts, src, wire)
                     live += packed[j].numel()
                 requests.append(_isend(packed[j], peer, tag, group))
                 stats.bytes_sent += sum(t.nbytes for t in ts)
@@ -191,7 +197,7 @@ def sync_weights(
             for req in requests:
                 req.wait()
             for buf, ts in received:
-                _unpack(buf, ts, dst)
+                _unpack(buf, ts, dst, wire)
                 stats.bytes_received += sum(t.nbytes for t in ts)
     stats.seconds = time.perf_counter() - start
     return stats
@@ -222,29 +228,37 @@ def _packed_size(transfers: list[Transfer]) -> int:
     return sum(-(-t.nbytes // _ALIGN) * _ALIGN for t in transfers)
 
 
-def _region(buf: torch.Tensor, offset: int, t: Transfer, like: torch.Tensor) -> torch.Tensor:
-    """A view of `buf[offset:]` as the transfer's block, in the dtype of `like`."""
+def _region(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype) -> torch.Tensor:
+    """A view of `buf[offset:]` as the transfer's block, in `dtype` (the plan's: what travels)."""
     shape = [s.stop - s.start for s in t.dst_slice]
-    return buf[offset : offset + t.nbytes].view(like.dtype).view(shape)
+    return buf[offset : offset + t.nbytes].view(dtype).view(shape)
 
 
-def _pack(transfers: list[Transfer], shards: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Copy the source blocks of `transfers`, in order, into one aligned byte buffer."""
+def _pack(
+    transfers: list[Transfer], shards: Mapping[str, torch.Tensor], wire: Mapping[str, torch.dtype]
+) -> torch.Tensor:
+    """Copy the source blocks of `transfers`, in order, into one aligned byte buffer, each cast to its wire dtype
+    (a float32 master shard packed for a bfloat16 engine rounds to nearest even, as .to(bfloat16) does)."""
     buf = torch.empty(_packed_size(transfers), dtype=torch.uint8)
     offset = 0
     for t in transfers:
         src = shards[t.name]
-        _region(buf, offset, t, src).copy_(src[t.src_slice])
+        _region(buf, offset, t, wire[t.name]).copy_(src[t.src_slice])
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
     return buf
 
 
-def _unpack(buf: torch.Tensor, transfers: list[Transfer], targets: Mapping[str, torch.Tensor]) -> None:
+def _unpack(
+    buf: torch.Tensor,
+    transfers: list[Transfer],
+    targets: Mapping[str, torch.Tensor],
+    wire: Mapping[str, torch.dtype],
+) -> None:
     """Copy the blocks of a packed buffer into their destination slices."""
     offset = 0
     for t in transfers:
         dst = targets[t.name]
-        dst[t.dst_slice].copy_(_region(buf, offset, t, dst))
+        dst[t.dst_slice].copy_(_region(buf, offset, t, wire[t.name]))
         offset += -(-t.nbytes // _ALIGN) * _ALIGN
 
 

@@ -350,3 +350,11 @@ class TrainingConfig(Section):
         "every layer (keeps only each layer's input); selective = every other layer (the odd-numbered ones). "
         "Same gradients, less memory, ~1/3 more compute on the checkpointed layers.",
     )
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none",
+        description="none: compute in model.dtype. bf16: the policy (and its frozen reference) run forwards and "
+        "backwards on bfloat16 copies of float32 master weights; the optimizer steps the float32 masters with "
+        "float32 AdamW moments, and gradients are accumulated and reduced in float32 (FSDP2's "
+        "MixedPrecisionPolicy on Ray ranks, the same casts on the local backend). Needs model.dtype=float32; "
+        "checkpoints keep the float32 masters. Less activation memory, more parameter memory (a bf16 copy).",
+    )

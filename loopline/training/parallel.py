@@ -276,24 +276,28 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def parallelize(model: nn.Module, mesh: DeviceMesh, mixed_precision: str = "none") -> nn.Module:
     """TP over mesh["tp"] (when it has more than one rank), then FSDP2 over mesh["dp"] (a `dp_tp_mesh`), or HSDP
     over mesh["rep", "shard"] (a `replica_mesh`: shards within a replica, gradients summed across replicas)."""
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
     names = mesh.mesh_dim_names or ()
-    return shard_model(model, mesh["rep", "shard"] if "rep" in names else mesh["dp"])
+    return shard_model(model, mesh["rep", "shard"] if "rep" in names else mesh["dp"], mixed_precision)
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def shard_model(model: nn.Module, mesh: DeviceMesh, mixed_precision: str = "none") -> nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, tied head); sum gradients.
 
     `mesh` is 1-D: the data-parallel ranks (`mesh["dp"]` of a `dp_tp_mesh` after `apply_tp`), or 2-D (replicate,
-    shard) for HSDP.
+    shard) for HSDP. mixed_precision (training.mixed_precision): bf16 gathers bfloat16 parameters for compute and
+    reduces float32 gradients into the float32 shards (training.precision.fsdp_policy).
     """
+    from loopline.training.precision import fsdp_policy
+
+    policy = fsdp_policy(mixed_precision)
     for _, layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # sum, no division: each rank's loss is already its share of the total (and gloo has no PREMUL_SUM)

@@ -276,9 +276,11 @@ def test_behaviour_correction_in_a_synchronous_run_weighs_every_token_one(tmp_pa
     for r in rows:
         assert 1 - 1e-4 < r["behaviour_weight_min"] <= r["behaviour_weight_mean"] <= r["behaviour_weight_max"]
         assert r["behaviour_weight_max"] < 1 + 1e-4 and r["behaviour_cut_fraction"] == 0.0
+        # engine and trainer both float32: their log-probs of the sampled tokens differ by float noise only
+        assert r["logprob_mismatch_kl"] < 1e-8 and r["logprob_mismatch_max_abs"] < 1e-4
     for key in ("loss", "policy_loss", "entropy", "grad_norm"):
         assert rows[0][key] == pytest.approx(plain[0][key], abs=1e-6, rel=1e-5), key
-    assert "behaviour_weight_min" not in plain[0]
+    assert "behaviour_weight_min" not in plain[0] and "logprob_mismatch_kl" not in plain[0]
 
 
 def test_behaviour_correction_weighs_samples_from_a_stale_engine(tmp_path, monkeypatch):
