@@ -280,7 +280,12 @@ def _scale(run_dir: str, counts: list[str]) -> int:
 def _benchmarks() -> list[str]:
     import loopline.bench
 
-    return sorted(m.name for m in pkgutil.iter_modules(loopline.bench.__path__) if not m.name.startswith("_"))
+    helpers = {"args"}  # modules the benchmarks share, not benchmarks (private ones start with "_")
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(loopline.bench.__path__)
+        if not m.name.startswith("_") and m.name not in helpers
+    )
 
 
 # `loopline agent`: the agentic example's settings for `loopline train env.name=calculator`. Measured (see

@@ -115,8 +115,9 @@ def known_longest_row(cfg: RunConfig, section: str) -> int:
     built-in addition task's on the built-in model (bos, 'a+b=' with padded operands; then the answer, newline and
     eos for SFT and pairs), or the file data's limits (data.max_prompt_tokens + max_new_tokens, data.max_seq_len)."""
     builtin = cfg.data.source == "builtin"
-    # the built-in task's lengths are in the built-in byte tokenizer's tokens (another tokenizer's differ)
-    if cfg.env.multi_turn or cfg.env.name == "code" or (builtin and not cfg.model.builtin):
+    # the built-in task's lengths are in the built-in byte tokenizer's tokens (another tokenizer's differ); an env
+    # with long built-in prompts (code) writes prompts those lengths do not bound
+    if cfg.env.multi_turn or cfg.env.long_builtin_prompts or (builtin and not cfg.model.builtin):
         return 0
     prompt = 1 + 2 * cfg.data.task.max_digits + 2 if builtin else cfg.data.max_prompt_tokens
     if section in ("grpo", "critic"):

@@ -11,7 +11,9 @@ batching continuously (a prompt's samples enter as finished ones free their rows
 divide the time by the forward passes the longest sample needs (the tiny model is bound by per-step
 overhead, not by memory bandwidth). Where vLLM is installed (rollout.engine=vllm), its engine runs the
 equal-length and long-tail batches too, on the same weights without the EOS bias, sampling with ignore_eos
-(the same distribution). Ends with the headline ratio on the long tail.
+(the same distribution). Time to first token: each engine's generate of one new token for the whole batch
+(prefill and one sample). --preset or --model-dir run a real shape with random weights (model.init=random) and
+its tokenizer, at --dtype. Ends with the headline ratio on the long tail.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from loopline.bench.args import require_positive
-from loopline.config import TaskConfig, TinyModelConfig
+from loopline.config import TaskConfig
 from loopline.data.tasks import arithmetic_splits
-from loopline.models.load import build_byte_tokenizer, build_tiny_model
+from loopline.models.config import ModelConfig
+from loopline.models.load import load_policy
 from loopline.rollout.engine import SamplingParams, TorchEngine
 
 STOP_DIGITS = tuple("0123456789")
@@ -42,7 +45,7 @@ def _without_eos(model, tokenizer):
     """The same model with a -1e4 bias on EOS in its head, so that no sample ends by chance: the lengths are
     the benchmark's (--max-new, or the stop digits), the same for both engines, which share the model."""
     old = model.lm_head
-    head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+    head = torch.nn.Linear(old.in_features, old.out_features, bias=True, dtype=old.weight.dtype)
     head.weight = old.weight  # the tied embedding, unchanged
     with torch.no_grad():
         head.bias.zero_()
@@ -89,7 +92,7 @@ def _compare(name: str, runs: dict[str, Callable[[], list[int]]], repeats: int) 
         step_us = statistics.median(t / max(lengths) * 1e6 for t, lengths in timed)
         mean_len = statistics.mean(statistics.mean(lengths) for _, lengths in timed)
         max_len = max(max(lengths) for _, lengths in timed)
-        print(f"{name}_{who}_tokens_per_s: {rate:.0f}")
+        print(f"{name}_{who}_tokens_per_s: {rate:.1f}")
         print(f"{name}_{who}_us_per_decode_step: {step_us:.0f}")
         print(f"{name}_{who}_mean_length: {mean_len:.1f}")
         print(f"{name}_{who}_max_length: {max_len}")
@@ -99,6 +102,22 @@ def _compare(name: str, runs: dict[str, Callable[[], list[int]]], repeats: int) 
     ratio = rates["builtin"] / rates["hf"]
     print(f"{name}_builtin_over_hf_tokens_per_s: {ratio:.2f}")
     return ratio
+
+
+def _model_config(args: argparse.Namespace) -> ModelConfig:
+    """The built-in tiny model, or a real shape with random weights (--preset, --model-dir), at --dtype."""
+    if args.preset:
+        return ModelConfig(init="random", preset=args.preset, dtype=args.dtype)
+    if args.model_dir:
+        return ModelConfig(init="random", path=args.model_dir, dtype=args.dtype)
+    return ModelConfig(dtype=args.dtype)
+
+
+def _first_token(runs: dict[str, Callable[[], list[int]]], repeats: int) -> None:
+    """Time to first token: the median seconds of each engine's one-token generate of the whole batch."""
+    for who, fn in runs.items():
+        seconds = statistics.median(_timed(fn)[0] for _ in range(repeats))
+        print(f"first_token_{who}_ms: {seconds * 1e3:.0f}")
 
 
 def main(argv: list[str]) -> int:
@@ -115,19 +134,28 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each engine, alternating")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--preset", default="", help="a real shape with random weights (model.preset)")
+    parser.add_argument(
+        "--model-dir", default="", help="a directory with config.json (and tokenizer), random weights"
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype"
+    )
     args = parser.parse_args(argv)
     require_positive(parser, args, "prompts", "samples", "max_new", "max_rows", "repeats", "threads")
     if args.max_rows < args.samples:
         parser.error("--max-rows must hold at least one prompt's --samples")
     torch.set_num_threads(args.threads)
 
-    tokenizer = build_byte_tokenizer()
-    model = _without_eos(build_tiny_model(TinyModelConfig(), tokenizer, seed=args.seed).eval(), tokenizer)
+    model_cfg = _model_config(args)
+    plain, tokenizer = load_policy(model_cfg, seed=args.seed)
+    model = _without_eos(plain.eval(), tokenizer)
     prompts = _prompts(tokenizer, args.prompts, args.seed)
     stop_ids = [tokenizer.convert_tokens_to_ids(d) for d in STOP_DIGITS]
     eos = [tokenizer.eos_token_id]  # never sampled (_without_eos); both engines stop on it
     engine = TorchEngine(model, tokenizer, seed=args.seed)
     torch.manual_seed(args.seed)  # HF generate samples from the global generator
+    print(f"model: {args.preset or args.model_dir or 'built-in'}, {args.dtype}")
     print(f"model_parameters: {sum(p.numel() for p in model.parameters())}")
     print(f"batch: {args.prompts} prompts x {args.samples} samples, max_new_tokens {args.max_new}")
 
@@ -163,7 +191,7 @@ def main(argv: list[str]) -> int:
     if importlib.util.find_spec("vllm") is not None:
         from loopline.rollout.vllm_engine import VllmEngine
 
-        plain = build_tiny_model(TinyModelConfig(), tokenizer, seed=args.seed).eval()  # the same weights
+        plain = load_policy(model_cfg, seed=args.seed)[0].eval()  # the same weights
         theirs_vllm = VllmEngine(plain, tokenizer, seed=args.seed)
         torch.set_num_threads(args.threads)
 
@@ -177,6 +205,14 @@ def main(argv: list[str]) -> int:
 
     ours(STOP_DIGITS)()  # warm-up of both paths (first calls allocate)
     theirs(stop_ids + eos)()
+    one = SamplingParams(max_new_tokens=1, temperature=1.0, stop=())
+    _first_token(
+        {
+            "builtin": lambda: [len(c.token_ids) for c in engine.generate(prompts, one, n=args.samples)],
+            "hf": lambda: _hf_generate(model, tokenizer, prompts, args.samples, 1, eos),
+        },
+        args.repeats,
+    )
     equal = {"builtin": ours(()), "hf": theirs(eos)}
     _compare("equal_length", equal | ({"vllm": vllm["equal_length"]} if vllm else {}), args.repeats)
     print(f"capped: at most {args.max_rows} rows at once ({per_chunk} prompts per static batch)")

@@ -30,6 +30,13 @@ from loopline.cli import main
         (["generate", "--threads", "0"], "--threads must be at least 1"),
         (["pack", "--micro-batch", "0"], "--micro-batch must be at least 1"),
         (["pp", "--heads", "0"], "--heads must be at least 1"),
+        (["memory", "--rows", "0"], "--rows must be at least 1 (got 0)"),
+        (["memory", "--limit-gib", "0"], "--limit-gib must be > 0"),
+        (["memory", "--lengths", "256,x"], "a comma list of integers (got '256,x')"),
+        (["memory", "--lengths", "0"], "lengths must be at least 1"),
+        (["memory", "--backends", "local,gpu"], "--backends must be a comma list of local, ray"),
+        (["memory", "--preset", "qwen9"], "invalid choice: 'qwen9'"),
+        (["generate", "--dtype", "float16"], "invalid choice: 'float16'"),
     ],
 )
 def test_bad_sizes_are_usage_errors(argv, message, capsys):
@@ -39,3 +46,11 @@ def test_bad_sizes_are_usage_errors(argv, message, capsys):
     err = capsys.readouterr().err
     assert message in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.unit
+def test_shared_helpers_are_not_benchmarks(capsys):
+    """`args` holds the benchmarks' shared checks: `loopline bench args` is refused, not run (it has no main)."""
+    assert main(["bench", "args"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown benchmark 'args'" in err and "memory" in err and "args," not in err, err
