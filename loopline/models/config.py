@@ -91,6 +91,14 @@ class ModelConfig(Section):
         "recomputed in the backward), so no forward of the policy or reference holds the whole (rows x tokens x "
         "vocabulary) float32 logits; 0 = all at once. Same values to rounding; 256-1024 at real vocabularies.",
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0.0,
+        description="A mixture-of-experts policy's load-balancing loss (Switch Transformer's, over its routers' real "
+        "tokens, pooled over layers) added to each training micro-batch's objective times this; null = as "
+        "transformers trains the model's config: its router_aux_loss_coef when its output_router_logits is true, "
+        "else 0 (the published Qwen3-MoE and Mixtral configs: 0). A dense model takes none.",
+    )
     share_prompts: bool = Field(
         True,
         description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "

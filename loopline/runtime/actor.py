@@ -218,7 +218,7 @@ class ActorWorker:
             share = self.cfg.model.share_prompts and self.cfg.training.activation_checkpointing == "none"
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                share, self.cfg.model.logits_chunk_tokens,
+                share, self.cfg.model.logits_chunk_tokens, self.cfg.model.router_aux_loss_coef,
             )  # fmt: skip
         if resume is not None:
             self.load_state(resume.dcp)
