@@ -32,9 +32,12 @@ def test_greedy_matches_hf_generate(tokenizer, preset):
 def _trainer_routes(model, tokens: list[int]) -> torch.Tensor:
     """(len(tokens), L, k): the experts each router chooses at each position in one forward of `tokens`."""
     chosen: dict[int, torch.Tensor] = {}
-    with router_hooks(model, lambda position, logits, experts: chosen.__setitem__(position, experts)):
-        with torch.no_grad():
-            model(input_ids=torch.tensor([tokens]), use_cache=False)
+
+    def record(position: int, logits: torch.Tensor, experts: torch.Tensor) -> None:
+        chosen[position] = experts
+
+    with router_hooks(model, record), torch.no_grad():
+        model(input_ids=torch.tensor([tokens]), use_cache=False)
     return torch.stack([chosen[p] for p in sorted(chosen)], dim=1)
 
 

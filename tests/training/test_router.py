@@ -84,7 +84,9 @@ def test_a_checkpointed_layers_recompute_is_not_counted_again():
         stats = RouterStats(model)
         for seed in (0, 1):  # two micro-batches: a recompute in the first backward would land in the second
             ids, mask = _batch(seed)
-            stats.objective(model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()).backward()
+            stats.objective(
+                model(input_ids=ids, attention_mask=mask, use_cache=False).logits.sum()
+            ).backward()
         rows.append(stats.metrics())
     assert rows[0] == pytest.approx(rows[1], rel=1e-6)
 
