@@ -20,18 +20,19 @@ The terms are summed as if they coexisted; calibrated against measured peaks (do
 pool with GPUs the plan counts host memory only (the runtime and one staged copy of the weights); GPU memory is
 not planned yet.
 
-FLOPs: 6 x params x tokens for a training pass, 2 x params x tokens for generation and log-prob forwards.
+FLOPs: 6 x params x tokens for a training pass, 2 x params x tokens for generation and log-prob forwards (an MoE
+model's active parameters: a token computes with its top-k experts only).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
+from loopline.models.config import shape_fields
 from loopline.training.config import DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
 
 GIB = 2**30
@@ -66,15 +67,24 @@ class ModelShape:
     max_positions: int
     tied: bool = True
     experts: int = 1  # MoE: MLPs per layer
+    experts_per_token: int = 1  # MoE: the MLPs each token goes through (top-k)
 
     @property
     def params(self) -> int:
         """Parameters: embeddings (and an untied head), per layer attention (q, k, v with biases, o), the MLP's
-        three projections per expert, two norms, and the final norm."""
+        three projections per expert (and an MoE layer's router), two norms, and the final norm."""
+        return self._count(self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: params with an MoE layer's top-k experts only (= params if dense)."""
+        return self._count(self.experts_per_token)
+
+    def _count(self, mlps: int) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = self.hidden * q + 2 * self.hidden * kv + q + 2 * kv + q * self.hidden
-        mlp = 3 * self.hidden * self.intermediate * self.experts
-        layer = attention + mlp + 2 * self.hidden
+        router = self.hidden * self.experts if self.experts > 1 else 0
+        layer = attention + 3 * self.hidden * self.intermediate * mlps + router + 2 * self.hidden
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
         return embeddings + self.layers * layer + self.hidden
 
@@ -95,23 +105,26 @@ class ModelShape:
             "up_proj": h + i,
             "down_proj": i + h,
         }
+        if self.experts > 1:  # an MoE layer's experts: 3-D parameters, not linear modules that adapters wrap
+            del sizes["gate_proj"], sizes["up_proj"], sizes["down_proj"]
         per_layer = sum(n for name, n in sizes.items() if any(name.endswith(t) for t in targets))
         return self.layers * r * per_layer
 
     @property
     def act_floats_per_token(self) -> int:
         """Floats one decoder layer keeps for backward per token: the norms' inputs and outputs, q, k, v (before
-        and after rotary), the attention output, the MLP's gate, up, activation and product, the residuals."""
+        and after rotary), the attention output, the MLP's gate, up, activation and product (in each of the
+        token's experts), the residuals."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 6 * self.hidden + 3 * q + 4 * kv + 4 * self.intermediate * self.experts
+        return 6 * self.hidden + 3 * q + 4 * kv + 4 * self.intermediate * self.experts_per_token
 
 
 def hf_config(cfg: RunConfig) -> dict:
-    """The policy's Hugging Face config numbers: model.tiny's for the built-in model, else model.path's
-    config.json. The one place the plan reads a model's shape from (presets and random-init configs plug in
-    here). UserError naming model.path when the file cannot be read here."""
+    """The policy's Hugging Face config numbers: model.tiny's for the built-in model, else model.preset's or the
+    config.json of model.config or model.path. The one place the plan reads a model's shape from. UserError
+    naming the field when the file cannot be read here."""
     m = cfg.model
-    if not m.path:
+    if m.builtin:
         t = m.tiny
         return {
             "hidden_size": t.hidden_size,
@@ -123,11 +136,12 @@ def hf_config(cfg: RunConfig) -> dict:
             "max_position_embeddings": t.max_position_embeddings,
             "tie_word_embeddings": True,
         }
-    path = Path(m.path) / "config.json"
     try:
-        return json.loads(path.read_text())
+        return shape_fields(m) or {}
     except (OSError, ValueError) as e:
-        raise UserError(f"model.path: {path} cannot be read here ({type(e).__name__}: {e})") from None
+        key = "model.config" if m.config else "model.path"
+        path = Path(m.config or m.path) / "config.json"
+        raise UserError(f"{key}: {path} cannot be read here ({type(e).__name__}: {e})") from None
 
 
 def model_shape(cfg: RunConfig) -> ModelShape:
@@ -147,6 +161,7 @@ def model_shape(cfg: RunConfig) -> ModelShape:
             max_positions=int(c.get("max_position_embeddings") or 4096),
             tied=bool(c.get("tie_word_embeddings", False)),
             experts=int(c.get("num_experts") or c.get("num_local_experts") or 1),
+            experts_per_token=int(c.get("num_experts_per_tok") or 1),
         )
     except (KeyError, ValueError, TypeError) as e:
         raise UserError(f"model.path: {cfg.model.path}/config.json lacks a decoder's shape ({e})") from None
@@ -503,9 +518,10 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
 
 
 def step_flops(cfg: RunConfig, command: str) -> list[tuple[str, float]]:
-    """Per phase's step: (what, FLOPs): 6 x params x tokens to train, 2 x params x tokens to generate or score."""
+    """Per phase's step: (what, FLOPs): 6 x params x tokens to train, 2 x params x tokens to generate or score
+    (an MoE model's active parameters: those of the experts a token goes through)."""
     shape = model_shape(cfg)
-    n = shape.params
+    n = shape.active_params
     out = []
     for p in phases(cfg, command, shape):
         tokens = p.step_rows * p.seq
@@ -529,9 +545,14 @@ def report(cfg: RunConfig, command: str) -> list[str]:
     """The plan as lines of text."""
     shape = model_shape(cfg)
     mixed = cfg.training.mixed_precision
+    moe = active = ""
+    if shape.experts > 1:
+        moe = f", {shape.experts} experts of which {shape.experts_per_token} per token"
+        active = f", {shape.active_params / 1e6:.1f}M active per token"
     lines = [
         f"loopline plan: {command}, runtime.backend={cfg.runtime.backend}, model {shape.params / 1e6:.1f}M "
-        f"parameters (hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}), {cfg.model.dtype}, "
+        f"parameters{active} (hidden {shape.hidden}, {shape.layers} layers{moe}, vocab {shape.vocab}), "
+        f"{cfg.model.dtype}, "
         f"activation_checkpointing={activation_checkpointing(cfg)}"
         + (f", mixed_precision={mixed} (engines {cfg.engine_dtype})" if mixed != "none" else ""),
     ]

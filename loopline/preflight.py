@@ -14,7 +14,7 @@ from loopline.checkpoint.run_dir import RUN_CONFIG, holds_run, no_run_to_resume,
 from loopline.config import RunConfig, check_preference, load_config
 from loopline.errors import UserError
 from loopline.metrics.config import WANDB_INSTALL_HINT
-from loopline.models.config import missing_tokenizer
+from loopline.models.config import is_moe, missing_tokenizer, shape_fields
 from loopline.plan import PHASES
 from loopline.rollout.config import VLLM_INSTALL_HINT
 
@@ -90,6 +90,8 @@ def check_run(
         raise UserError(
             f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)"
         )
+    if command in WRITING_COMMANDS and cfg.model.router_aux_loss_coef:
+        _check_routed(cfg)
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -145,6 +147,22 @@ def _check_bf16(cfg: RunConfig, command: str) -> None:
         raise UserError(f"{asked[0]}: this machine has no bf16 support ({why}): use float32 here")
     if level == "emulated" and command in WRITING_COMMANDS and not asked[0].startswith("model.dtype"):
         config_rules.warn(f"{asked[0]}: {why}")
+
+
+def _check_routed(cfg: RunConfig) -> None:
+    """model.router_aux_loss_coef > 0 needs a mixture of experts: a dense policy has no router to balance."""
+    try:
+        fields = shape_fields(cfg.model)
+    except (OSError, ValueError):
+        return  # an unreadable config.json is refused where the model loads, naming it
+    if not is_moe(fields):
+        what = f"model.preset={cfg.model.preset}" if cfg.model.preset else "the built-in model"
+        if cfg.model.config or cfg.model.path:
+            what = f"{cfg.model.config or cfg.model.path}/config.json"
+        raise UserError(
+            f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef}: {what} is not a mixture of experts "
+            "(no num_experts or num_local_experts): it has no router to balance"
+        )
 
 
 # What a model learned that eval must score it on: a default here means the built-in addition task.

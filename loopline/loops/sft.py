@@ -86,6 +86,7 @@ def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None =
             "loss": stats.loss,
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
+            **stats.extra,  # an MoE policy's router metrics
         }
         row["tokens_per_s"] = float(batch.attention_mask.sum()) / elapsed
         row["time_train"] = elapsed

@@ -124,6 +124,18 @@ PREFERENCE = {
     "eval_pair_accuracy": "rm: pair_accuracy on the held-out pairs.",
 }
 
+# Rows of every training phase of a mixture-of-experts policy (loopline.training.router)
+ROUTER = {
+    "router_cv": "MoE policy: coefficient of variation (std / mean over the experts) of the tokens each expert got "
+    "in the step (top-k assignments of the training forwards' real tokens, all ranks), averaged over the MoE "
+    "layers; 0 = perfectly balanced, sqrt(experts - 1) = every token on the same experts.",
+    "router_cv_layer<l>": "MoE policy: router_cv of the router of decoder layer l alone.",
+    "router_aux_loss": "MoE policy: the Switch Transformer load-balancing loss over the step's tokens, pooled over "
+    "the layers as transformers defines it (experts per token at perfect balance); each micro-batch's own is "
+    "added to its objective times model.router_aux_loss_coef (not counted in loss).",
+    "router_aux_loss_layer<l>": "MoE policy: the load-balancing loss of decoder layer l's router alone.",
+}
+
 # Noted once, on the next row after the event
 EVENTS = {
     "data_skipped_rows": "Data rows skipped at load (data.skip_bad_rows, data.overlong=skip), on the first row.",
@@ -144,6 +156,7 @@ SECTIONS: dict[str, dict[str, str]] = {
     "SFT": SFT,
     "GRPO family (GRPO, PPO, DAPO, async RL, multi-turn)": GRPO,
     "DPO and reward models": PREFERENCE,
+    "Mixture-of-experts routers (SFT, GRPO family, DPO)": ROUTER,
     "Events (noted on the next row)": EVENTS,
 }
 

@@ -4,8 +4,9 @@ or the built-in tiny model's shape) and its LoRA adapters. Read by models.load a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -91,6 +92,14 @@ class ModelConfig(Section):
         "recomputed in the backward), so no forward of the policy or reference holds the whole (rows x tokens x "
         "vocabulary) float32 logits; 0 = all at once. Same values to rounding; 256-1024 at real vocabularies.",
     )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0.0,
+        description="A mixture-of-experts policy's load-balancing loss (Switch Transformer's, over its routers' real "
+        "tokens, pooled over layers) added to each training micro-batch's objective times this; null = as "
+        "transformers trains the model's config: its router_aux_loss_coef when its output_router_logits is true, "
+        "else 0 (the published Qwen3-MoE and Mixtral configs: 0). A dense model takes none.",
+    )
     share_prompts: bool = Field(
         True,
         description="In padded forwards, compute each distinct prompt of a batch once and let its rows (a GRPO "
@@ -139,3 +148,23 @@ def missing_tokenizer(path: str | Path) -> str:
         f"model.path: '{path}' has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): save the "
         "tokenizer beside the model (tokenizer.save_pretrained(DIR)), as `loopline export` does"
     )
+
+
+def shape_fields(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The Hugging Face config numbers of the policy's shape, read without torch: model.preset's, or the config.json
+    of model.config or model.path; None for the built-in model. OSError or ValueError when the file cannot be read."""
+    if cfg.preset:
+        return dict(PRESETS[cfg.preset])
+    where = cfg.config or cfg.path
+    if not where:
+        return None
+    fields = json.loads((Path(where) / "config.json").read_text())
+    if not isinstance(fields, dict):
+        raise ValueError("not a JSON object")
+    return fields
+
+
+def is_moe(fields: dict[str, Any] | None) -> bool:
+    """Whether config numbers (shape_fields) are a mixture of experts' (Qwen3-MoE's num_experts, Mixtral's
+    num_local_experts)."""
+    return bool(fields and (fields.get("num_experts") or fields.get("num_local_experts")))

@@ -4,6 +4,10 @@ memory and speed at a real size can be measured without downloading anything.
 
 The numbers are those of each model's public config.json (the base models); token ids are left out: the run's
 own tokenizer sets them. Plain data, no torch: loading a config validates preset names against this table.
+
+Mixtures of experts: `qwen3-30b-a3b` and `mixtral-8x7b` as published, and each scaled down (`qwen3-moe-tiny`,
+`mixtral-tiny`: the same expert count and experts per token, two narrow layers, a 1,024-token vocabulary) so
+that every path runs on one CPU in seconds.
 """
 
 from __future__ import annotations
@@ -85,5 +89,94 @@ PRESETS: dict[str, dict[str, Any]] = {
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
+    },
+    # Qwen/Qwen3-30B-A3B: 30,532,122,624 parameters, 3,353,032,704 active per token (128 experts, 8 per token)
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    # Qwen3-30B-A3B scaled down (not a published model): its 128 experts, 8 per token, untied head and q/k
+    # norms; 2 layers of width 64 and a 1,024-token vocabulary, so that a run takes seconds here
+    "qwen3-moe-tiny": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 1024,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    # mistralai/Mixtral-8x7B-v0.1: 46,702,792,704 parameters, 12,879,925,248 active per token (8 experts, 2 per token)
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "sliding_window": None,
+    },
+    # Mixtral-8x7B scaled down (not a published model): its 8 experts, 2 per token; 2 layers of width 64
+    "mixtral-tiny": {
+        "model_type": "mixtral",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "vocab_size": 1024,
+        "max_position_embeddings": 512,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "sliding_window": None,
     },
 }

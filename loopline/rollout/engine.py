@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Mapping
@@ -13,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from loopline.models.cache import cache_argument, cache_of
+from loopline.rollout.routes import RouteRecorder
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,9 @@ class Completion:
     policy_version: int = 0  # the weights that sampled its first token
     token_versions: list[int] = field(default_factory=list)  # the weights that sampled each token
     partial: bool = False  # new weights arrived mid-generation: its tokens come from two or more versions
+    # (P + T - 1, L, k) int16: an MoE model's top-k experts at each position of prompt + tokens but the last, in
+    # each of its L MoE layers, as the engine routed them (TorchEngine(record_routes=True); rollout/routes.py)
+    routes: torch.Tensor | None = None
 
 
 class Engine(Protocol):
@@ -277,16 +282,22 @@ class TorchEngine:
         seed: int | None = None,
         max_rows: int = 0,
         keep_stale_kv: bool = False,
+        record_routes: bool = False,
     ) -> None:
         """max_rows: sequences computed at once (runtime.engine_max_rows); 0 = all of a call's at once.
         keep_stale_kv: weights offered during a generate call (a partial rollout) leave the cache of the sequences
         in flight as the old weights filled it (faster, but their next tokens attend to another policy's keys and
-        values); by default the cache is recomputed under the new weights."""
+        values); by default the cache is recomputed under the new weights. record_routes: an MoE model's
+        completions carry the experts its routers chose (Completion.routes)."""
         if max_rows < 0:
             raise ValueError(f"max_rows must be at least 0, got {max_rows}")
         self.model = model
         self.max_rows = max_rows
         self.keep_stale_kv = keep_stale_kv
+        self.record_routes = record_routes
+        self._routes: RouteRecorder | None = None  # the routes of the generate call running
+        if record_routes:
+            RouteRecorder(model, 0, 0)  # a dense model has none to record: say so now, not at the first call
         # weights offered while a generate call runs wait here for its next decode step (offer_weights)
         self._cond = threading.Condition()
         self._generating = False
@@ -400,6 +411,8 @@ class TorchEngine:
         samples: the group shares its prompt's KV, copies of the prefilled rows, not n prefills."""
         device = next(self.model.parameters()).device
         cache, logits, attention, positions = self._forward_padded(prompts, headroom)
+        if self._routes is not None:
+            self._routes.prefilled(prompts, first, n)
         if n > 1:
             cache.batch_repeat_interleave(n)
             logits, attention = logits.repeat_interleave(n, 0), attention.repeat_interleave(n, 0)
@@ -423,6 +436,8 @@ class TorchEngine:
             prompts[s // n] + tokens[s, :c].tolist() for s, c in zip(sample.tolist(), count.tolist())
         ]
         cache, logits, attention, positions = self._forward_padded(sequences, max_new - int(count.min()))
+        if self._routes is not None:
+            self._routes.stepped(sample, count, torch.ones_like(count, dtype=torch.bool))
         return _Running(
             cache, logits, attention, positions[:, -1:] + 1, sample, count,
             live=torch.ones(len(rows), dtype=torch.bool, device=logits.device),
@@ -447,9 +462,13 @@ class TorchEngine:
             )
         with self._cond:
             self._generating = True
+        if self.record_routes:
+            self._routes = RouteRecorder(self.model, total, params.max_new_tokens)
         try:
-            return self._generate(prompts, params, n, total, slots)
+            with self._routes.hooks() if self._routes is not None else contextlib.nullcontext():
+                return self._generate(prompts, params, n, total, slots)
         finally:
+            self._routes = None
             with self._cond:
                 self._generating = False
             self._take_offered()  # weights offered during the last decode step
@@ -534,8 +553,11 @@ class TorchEngine:
             )
             batch.cache, batch.logits = cache_of(out), out.logits[:, -1, :]
             batch.next_pos = batch.next_pos + 1
+            if self._routes is not None:
+                self._routes.stepped(batch.sample, batch.count, batch.live)
 
         self.model.train(was_training)
+        routes = self._routes
         token_lists, logp_lists, version_lists = tokens.tolist(), token_logps.tolist(), versions.tolist()
         ids_lists = [token_lists[i][: lengths[i]] for i in range(total)]
         # one call for the batch (fast tokenizers decode it in one pass)
@@ -554,6 +576,7 @@ class TorchEngine:
                     policy_version=by[0],
                     token_versions=by,
                     partial=by[0] != by[-1],
+                    routes=routes.routes(i, i // n, lengths[i]) if routes is not None else None,
                 )
             )
         return completions

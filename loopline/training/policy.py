@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from loopline.training.parallel import (
     mesh_groups,
 )
 from loopline.training.prefix import shared_prompt_logits, shared_prompts
+from loopline.training.router import RouterStats
 
 
 def build_optimizer(
@@ -285,11 +286,13 @@ class SFTStepStats:
     loss: float  # token mean of the response tokens' NLL
     grad_norm: float  # before clipping; not finite when the update was skipped
     lr: float
+    # an MoE policy's router metrics (RouterStats), set after the rest: not a float like them
+    router: dict[str, float] = field(default_factory=dict, init=False)
 
     @property
     def extra(self) -> dict[str, float]:
-        """None besides loss, grad_norm and lr: the same interface as the other step stats."""
-        return {}
+        """The statistics besides loss, grad_norm and lr, by metrics-row name: an MoE policy's router metrics."""
+        return dict(self.router)
 
 
 @dataclass
@@ -304,12 +307,14 @@ class PolicyStepStats:
     entropy: float  # token mean of the policy's entropy
     clip_fraction: float  # token fraction whose ratio was clipped away
     approx_kl: float  # token mean of the k3 estimate of KL(old || new)
+    # an MoE policy's router metrics (RouterStats), set after the rest: not a float like them
+    router: dict[str, float] = field(default_factory=dict, init=False)
 
     @property
     def extra(self) -> dict[str, float]:
         """The statistics besides loss, grad_norm and lr, by metrics-row name, in the row's order."""
         names = ("policy_loss", "kl", "entropy", "clip_fraction", "approx_kl")
-        return {name: getattr(self, name) for name in names}
+        return {**{name: getattr(self, name) for name in names}, **self.router}
 
 
 @dataclass
@@ -325,6 +330,8 @@ class DPOStepStats:
     reward_margin: float  # implicit reward of chosen minus rejected
     chosen_reward: float  # implicit reward beta * (log p - log p_ref) of the chosen completion
     rejected_reward: float  # the same of the rejected completion
+    # an MoE policy's router metrics (RouterStats), set after the rest: not a float like them
+    router: dict[str, float] = field(default_factory=dict, init=False)
 
     @property
     def extra(self) -> dict[str, float]:
@@ -337,7 +344,7 @@ class DPOStepStats:
             "chosen_reward",
             "rejected_reward",
         )
-        return {name: getattr(self, name) for name in names}
+        return {**{name: getattr(self, name) for name in names}, **self.router}
 
 
 class PolicyTrainer:
@@ -363,12 +370,14 @@ class PolicyTrainer:
         share_prompts: bool = True,
         chunk_tokens: int = 0,
         max_tokens: int = 0,
+        router_aux_loss_coef: float | None = None,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
         which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
         (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts);
         chunk_tokens: the head's logits that many tokens at a time (model.logits_chunk_tokens; 0 = all);
-        max_tokens: policy_step's micro-batches by token count instead (grpo.max_tokens_per_micro_batch; 0 = off)."""
+        max_tokens: policy_step's micro-batches by token count instead (grpo.max_tokens_per_micro_batch; 0 = off);
+        router_aux_loss_coef: an MoE model's load-balancing loss weight (model.router_aux_loss_coef)."""
         self.model = model
         self.packed = packed
         self.share_prompts = share_prompts
@@ -378,6 +387,7 @@ class PolicyTrainer:
         self.loss = loss
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
+        self.router = RouterStats(model, router_aux_loss_coef)  # an MoE model's; nothing for a dense one
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self.updates = 0  # optimizer steps taken by this trainer (skipped non-finite ones included)
         self.lock = threading.Lock()  # held while the update changes the weights and optimizer state
@@ -423,11 +433,14 @@ class PolicyTrainer:
             )
             mask = micro.response_mask
             loss = -(logp * mask).sum() / mask.sum().clamp(min=1.0)
-            (loss * _share(micro, totals, "token_mean")).backward()
+            (self.router.objective(loss) * _share(micro, totals, "token_mean")).backward()
             total += float(loss.detach()) * _share(micro, totals, "token_mean")
         sums = self._global_sums({"loss": total})
+        router = self.router.metrics(self.group)  # before the step's last collective, the grad norm's
         grad_norm, lr = self._step(lr_scale)
-        return SFTStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats = SFTStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats.router = router
+        return stats
 
     def policy_step(self, batch: RolloutBatch, kl_coef: float) -> PolicyStepStats:
         """One optimizer step of the phase's policy objective (self.loss) at this step's KL coefficient."""
@@ -470,7 +483,7 @@ class PolicyTrainer:
                 logp, old, micro.advantages, mask, entropy, micro.ref_logprobs, kl_coef, micro.is_weights
             )
             ent = _masked_mean(entropy, mask)
-            (out.loss * share).backward()
+            (self.router.objective(out.loss) * share).backward()
             for key, value, weight in (
                 ("loss", out.loss, share),
                 ("policy_loss", out.surrogate.loss, share),
@@ -481,8 +494,11 @@ class PolicyTrainer:
             ):
                 sums[key] += float(value.detach()) * weight
         sums = self._global_sums(sums)
+        router = self.router.metrics(self.group)  # before the step's last collective, the grad norm's
         grad_norm, lr = self._step()
-        return PolicyStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats = PolicyStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats.router = router
+        return stats
 
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         """One optimizer step of the dpo.loss objective; pairs carry their reference log-probs."""
@@ -512,7 +528,7 @@ class PolicyTrainer:
             # RPO: the chosen completion's NLL (per-token mean, then mean over pairs) anchors its likelihood
             nll = (-chosen / mask.sum(dim=1).clamp(min=1.0)).mean()
             loss = out.loss + cfg.nll_coef * nll
-            (loss * share).backward()
+            (self.router.objective(loss) * share).backward()
             for key, value in (
                 ("loss", loss.detach()),
                 ("pref_loss", out.loss.detach()),
@@ -524,8 +540,11 @@ class PolicyTrainer:
             ):
                 sums[key] += float(value) * share
         sums = self._global_sums(sums)
+        router = self.router.metrics(self.group)  # before the step's last collective, the grad norm's
         grad_norm, lr = self._step()
-        return DPOStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats = DPOStepStats(grad_norm=grad_norm, lr=lr, **sums)
+        stats.router = router
+        return stats
 
     def state_dict(self) -> dict:
         """Optimizer state by parameter name (whole tensors; on rank 0 only when sharded) and LR schedule."""

@@ -24,6 +24,14 @@ PUBLISHED = {
     "qwen2.5-1.5b": 1_543_714_304,
     "qwen3-0.6b": 596_049_920,
     "llama-3.2-1b": 1_235_814_400,
+    "qwen3-30b-a3b": 30_532_122_624,  # untied head; 128 experts of 3 x 2048 x 768 in each of 48 layers
+    "mixtral-8x7b": 46_702_792_704,  # untied head; 8 experts of 3 x 4096 x 14336 in each of 32 layers
+    # scaled down, not published: counted by hand (embeddings and head, per layer attention + norms, 128 experts
+    # of 3 x 64 x 32, a 128 x 64 router, two norms; the final norm)
+    "qwen3-moe-tiny": 2 * 1024 * 64
+    + 2 * (4096 + 2 * 2048 + 4096 + 2 * 16 + 128 * 3 * 64 * 32 + 128 * 64 + 128)
+    + 64,
+    "mixtral-tiny": 2 * 1024 * 64 + 2 * (4096 + 2 * 2048 + 4096 + 8 * 3 * 64 * 128 + 8 * 64 + 128) + 64,
 }
 # a scaled-down Qwen2 with a real-sized vocabulary: narrow and shallow, so it trains in seconds
 SMALL_WIDE_VOCAB = {
@@ -57,7 +65,9 @@ def test_presets_build_with_their_published_parameter_counts(name):
     with torch.device("meta"):  # the architecture without allocating a byte of weights
         model = AutoModelForCausalLM.from_config(config)
     assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
-    assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    tied = PRESETS[name]["tie_word_embeddings"]
+    assert model.config.tie_word_embeddings == tied
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     assert model.config.vocab_size == PRESETS[name]["vocab_size"]
 
 
