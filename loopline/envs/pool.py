@@ -25,7 +25,6 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
-import os
 import signal
 import threading
 import time
@@ -33,129 +32,25 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
-from pydantic import Field
-
-from loopline.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
-from loopline.section import Section
+from loopline.envs.pool_parts import (
+    MAX_START_FAILURES,
+    EnvPoolConfig,
+    Outcome,
+    RayBundles,
+    WorkerInfo,
+    _Backend,
+    _call,
+    _Event,
+    _Task,
+    _Worker,
+)
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class EnvPoolConfig(Section):
-    """Where env tasks run and how failures are handled."""
-
-    backend: Literal["local", "ray"] = Field("local", description="Local worker processes or Ray actors.")
-    num_workers: int = Field(2, ge=0, description="Workers to keep running.")
-    max_concurrency: int = Field(0, ge=0, description="Most tasks in flight at once; 0 = one per worker.")
-    task_timeout_s: float = Field(120.0, gt=0, description="A task running longer kills its worker.")
-    max_attempts: int = Field(3, ge=1, description="Tries per task when workers die or time out.")
-    ray_address: str = Field(
-        "", description="Ray cluster to join if this process has no Ray yet; empty = start a local one."
-    )
-    ray_num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per Ray worker actor.")
-    ray_resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources per actor, e.g. {env_node: 0.1}."
-    )
-
-
-@dataclass(frozen=True)
-class Outcome(Generic[R]):
-    """The result of one sample's task: a value, or why there is none."""
-
-    sample_id: Hashable
-    value: R | None
-    error: str | None  # None when `fn` returned; else its exception, or the worker failure
-    attempts: int  # 1 unless workers died or timed out on this task
-    worker: str  # name of the worker that produced it ("" if none did)
-    failures: tuple[str, ...] = ()  # why each earlier attempt was lost, oldest first
-    recovered_s: float = 0.0  # from the loss of its first attempt to this outcome (0 when none was lost)
-
-    @property
-    def ok(self) -> bool:
-        """Whether `fn` returned a value."""
-        return self.error is None
-
-
-@dataclass(frozen=True)
-class RayBundles:
-    """Ray workers go into these bundles, the least-loaded first, asking for no resources of their own: the
-    bundles already reserve the role's resources on the nodes placement chose, and any number fit in one."""
-
-    placement_group: Any  # ray.util.placement_group.PlacementGroup
-    num_bundles: int
-
-
-@dataclass(frozen=True)
-class WorkerInfo:
-    """A live worker, as seen by the pool."""
-
-    name: str
-    pid: int | None
-    busy_with: Hashable | None  # sample id of the task it is running
-
-
-@dataclass
-class _Task:
-    sample_id: Hashable
-    item: Any
-    timeout_s: float  # a worker on it longer is taken for hung
-    attempt: int = 1
-    started: float = 0.0
-    failures: tuple[str, ...] = ()
-    lost_at: float = 0.0  # time.monotonic() when its first attempt was lost (0: none was)
-
-    @property
-    def token(self) -> tuple[Hashable, int]:
-        return (self.sample_id, self.attempt)
-
-
-@dataclass
-class _Worker:
-    name: str
-    handle: Any  # backend-specific
-    ready: bool = False  # started and able to take a task (task timeouts exclude start-up)
-    task: _Task | None = None
-    retiring: bool = False
-
-
-# (token, ok, value or error text) as sent back by a worker
-_Reply = tuple[tuple[Hashable, int], bool, Any]
-# What poll() reports about a worker: it became ready, it answered (with the reply), or it died.
-_Event = tuple[_Worker, Literal["ready", "reply", "dead"], _Reply | None]
-# Consecutive workers that die before becoming ready, after which the pool gives up.
-MAX_START_FAILURES = 3
-
-
-class _Backend(Protocol):
-    """Starts, feeds, watches and kills workers of one kind."""
-
-    def start(self, name: str) -> _Worker: ...
-    def submit(self, worker: _Worker, task: _Task) -> None: ...
-    def poll(self, workers: list[_Worker], timeout: float) -> list[_Event]: ...
-    def pid(self, worker: _Worker) -> int | None: ...
-    def alive(self, worker: _Worker) -> bool: ...
-    def kill(self, worker: _Worker) -> None: ...
-    def stop(self, worker: _Worker) -> None: ...
-    def close(self) -> None: ...
-
-
-def _call(fn: Callable[[Any], Any], token: tuple[Hashable, int], item: Any) -> _Reply:
-    """Run one task inside a worker; exceptions become error text."""
-    try:
-        return (token, True, fn(item))
-    except Exception as e:
-        return (token, False, f"{type(e).__name__}: {e}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The pool
-# ---------------------------------------------------------------------------------------------
 
 
 class WorkerPool(Generic[T, R]):
@@ -169,7 +64,7 @@ class WorkerPool(Generic[T, R]):
         if bundles is not None and self.config.backend != "ray":
             raise ValueError("bundles place Ray workers; they need backend 'ray'")
         self._backend: _Backend = (
-            _LocalBackend(fn) if self.config.backend == "local" else _RayBackend(fn, self.config, bundles)
+            _LocalBackend(fn) if self.config.backend == "local" else ray_backend(fn, self.config, bundles)
         )
         self._lock = threading.RLock()
         self._workers: list[_Worker] = []
@@ -507,108 +402,8 @@ class _LocalBackend:
         pass
 
 
-# ---------------------------------------------------------------------------------------------
-# Ray actors
-# ---------------------------------------------------------------------------------------------
+def ray_backend(fn: Callable[[Any], Any], config: EnvPoolConfig, bundles: RayBundles | None) -> _Backend:
+    """The Ray backend (loopline/envs/pool_ray.py), imported only when a pool asks for it."""
+    from loopline.envs.pool_ray import RayBackend
 
-
-class _RayWorkerActor:
-    """Body of a Ray env worker actor (started by loopline.ray_actors.start_actor)."""
-
-    def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn = fn
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, token: tuple[Hashable, int], item: Any) -> _Reply:
-        return _call(self.fn, token, item)
-
-
-@dataclass
-class _RayHandle:
-    actor: Any
-    future: Any = None
-    pid_future: Any = None
-    pid: int | None = None
-    bundle: int | None = None  # its bundle index, with RayBundles
-
-
-class _RayBackend:
-    """Workers are Ray actors, one task at a time each; Ray is started here only if needed."""
-
-    def __init__(self, fn: Callable[[Any], Any], config: EnvPoolConfig, bundles: RayBundles | None) -> None:
-        import ray
-
-        from loopline.runtime.cluster import ClusterConfig, start_ray
-
-        self.ray = ray
-        # Reuse the Ray of this process if there is one; else join ray_address or start a local one.
-        self.started_ray = start_ray(ClusterConfig(address=config.ray_address))
-        # Workers must import loopline (fn is pickled by reference) even when it is not installed.
-        self.env_vars = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-        # In a bundle the bundle reserves the resources; a worker only needs to run on its node.
-        self.resources = {"CPU": 0.0} if bundles else {**config.ray_resources, "CPU": config.ray_num_cpus}
-        self.bundles = bundles
-        self.load = [0] * (bundles.num_bundles if bundles else 0)  # live workers per bundle
-        self.fn_ref = ray.put(fn)
-
-    def start(self, name: str) -> _Worker:
-        place, bundle = None, None
-        if self.bundles is not None:
-            bundle = min(range(len(self.load)), key=self.load.__getitem__)
-            self.load[bundle] += 1
-            place = (self.bundles.placement_group, bundle)
-        actor = start_actor(
-            _RayWorkerActor, (self.fn_ref,), resources=self.resources, bundle=place, env_vars=self.env_vars
-        )
-        return _Worker(name, _RayHandle(actor, pid_future=actor.pid.remote(), bundle=bundle))
-
-    def submit(self, worker: _Worker, task: _Task) -> None:
-        worker.handle.future = worker.handle.actor.run.remote(task.token, task.item)
-
-    def poll(self, workers: list[_Worker], timeout: float) -> list[_Event]:
-        waiting: dict[Any, tuple[_Worker, Literal["ready", "reply"]]] = {}
-        for w in workers:
-            if not w.ready and w.handle.pid_future is not None:
-                waiting[w.handle.pid_future] = (w, "ready")
-            elif w.task is not None and w.handle.future is not None:
-                waiting[w.handle.future] = (w, "reply")
-        if not waiting:
-            time.sleep(timeout)
-            return []
-        events: list[_Event] = []
-        for future in finished(list(waiting), timeout):
-            worker, kind = waiting[future]
-            try:
-                value = get(future)
-            except (ActorGone, ActorRaised, self.ray.exceptions.RayError) as e:  # actor died, node lost, ...
-                logger.debug("ray env worker %s failed: %s", worker.name, e)
-                events.append((worker, "dead", None))
-                continue
-            if kind == "ready":
-                worker.handle.pid, worker.handle.pid_future = value, None
-                events.append((worker, "ready", None))
-            else:
-                worker.handle.future = None
-                events.append((worker, "reply", value))
-        return events
-
-    def pid(self, worker: _Worker) -> int | None:
-        return worker.handle.pid  # known once the actor is ready
-
-    def alive(self, worker: _Worker) -> bool:
-        return True  # not cheap to ask Ray; a dead actor fails its next task, which is retried
-
-    def kill(self, worker: _Worker) -> None:
-        kill(worker.handle.actor)
-        if worker.handle.bundle is not None:
-            self.load[worker.handle.bundle] -= 1
-            worker.handle.bundle = None
-
-    def stop(self, worker: _Worker) -> None:
-        self.kill(worker)
-
-    def close(self) -> None:
-        if self.started_ray:
-            self.ray.shutdown()
+    return RayBackend(fn, config, bundles)
