@@ -47,7 +47,7 @@ from loopline.runtime.ranks import (
     seeded_model,
 )
 from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
-from loopline.training.lora import has_lora, merged_state_dict
+from loopline.training.lora import MergedWeights, has_lora, merged_state_dict
 from loopline.training.policy import (
     DPOStepStats,
     PolicyStepStats,
@@ -387,10 +387,10 @@ class ActorWorker:
         self.plan = sync_plan(self.plan, self.sync_params, self.layout, targets)
         self.sync.sync(self.plan, local_shards(self.model), None)  # pipelined: only its stages' names
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
+    def engine_weights(self) -> Mapping[str, torch.Tensor]:
         """This rank's tensors as the in-process sync's source shards (one unsharded rank: whole, live), LoRA
-        adapters folded in: the plain names and values of the engine's model."""
-        return merged_state_dict(self.model)  # = state_dict() without LoRA
+        adapters folded in as each is read: the plain names and values of the engine's model."""
+        return MergedWeights(self.model)  # = state_dict() without LoRA
 
     @dispatch(gather="first")
     def weights(self) -> dict[str, torch.Tensor] | None:

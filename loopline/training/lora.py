@@ -3,13 +3,14 @@
 `apply_lora` injects adapters into the model in place (it stays the same transformers class, so every
 role keeps calling it as before) and freezes everything else: the optimizers, which take the parameters
 that require grad, then train the adapters only. Engines and Hugging Face exports take
-`merged_state_dict`: the plain parameter names with W + scale * B A folded in, so an engine holds an
-ordinary model and never sees an adapter.
+`MergedWeights` / `merged_state_dict`: the plain parameter names with W + scale * B A folded in, so an engine
+holds an ordinary model and never sees an adapter.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,20 +62,40 @@ def has_lora(model: torch.nn.Module) -> bool:
 
 def merged_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights under their plain names, adapters folded in; `state_dict()` if it has none."""
-    state = model.state_dict()
-    layers = _lora_layers(model)
-    if not layers:
-        return state
-    merged = {k: v for k, v in state.items() if "lora_" not in k and ".base_layer." not in k}
-    with torch.no_grad():
-        for name, layer in layers.items():
-            base = layer.get_base_layer()
-            weight = base.weight.detach().clone()  # type: ignore[operator]  # a Linear's weight
+    return dict(MergedWeights(model))
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """The model's weights under their plain names, each adapted weight merged (W + scale * B A) only when read.
+
+    An in-process weight sync reads them one by one into the engine, so it holds one merged matrix beside the model
+    at a time rather than a second copy of every adapted weight (at 1.5B parameters, gigabytes)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        state = model.state_dict()  # references to the live tensors, no copies
+        self._plain = {k: v for k, v in state.items() if "lora_" not in k and ".base_layer." not in k}
+        self._adapted: dict[str, LoraLayer] = {}
+        for name, layer in _lora_layers(model).items():
+            self._adapted[f"{name}.weight"] = layer
+            bias = layer.get_base_layer().bias
+            if bias is not None:
+                self._plain[f"{name}.bias"] = bias.detach()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        layer = self._adapted.get(name)
+        if layer is None:
+            return self._plain[name]
+        with torch.no_grad():
+            weight = layer.get_base_layer().weight.detach().clone()  # type: ignore[operator]  # a Linear's weight
             for adapter in layer.active_adapters:
                 if adapter in layer.lora_A:
                     # scale * B @ A; defined by each LoraLayer kind (Linear, Embedding, ...), not the base class
                     weight += layer.get_delta_weight(adapter).to(weight.dtype)  # type: ignore[attr-defined]
-            merged[f"{name}.weight"] = weight
-            if base.bias is not None:
-                merged[f"{name}.bias"] = base.bias.detach()  # type: ignore[operator]
-    return merged
+        return weight
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._plain
+        yield from self._adapted
+
+    def __len__(self) -> int:
+        return len(self._plain) + len(self._adapted)

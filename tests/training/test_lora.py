@@ -16,7 +16,7 @@ from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.metrics.logger import read_metrics
 from loopline.runtime.scorer import ScorerRole, Scores
-from loopline.training.lora import apply_lora, has_lora, merged_state_dict
+from loopline.training.lora import MergedWeights, apply_lora, has_lora, merged_state_dict
 
 LORA = LoRAConfig(r=4, alpha=8.0)
 
@@ -47,6 +47,25 @@ def test_only_adapters_train_and_merged_weights_reproduce_the_model(small_model)
     ids = torch.randint(3, 259, (2, 7))
     with torch.no_grad():
         torch.testing.assert_close(fresh(ids).logits, model.eval()(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_merged_weights_copy_nothing_until_read_and_read_as_the_merged_state_dict(small_model):
+    """The in-process sync's view: plain tensors are the live ones; an adapted weight is merged when read (a new
+    tensor each read, so no second copy of the model is held), equal to merged_state_dict's."""
+    model = apply_lora(small_model, LORA)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.add_(0.05 * torch.randn_like(p))
+    view, eager = MergedWeights(model), merged_state_dict(model)
+    assert list(view) == list(eager) and len(view) == len(eager)
+    live = {t.data_ptr() for t in model.state_dict().values()}
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert view["model.embed_tokens.weight"].data_ptr() in live  # a plain weight: the model's own tensor
+    assert view[q].data_ptr() not in live and view[q].data_ptr() != eager[q].data_ptr()
+    assert all(torch.equal(view[k], eager[k]) for k in eager)
+    with pytest.raises(KeyError):
+        view["model.layers.0.self_attn.q_proj.lora_A.default.weight"]  # adapters are not engine weights
 
 
 def test_bad_target_modules_name_the_field(small_model):
