@@ -21,6 +21,7 @@ from loopline.checkpoint.state import (
     newest_whole_checkpoint,
 )
 from loopline.config import RunConfig, absolute_paths, load_config
+from loopline.distributed.workers import WorkerDiedError, WorkerError
 from loopline.errors import EXIT_TEMPFAIL, UserError, WorkersLost
 from loopline.loops.context import (
     RunContext,
@@ -34,7 +35,6 @@ from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
 from loopline.runtime.roles import RESTARTABLE
-from loopline.runtime.workers import WorkerDiedError, WorkerError
 from loopline.training.lora import merged_state_dict
 
 

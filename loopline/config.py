@@ -19,14 +19,14 @@ from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.data.config import DataConfig, PreferenceDataConfig, TaskConfig
+from loopline.distributed.cluster import ClusterConfig
+from loopline.distributed.placement import PlacementConfig
 from loopline.envs.config import EnvConfig
 from loopline.k8s.config import K8sConfig
 from loopline.metrics.config import MetricsConfig
 from loopline.models.config import LoRAConfig, ModelConfig, TinyModelConfig
 from loopline.rollout.config import EvalConfig, RolloutConfig, SamplingConfig, VllmConfig
-from loopline.runtime.cluster import ClusterConfig
 from loopline.runtime.config import RuntimeConfig
-from loopline.runtime.placement import PlacementConfig
 
 # The base and the loader's helpers live in the leaf loopline.section (imported by sections beside their
 # code in every room); re-exported here, where RunConfig composes them.

@@ -245,7 +245,7 @@ def ray_items() -> list[Item]:
         return [Item("ray", "not installed", off), Item("ray start", "skipped (no ray)", "")]
     import ray
 
-    from loopline.runtime.cluster import ClusterConfig, start_ray
+    from loopline.distributed.cluster import ClusterConfig, start_ray
 
     items = [Item("ray", ray.__version__)]
     t0 = time.perf_counter()

@@ -139,11 +139,11 @@ def ray_session() -> Iterator[Cluster]:
 
     A ray.cluster_utils.Cluster, so that a module that needs a multi-node layout can add nodes to it
     (`add_ray_nodes`) and remove them again. Runs started in this process
-    find Ray initialised and join it (loopline.runtime.cluster.start_ray); processes started by a test join it
+    find Ray initialised and join it (loopline.distributed.cluster.start_ray); processes started by a test join it
     with runtime.cluster.address=<its address>.
     """
     ray = need_module("ray", "Ray is not installed (pip install loopline[ray])")
-    from loopline.runtime.cluster import local_multinode_cluster
+    from loopline.distributed.cluster import local_multinode_cluster
 
     need(not ray.is_initialized(), "Ray is already initialised in this process (a test leaked it)")
     with local_multinode_cluster([], head_cpus=RAY_CPUS, object_store_mb=300, namespace=RAY_NAMESPACE) as c:
@@ -151,7 +151,7 @@ def ray_session() -> Iterator[Cluster]:
 
 
 def _free_cpus() -> float:
-    from loopline.runtime.placement import cluster_free_resources
+    from loopline.distributed.placement import cluster_free_resources
 
     return sum(n.get("CPU", 0.0) for n in cluster_free_resources())
 
@@ -182,7 +182,7 @@ def add_ray_nodes(ray_cluster: Cluster) -> Iterator[Callable[[Sequence[Mapping[s
     `add_ray_nodes([{"CPU": 1, "trainer": 2}, ...])` starts one node per entry on 127.0.0.1 with those
     resources (pools that ask for a custom resource land there, not on the head) and returns their node ids.
     """
-    from loopline.runtime.cluster import _loopback
+    from loopline.distributed.cluster import _loopback
 
     added = []
 
@@ -222,7 +222,7 @@ MODULE_LAYERS = {
             "tests/checkpoint/test_dcp.py",
             "tests/runtime/test_critic.py",
             "tests/runtime/test_reference.py",
-            "tests/runtime/test_weight_sync.py",
+            "tests/distributed/test_weight_sync.py",
             "tests/training/test_critic_fsdp.py",
             "tests/training/test_fsdp_equivalence.py",
             "tests/training/test_tp.py",
@@ -234,11 +234,11 @@ MODULE_LAYERS = {
             "tests/envs/test_pool.py",
             "tests/runtime/test_elastic_engines.py",
             "tests/runtime/test_fault_ray.py",
-            "tests/runtime/test_placement.py",
+            "tests/distributed/test_placement.py",
             "tests/runtime/test_scorer.py",
             "tests/runtime/test_train_ray.py",
             "tests/runtime/test_train_ray_tp.py",
-            "tests/runtime/test_workers.py",
+            "tests/distributed/test_workers.py",
         ],
         "ray",
     ),

@@ -3,10 +3,9 @@ under TYPE_CHECKING; `from x import y` resolving y when it is a submodule) point
 within its own layer, no modules import each other in a circle, each folder is one room of one layer, and the
 files and functions stay short. Run alone: `pytest tests/test_layering.py` (no imports, just `ast`).
 
-The table names folders and top-level modules, never a module inside a folder: a folder is one room. Two kinds of
-module stand apart from their folder's layer: a folder's `config.py` is its config section, a pydantic leaf at
-layer 1 that `loopline.config` composes into RunConfig (SECTION_LAYER); and the modules SPLIT_PENDING lists,
-which the reshaping of runtime/ is moving out into a folder of their own."""
+The table names folders and top-level modules, never a module inside a folder: a folder is one room. One kind of
+module stands apart from its folder's layer: a folder's `config.py` is its config section, a pydantic leaf at
+layer 1 that `loopline.config` composes into RunConfig (SECTION_LAYER)."""
 
 from __future__ import annotations
 
@@ -25,7 +24,11 @@ LAYERS: list[tuple[str, int, str]] = [
     ("loopline.section", 0, "the config base (Section, ConfigError, YAML + overrides): imports only errors"),
     ("loopline.algorithms", 1, "pure tensor functions: torch only"),
     ("loopline.metrics", 1, "logging and plots of metrics rows: files only"),
-    ("loopline.ray_actors", 1, "Ray actors: start, wait, failures, kill (worker groups, env pool)"),
+    (
+        "loopline.distributed",
+        1,
+        "the plumbing that knows no model: Ray cluster, placement, worker groups and dispatch, weight transfers",
+    ),
     ("loopline.data", 3, "datasets, sampler, batches: read config"),
     ("loopline.models", 3, "load a policy by config"),
     ("loopline.rollout", 4, "engines and trajectories over prompt rows and models"),
@@ -57,19 +60,6 @@ LAYERS: list[tuple[str, int, str]] = [
 
 # A folder's config.py is its config section: pydantic on loopline.section, composed by loopline.config.
 SECTION_LAYER = 1
-
-# runtime/ holds two layers in one folder (docs/architecture.md#departures): the distributed plumbing that knows
-# no model, below everything, and the roles at layer 7. The runtime reshaping moves these into a folder of their
-# own; until then each is placed here by name. Do not add to this list: new plumbing goes in its own folder.
-SPLIT_PENDING: dict[str, int] = {
-    "loopline.runtime.cluster": 1,  # start/join Ray; ClusterConfig, part of the runtime section
-    "loopline.runtime.placement": 1,  # placement groups from pool configs
-    "loopline.runtime.workers": 1,  # WorkerGroup: N ranks of any class, local or Ray
-    "loopline.runtime.dispatch": 1,  # how a worker method's call splits over ranks and gathers
-    "loopline.runtime.shard_layout": 1,  # trainer and engine layouts, shard boxes: pure
-    "loopline.runtime.resharding": 1,  # transfer plans between layouts: pure
-    "loopline.runtime.weight_sync": 1,  # transport of a transfer plan: tensors and collectives
-}
 
 # Imports up the table that are meant; (importer, imported): reason. Keep short: fix instead where cheap.
 ALLOWED_UP: dict[tuple[str, str], str] = {
@@ -149,12 +139,10 @@ def _is_section(module: str) -> bool:
 
 
 def _layer(module: str) -> tuple[str, int]:
-    """(room, layer) of `module`: its folder's, but a section's and a SPLIT_PENDING module's own."""
+    """(room, layer) of `module`: its folder's, but a section's own."""
     room, layer = _room(module)
     if _is_section(module):
         return f"{module} (a section)", SECTION_LAYER
-    if module in SPLIT_PENDING:
-        return f"{module} (split pending)", SPLIT_PENDING[module]
     return room, layer
 
 
@@ -251,25 +239,25 @@ def _folders() -> list[str]:
 
 
 def test_each_folder_is_one_room():
-    """The table names folders and top-level modules only, so a folder's modules share its layer (sections and
-    SPLIT_PENDING apart); a module placed by name inside a folder would hide a second layer in it."""
-    modules, folders = _modules(), set(_folders())
+    """The table names folders and top-level modules only, so a folder's modules share its layer (sections
+    apart); a module placed by name inside a folder would hide a second layer in it."""
+    folders = set(_folders())
     inside = [p for p, _, _ in LAYERS if p.rpartition(".")[0] in folders and p not in folders]
     assert not inside, f"LAYERS names modules inside folders (place the folder, or move the module): {inside}"
-    assert all(m in modules and m.startswith("loopline.runtime.") for m in SPLIT_PENDING), (
-        "SPLIT_PENDING is stale"
-    )
     assert _layer("loopline.envs.sandbox.runner")[1] == _layer("loopline.envs.pool")[1]
 
 
 # What a section may import besides loopline.section, loopline.errors and other sections: (section, module): why.
 SECTION_IMPORTS: dict[tuple[str, str], str] = {
     ("loopline.models.config", "loopline.models.presets"): "the preset table (names and sizes): data only",
-    ("loopline.runtime.config", "loopline.runtime.cluster"): "ClusterConfig beside start_ray: SPLIT_PENDING",
     (
         "loopline.runtime.config",
-        "loopline.runtime.placement",
-    ): "PlacementConfig beside its code: SPLIT_PENDING",
+        "loopline.distributed.cluster",
+    ): "ClusterConfig beside start_ray (the plumbing, layer 1)",
+    (
+        "loopline.runtime.config",
+        "loopline.distributed.placement",
+    ): "PlacementConfig beside its code (the plumbing, layer 1)",
 }
 
 

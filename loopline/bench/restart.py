@@ -206,7 +206,7 @@ def _ray_address() -> Iterator[str]:
     if ray.is_initialized():
         yield ray.get_runtime_context().gcs_address
         return
-    from loopline.runtime.cluster import local_multinode_cluster
+    from loopline.distributed.cluster import local_multinode_cluster
 
     # a CPU each for 2 trainer ranks, 1 engine, 1 env worker
     with local_multinode_cluster([], head_cpus=4, object_store_mb=300) as cluster:

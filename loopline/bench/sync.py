@@ -154,7 +154,7 @@ def main(argv: list[str]) -> int:
 
 def _plan_70b() -> None:
     """Plan and check the Llama-70B-shaped case at 4,096 -> 512 x TP8 and print its numbers."""
-    from loopline.runtime.resharding import (
+    from loopline.distributed.resharding import (
         EngineLayout,
         TrainerLayout,
         check_plan,
@@ -208,10 +208,8 @@ def _report(name: str, ranks: list[dict[str, Any]]) -> dict[str, float]:
 
 def _bench_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
     """One rank of the benchmark world: build, shard, sync both ways, write its numbers to out/rank{r}.json."""
-    from loopline.models.config import ModelConfig
-    from loopline.models.load import load_policy
-    from loopline.runtime.resharding import EngineLayout, TrainerLayout, plan_transfers
-    from loopline.runtime.weight_sync import (
+    from loopline.distributed.resharding import EngineLayout, TrainerLayout, plan_transfers
+    from loopline.distributed.weight_sync import (
         empty_engine_shards,
         engine_tensors,
         local_shards,
@@ -219,6 +217,8 @@ def _bench_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
         sync_weights,
         sync_weights_naive,
     )
+    from loopline.models.config import ModelConfig
+    from loopline.models.load import load_policy
 
     mesh = trainer_mesh(conf["trainer"])
     results: dict[str, Any] = {}

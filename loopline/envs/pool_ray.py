@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from loopline.distributed.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
 from loopline.envs.pool_parts import EnvPoolConfig, RayBundles, _call, _Event, _Reply, _Task, _Worker
-from loopline.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
 
 logger = logging.getLogger("loopline.envs.pool")
 
 
 class _RayWorkerActor:
-    """Body of a Ray env worker actor (started by loopline.ray_actors.start_actor)."""
+    """Body of a Ray env worker actor (started by loopline.distributed.ray_actors.start_actor)."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self.fn = fn
@@ -45,7 +45,7 @@ class RayBackend:
     def __init__(self, fn: Callable[[Any], Any], config: EnvPoolConfig, bundles: RayBundles | None) -> None:
         import ray
 
-        from loopline.runtime.cluster import ClusterConfig, start_ray
+        from loopline.distributed.cluster import ClusterConfig, start_ray
 
         self.ray = ray
         # Reuse the Ray of this process if there is one; else join ray_address or start a local one.

@@ -23,11 +23,11 @@ import yaml
 
 from loopline.checkpoint.run_dir import RESUMED_PHASES
 from loopline.config import RunConfig
+from loopline.distributed.placement import PoolConfig
 from loopline.errors import UserError
 from loopline.k8s.config import MAX_NAME, K8sConfig, PodPlacement, WorkerGroupConfig, is_dns_label
 from loopline.k8s.memory import group_memory, head_memory
 from loopline.k8s.staging import refuse_local
-from loopline.runtime.placement import PoolConfig
 
 CONFIG_MOUNT = "/etc/loopline"
 CONFIG_FILE = "run.yaml"

@@ -1,7 +1,7 @@
 """The actor role: the policy trainer's ranks (a WorkerGroup of runtime.actor_worker's `ActorWorker`s) driven by
 `ActorRole`.
 
-Each call goes to the ranks as the worker method's @dispatch declares (runtime.dispatch: the batch split in equal
+Each call goes to the ranks as the worker method's @dispatch declares (distributed.dispatch: the batch split in equal
 row slices over the data-parallel ranks, the results taken from rank 0 or concatenated), through one recovery
 guard (`ActorRole.guarded`): with runtime.trainer_replicas > 1 a lost rank is healed from a live replica and the
 call runs again. The frozen reference, when the run has one, is a role of its own (runtime.reference) that
@@ -22,10 +22,10 @@ from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
+from loopline.distributed.dispatch import rule_of
+from loopline.distributed.workers import LocalGroup, WorkerDiedError, WorkerError, WorkerGroup
 from loopline.runtime.actor_worker import ActorWorker
-from loopline.runtime.dispatch import rule_of
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
-from loopline.runtime.workers import LocalGroup, WorkerDiedError, WorkerError, WorkerGroup
 from loopline.training.critic import RewardStepStats, ScalarModel
 from loopline.training.policy import (
     DPOStepStats,

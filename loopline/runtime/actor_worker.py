@@ -36,7 +36,7 @@ from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
-from loopline.runtime.dispatch import dispatch
+from loopline.distributed.dispatch import dispatch
 from loopline.runtime.engine_sync import plan_params, sync_plan
 from loopline.runtime.ranks import (
     frozen_logprobs,
@@ -101,8 +101,8 @@ class ActorWorker:
     @staticmethod
     def warm_up() -> None:
         """Import what joining the trainer's world imports (a warm process, runtime.trainer_warm, pays it ahead)."""
-        import loopline.runtime.resharding
-        import loopline.runtime.weight_sync
+        import loopline.distributed.resharding
+        import loopline.distributed.weight_sync
         import loopline.training.parallel  # noqa: F401
 
     @dispatch(gather="first")
@@ -113,8 +113,8 @@ class ActorWorker:
     def join(self, init_method: str) -> tuple[tuple[str, int], Any] | None:
         """Join the trainer's world (the trainer ranks only) as rank RANK and shard the model over it. Rank 0 also
         hosts the weight-sync store: it returns the store's address and the trainer layout (None elsewhere)."""
-        from loopline.runtime.resharding import TrainerLayout
-        from loopline.runtime.weight_sync import SyncGroup
+        from loopline.distributed.resharding import TrainerLayout
+        from loopline.distributed.weight_sync import SyncGroup
         from loopline.training.parallel import (
             checkpoint_group,
             dp_tp_mesh,
@@ -153,7 +153,7 @@ class ActorWorker:
     def _split_into_stages(self, device_type: str) -> Any:
         """Pipeline: a (pp, dp, tp) mesh; this rank keeps its stages of the model (TP, then FSDP2 inside each)
         and drops the rest. self.model becomes their StageParts, named as the whole model. Returns the layout."""
-        from loopline.runtime.resharding import TrainerLayout
+        from loopline.distributed.resharding import TrainerLayout
         from loopline.training.pipeline import (
             StageParts,
             parallelize_stages,
@@ -178,7 +178,7 @@ class ActorWorker:
 
     def open_sync(self, address: tuple[str, int], generation: int, engines: int) -> None:
         """Open generation `generation` of the weight-sync group: these trainer ranks and `engines` engines."""
-        from loopline.runtime.weight_sync import SyncGroup
+        from loopline.distributed.weight_sync import SyncGroup
 
         if not self._sends_weights():
             return
@@ -378,7 +378,7 @@ class ActorWorker:
 
     def send_weights(self, targets: tuple[int, ...]) -> None:
         """This rank's part of the planned weight sync into engines `targets`: its shards straight to them."""
-        from loopline.runtime.weight_sync import local_shards
+        from loopline.distributed.weight_sync import local_shards
 
         if self.trainer is not None:  # test hook: a rank lost as the sync after its n-th step begins
             pause_point(f"send_weights:{self.rank}:{self.trainer.updates}", once=True)

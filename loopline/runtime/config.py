@@ -9,8 +9,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from loopline.runtime.cluster import ClusterConfig
-from loopline.runtime.placement import PlacementConfig, PoolConfig
+from loopline.distributed.cluster import ClusterConfig
+from loopline.distributed.placement import PlacementConfig, PoolConfig
 from loopline.section import Section
 
 

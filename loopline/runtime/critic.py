@@ -26,8 +26,9 @@ from transformers import PreTrainedModel
 from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
+from loopline.distributed.dispatch import dispatch
+from loopline.distributed.workers import WorkerGroup
 from loopline.models.load import load_policy
-from loopline.runtime.dispatch import dispatch
 from loopline.runtime.protocols import Critic
 from loopline.runtime.ranks import (
     join_sharded,
@@ -37,13 +38,12 @@ from loopline.runtime.ranks import (
     rendezvous,
     use_threads,
 )
-from loopline.runtime.workers import WorkerGroup
 from loopline.training.config import CriticConfig
 from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch, ValueStepStats
 
 if TYPE_CHECKING:
     from loopline.checkpoint.state import CheckpointActor
-    from loopline.runtime.placement import Pool
+    from loopline.distributed.placement import Pool
 
 CRITIC_DIR = "critic"  # the sharded critic's DCP shards, beside dcp/ in a checkpoint
 

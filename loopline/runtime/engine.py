@@ -27,16 +27,16 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import pause_point
 from loopline.config import RunConfig
+from loopline.distributed.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.models.load import cast_parameters
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.engine_sync import sync_plan
 from loopline.runtime.protocols import WeightSync
 from loopline.runtime.ranks import node_address, rank_and_world, seeded_model
-from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
 
 if TYPE_CHECKING:
+    from loopline.distributed.placement import Pool
     from loopline.rollout.vllm_engine import VllmEngine
-    from loopline.runtime.placement import Pool
 
 
 def make_engine(
@@ -85,7 +85,7 @@ class EngineWorker:
         """Open generation `generation` of the weight-sync group as its rank trainer.size + RANK (the trainer's
         ranks come first), `engines` engines in all; `trainer` is the TrainerLayout the trainer ranks plan with;
         `store` numbers the store at `address` (restarted trainer ranks serve a new one, maybe on the same port)."""
-        from loopline.runtime.weight_sync import SyncGroup
+        from loopline.distributed.weight_sync import SyncGroup
 
         if self.sync is None or self.store != store:
             self.sync = SyncGroup.connect(address, node_address(), self.cfg.runtime.call_timeout_s)
@@ -111,7 +111,7 @@ class EngineWorker:
     ) -> None:
         """This engine's part of the planned sync run in this process (the local sync): the plan's transfers copy
         the trainer ranks' `shards` (rank -> name -> tensor, laid out as `layout`) into its tensors in place."""
-        from loopline.runtime.weight_sync import copy_in_process
+        from loopline.distributed.weight_sync import copy_in_process
 
         self.plan = sync_plan(self.plan, self.engine.model, layout, targets)
         with self._weights_for(version) as tensors:
@@ -121,7 +121,7 @@ class EngineWorker:
     def _weights_for(self, version: int) -> Iterator[dict[str, torch.Tensor]]:
         """The tensors a sync writes `version` into: the engine's own, or with partial rollouts a staging copy
         handed to the engine once whole (it loads it now if idle, else at its next decode step)."""
-        from loopline.runtime.weight_sync import engine_tensors
+        from loopline.distributed.weight_sync import engine_tensors
 
         if not self.partial:
             yield engine_tensors(self.engine.model)
@@ -281,7 +281,7 @@ class RolloutRole:
 
     def close(self) -> None:
         """Release the placement groups of engines added beyond the rollout pool (the caller stops the group)."""
-        from loopline.runtime.placement import remove_pools
+        from loopline.distributed.placement import remove_pools
 
         if self._own:
             remove_pools({str(k): p for k, p in self._own.items()})
@@ -339,7 +339,7 @@ class RolloutRole:
 
     def _free_places(self, count: int) -> list[tuple[Pool, int]]:
         """(pool, bundle) for `count` more engines: free bundles of the rollout pool, then new one-bundle pools."""
-        from loopline.runtime.placement import PlacementConfig, PlacementError, PoolConfig, place_pools
+        from loopline.distributed.placement import PlacementConfig, PlacementError, PoolConfig, place_pools
 
         pool = self.pool
         assert pool is not None  # resize checked
@@ -367,7 +367,7 @@ class RolloutRole:
 
     def _release(self, pools: list[Pool]) -> None:
         """Remove the one-bundle placement groups among `pools` (bundles of the rollout pool stay reserved)."""
-        from loopline.runtime.placement import remove_pools
+        from loopline.distributed.placement import remove_pools
 
         own = {str(id(p)): p for p in pools if self._own.pop(id(p), None) is not None}
         if own:

@@ -6,7 +6,7 @@
 - `CollectiveSync` (ray): the trainer ranks form a torch.distributed world of their own (FSDP2, checkpoints); the
   sync runs over a separate gloo group (weight_sync.SyncGroup) of the trainer ranks (ranks 0..n-1) and the
   current engines (n..n+m-1), opened as a new generation whenever the engines change, so engines can die,
-  join or leave while the trainer ranks run on. Each push runs the planned transfer of runtime.weight_sync:
+  join or leave while the trainer ranks run on. Each push runs the planned transfer of distributed.weight_sync:
   every trainer rank sends its own FSDP2 shards straight to the engines, a bucket at a time; no rank gathers
   the model.
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from loopline.runtime.workers import WorkerDiedError, WorkerError, WorkerGroup
+from loopline.distributed.workers import WorkerDiedError, WorkerError, WorkerGroup
 
 
 def plan_params(model: torch.nn.Module, tp: int, dtype: str | None = None) -> tuple[list[Any], Any]:
@@ -27,9 +27,9 @@ def plan_params(model: torch.nn.Module, tp: int, dtype: str | None = None) -> tu
     split): its parameters (names, shapes, dtypes) and the dim the trainer's TP (of `tp` ranks) splits each on.
     dtype: the engines' (rollout.dtype, resolved), when it is not the model's: the plan moves that dtype, and a
     trainer rank casts its shards to it as it packs them."""
+    from loopline.distributed.resharding import default_tp_dim
+    from loopline.distributed.weight_sync import param_specs
     from loopline.models.load import DTYPES
-    from loopline.runtime.resharding import default_tp_dim
-    from loopline.runtime.weight_sync import param_specs
     from loopline.training.parallel import tp_param_dims
 
     specs = param_specs(model, DTYPES[dtype] if dtype else None)
@@ -41,7 +41,7 @@ def sync_plan(
 ) -> Any:
     """The weight-sync plan into engines `targets`: `plan` if it is that plan already, else a new one.
     model: the whole model, or its `plan_params` (a pipelined trainer rank holds only its stages)."""
-    from loopline.runtime.weight_sync import engines_plan
+    from loopline.distributed.weight_sync import engines_plan
 
     targets = tuple(targets)
     if (
@@ -58,7 +58,7 @@ class InProcessSync:
     """The planned transfer run as in-process copies: the actor's one rank and the engines live in this process."""
 
     def __init__(self, trainer: WorkerGroup, engines: WorkerGroup) -> None:
-        from loopline.runtime.resharding import TrainerLayout
+        from loopline.distributed.resharding import TrainerLayout
 
         self.trainer, self.engines = trainer, engines
         self.layout = TrainerLayout(fsdp=1)  # the one unsharded trainer rank: its shards are whole tensors

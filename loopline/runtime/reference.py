@@ -19,8 +19,9 @@ from transformers import PreTrainedModel
 from loopline.checkpoint.dcp import ShardWriter, load_shards, shard_state
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
+from loopline.distributed.dispatch import dispatch
+from loopline.distributed.workers import WorkerGroup
 from loopline.models.load import load_policy
-from loopline.runtime.dispatch import dispatch
 from loopline.runtime.ranks import (
     frozen_logprobs,
     join_sharded,
@@ -30,7 +31,6 @@ from loopline.runtime.ranks import (
     rendezvous,
     use_threads,
 )
-from loopline.runtime.workers import WorkerGroup
 
 
 class ReferenceWorker:

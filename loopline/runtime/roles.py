@@ -26,23 +26,23 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.faults import fault_env
 from loopline.config import RunConfig
+from loopline.distributed.cluster import ClusterConfig
+from loopline.distributed.dispatch import RankMesh
+from loopline.distributed.placement import PlacementConfig
+from loopline.distributed.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.errors import EXIT_TEMPFAIL, WorkersLost
 from loopline.runtime.actor import ActorRole
 from loopline.runtime.actor_worker import ActorWorker
-from loopline.runtime.cluster import ClusterConfig
-from loopline.runtime.dispatch import RankMesh
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
-from loopline.runtime.placement import PlacementConfig
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
-from loopline.runtime.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.training.lora import apply_lora
 from loopline.training.precision import cast_in_forward
 
 if TYPE_CHECKING:
-    from loopline.runtime.placement import Pool
+    from loopline.distributed.placement import Pool
 
 
 @dataclass
@@ -149,7 +149,7 @@ class _RayRun:
     when a rank is lost while they start), restart one role's ranks, and stop them all."""
 
     def __init__(self, cfg: RunConfig) -> None:
-        from loopline.runtime.cluster import start_ray
+        from loopline.distributed.cluster import start_ray
 
         self.cfg, self.rt = cfg, cfg.runtime
         self.placement = self.rt.pools()
@@ -167,8 +167,8 @@ class _RayRun:
 
     def place(self) -> None:
         """Place the pools, start the env workers (in the background) and say which worker groups go where."""
+        from loopline.distributed.placement import place_pools
         from loopline.runtime.critic import CriticWorker, colocated_pool
-        from loopline.runtime.placement import place_pools
 
         cfg, rt = self.cfg, self.rt
         self.pools = pools = place_pools(self.placement)
@@ -265,7 +265,7 @@ class _RayRun:
     def shutdown(self) -> None:
         import ray
 
-        from loopline.runtime.placement import remove_pools
+        from loopline.distributed.placement import remove_pools
 
         if self.scorer is not None:
             self.scorer.close()

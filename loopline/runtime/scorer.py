@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from loopline.data.rows import PromptRow
+from loopline.distributed.workers import WorkerError
 from loopline.envs.base import StepResult
 from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import AgentRuns, Chunk, EnvError, Histories, chunk_time_limit, run_task
-from loopline.runtime.workers import WorkerError
 
 if TYPE_CHECKING:
-    from loopline.runtime.placement import Pool
+    from loopline.distributed.placement import Pool
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ class MergedWeights(Mapping[str, torch.Tensor]):
             self._adapted[f"{name}.weight"] = layer
             bias = layer.get_base_layer().bias
             if bias is not None:
-                self._plain[f"{name}.bias"] = bias.detach()
+                self._plain[f"{name}.bias"] = bias.detach()  # type: ignore[operator]  # a Linear's bias
 
     def __getitem__(self, name: str) -> torch.Tensor:
         layer = self._adapted.get(name)

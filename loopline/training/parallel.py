@@ -2,7 +2,7 @@
 
 The trainer's ranks are global ranks 0..n-1 of a torch.distributed world (gloo on CPU, NCCL for CUDA
 tensors plus gloo for CPU ones on GPU machines). On the ray backend the world is the trainer ranks alone:
-the rollout engines receive weights over a group of their own (runtime.weight_sync.SyncGroup), so they can
+the rollout engines receive weights over a group of their own (distributed.weight_sync.SyncGroup), so they can
 die, join or leave without touching the trainer's groups. Every rank of the world builds the same mesh.
 
 FSDP2 is set to *sum* gradients over ranks (not average): each rank back-propagates its share of the

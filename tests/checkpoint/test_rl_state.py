@@ -10,12 +10,12 @@ import torch
 
 from loopline.checkpoint.state import Checkpointer, CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import CheckpointConfig, CriticConfig, GRPOConfig, OptimConfig, RunConfig
+from loopline.distributed.workers import LocalGroup
 from loopline.loops.grpo import _check_resumable
 from loopline.rollout.engine import SamplingParams, TorchEngine
 from loopline.runtime.actor import local_actor
 from loopline.runtime.engine import EngineWorker, RolloutRole
 from loopline.runtime.engine_sync import InProcessSync
-from loopline.runtime.workers import LocalGroup
 from loopline.training.critic import CriticTrainer, ScalarModel
 
 PROMPTS = [[5, 6, 7], [8, 9]]

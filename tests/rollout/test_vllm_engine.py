@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from loopline.config import RunConfig, load_config
+from loopline.distributed.weight_sync import engine_tensors
 from loopline.metrics.logger import read_metrics
 from loopline.rollout.engine import SamplingParams
-from loopline.runtime.weight_sync import engine_tensors
 from tests.conftest import GPU_ONLY, need_module
 from tests.runs import kill_at, pause_env, steady
 
@@ -123,9 +123,9 @@ def test_weight_sync_lands_in_the_running_engine(engine, policy):
     """The local backend's sync path (EngineWorker.copy_weights, the planned transfer from one trainer rank):
     the engine's receiving copy equals the trainer bit for bit, so do vLLM's own unpacked tensors, and vLLM
     samples under the new weights, its prefix cache (filled by the old ones) dropped."""
+    from loopline.distributed.resharding import TrainerLayout
+    from loopline.distributed.workers import LocalGroup
     from loopline.runtime.engine import EngineWorker
-    from loopline.runtime.resharding import TrainerLayout
-    from loopline.runtime.workers import LocalGroup
 
     model, tokenizer = policy
     trainer = copy.deepcopy(model)
@@ -172,7 +172,7 @@ from loopline.models import load_policy
 from loopline.rollout.config import VllmConfig
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.vllm_engine import VllmEngine
-from loopline.runtime.weight_sync import engine_tensors
+from loopline.distributed.weight_sync import engine_tensors
 
 model, tok = load_policy(RunConfig().model, seed=0)
 model = model.cuda()

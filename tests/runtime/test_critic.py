@@ -65,8 +65,8 @@ def _value_batch() -> ValueBatch:
 
 
 def test_two_critic_ranks_in_the_actor_bundles_step_like_one(ray_cluster: None) -> None:
-    from loopline.runtime.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
-    from loopline.runtime.workers import LocalGroup, RayGroup
+    from loopline.distributed.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
+    from loopline.distributed.workers import LocalGroup, RayGroup
 
     cfg = load_config(overrides=[*ARGS, *RAY])
     # the actor's pool: 2 bundles of 1 CPU on a 4-CPU cluster; the critic ranks take no CPU of their own

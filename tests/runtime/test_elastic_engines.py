@@ -25,10 +25,10 @@ from loopline.checkpoint.ledger import read_ledger, repeats
 from loopline.checkpoint.state import RunState
 from loopline.cli import main
 from loopline.config import load_config
+from loopline.distributed.placement import PlacementError
 from loopline.loops.context import RunContext, build_context, sync_engine
 from loopline.loops.grpo import train_grpo
 from loopline.metrics.logger import read_metrics
-from loopline.runtime.placement import PlacementError
 
 ARGS = [
     "grpo.stop_at_accuracy=null", "grpo.steps=3", "grpo.prompts_per_step=3", "grpo.group_size=2", "grpo.micro_batch_size=6",

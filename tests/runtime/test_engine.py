@@ -12,12 +12,12 @@ import torch
 
 from loopline.config import load_config
 from loopline.data.rows import PromptRow
+from loopline.distributed.resharding import TrainerLayout, check_plan
+from loopline.distributed.weight_sync import engines_plan, param_specs
 from loopline.rollout.engine import SamplingParams, TorchEngine
 from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.engine import EngineWorker
-from loopline.runtime.resharding import TrainerLayout, check_plan
 from loopline.runtime.roles import build_roles
-from loopline.runtime.weight_sync import engines_plan, param_specs
 from loopline.training.lora import merged_state_dict
 
 PROMPTS = [[5, 6, 7], [8, 9]]

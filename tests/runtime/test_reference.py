@@ -31,8 +31,8 @@ OVERRIDES = ["runtime.backend=ray", "runtime.trainer_ranks=2", "threads=1", "see
 def test_reference_ranks_give_the_policy_logprobs_and_read_back_their_shards(
     ray_cluster: None, tmp_path: Path
 ) -> None:
-    from loopline.runtime.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
-    from loopline.runtime.workers import RayGroup
+    from loopline.distributed.placement import PlacementConfig, PoolConfig, place_pools, remove_pools
+    from loopline.distributed.workers import RayGroup
 
     cfg = load_config(overrides=OVERRIDES)
     pools = place_pools(

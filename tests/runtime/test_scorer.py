@@ -24,11 +24,11 @@ import ray
 import ray.cloudpickle
 
 from loopline.data.rows import PromptRow
+from loopline.distributed.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
 from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import Verdict, chunk_time_limit, score_chunk
 from loopline.envs.pool import EnvPoolConfig, RayBundles, WorkerInfo, WorkerPool
 from loopline.envs.sandbox import SandboxConfig
-from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
 from loopline.runtime.scorer import ScorerRole, ScoringError
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,15 +25,15 @@ from loopline.bench.sync import run_world
 from loopline.checkpoint.dcp import load_shards, shard_state
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig, TinyModelConfig
 from loopline.data.batches import RolloutBatch, collate
-from loopline.models.load import build_tiny_model
-from loopline.models.tokenizer import build_byte_tokenizer
-from loopline.runtime.resharding import (
+from loopline.distributed.resharding import (
     EngineLayout,
     TrainerLayout,
     plan_transfers,
     trainer_shard_box,
 )
-from loopline.runtime.weight_sync import copy_in_process, empty_engine_shards, local_shards, param_specs
+from loopline.distributed.weight_sync import copy_in_process, empty_engine_shards, local_shards, param_specs
+from loopline.models.load import build_tiny_model
+from loopline.models.tokenizer import build_byte_tokenizer
 from loopline.training.parallel import check_tp, tp_param_dims, tp_plan
 from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 from tests.numerics import assert_adam_updates_close

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loopline.runtime.resharding import (
+from loopline.distributed.resharding import (
     EngineLayout,
     ParamSpec,
     TpRule,

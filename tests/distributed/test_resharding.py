@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from loopline.runtime.resharding import (
+from loopline.distributed.resharding import (
     EngineLayout,
     ParamSpec,
     TrainerLayout,
@@ -22,7 +22,7 @@ from loopline.runtime.resharding import (
     plan_transfers,
     trainer_shard_box,
 )
-from loopline.runtime.weight_sync import copy_in_process, empty_engine_shards
+from loopline.distributed.weight_sync import copy_in_process, empty_engine_shards
 
 F32 = torch.float32
 

@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from loopline.config import TinyModelConfig
-from loopline.models.load import build_tiny_model, cast_parameters
-from loopline.models.tokenizer import build_byte_tokenizer
-from loopline.runtime.engine_sync import plan_params, sync_plan
-from loopline.runtime.resharding import TrainerLayout
-from loopline.runtime.weight_sync import (
+from loopline.distributed.resharding import TrainerLayout
+from loopline.distributed.weight_sync import (
     _pack,
     _unpack,
     copy_in_process,
@@ -22,6 +19,9 @@ from loopline.runtime.weight_sync import (
     engines_plan,
     local_shards,
 )
+from loopline.models.load import build_tiny_model, cast_parameters
+from loopline.models.tokenizer import build_byte_tokenizer
+from loopline.runtime.engine_sync import plan_params, sync_plan
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from loopline.data.batches import collate
-from loopline.runtime.dispatch import Dispatch, RankMesh, dispatch, gather, rule_of, split_args
-from loopline.runtime.workers import LocalGroup
+from loopline.distributed.dispatch import Dispatch, RankMesh, dispatch, gather, rule_of, split_args
+from loopline.distributed.workers import LocalGroup
 
 pytestmark = pytest.mark.unit
 

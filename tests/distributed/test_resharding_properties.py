@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loopline.runtime.resharding import (
+from loopline.distributed.resharding import (
     EngineLayout,
     ParamSpec,
     TrainerLayout,

@@ -18,8 +18,8 @@ import pytest
 import ray
 import ray.cloudpickle
 
-from loopline.runtime.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
-from loopline.runtime.workers import (
+from loopline.distributed.placement import PlacementConfig, Pool, PoolConfig, place_pools, remove_pools
+from loopline.distributed.workers import (
     LocalGroup,
     RayGroup,
     WorkerDiedError,

@@ -34,7 +34,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self
 
-from loopline.ray_actors import (
+from loopline.distributed.dispatch import RankMesh, gather, rule_of, split_args
+from loopline.distributed.ray_actors import (
     ActorGone,
     ActorRaised,
     finished,
@@ -44,10 +45,9 @@ from loopline.ray_actors import (
     start_actor,
     warm_class,
 )
-from loopline.runtime.dispatch import RankMesh, gather, rule_of, split_args
 
 if TYPE_CHECKING:
-    from loopline.runtime.placement import Pool
+    from loopline.distributed.placement import Pool
 
 
 class WorkerError(RuntimeError):
@@ -130,7 +130,7 @@ class WorkerGroup(ABC):
     # -----------------------------------------------------------------------------------------------------
 
     def run(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Call `method` as its `@dispatch` declares (runtime.dispatch): its arguments split over the ranks, the
+        """Call `method` as its `@dispatch` declares (distributed.dispatch): its arguments split over the ranks, the
         ranks' results gathered into one."""
         rule = rule_of(self.cls, method)
         per_rank, rows = split_args(rule, self.mesh, self.world_size, args)
@@ -367,7 +367,7 @@ class RayGroup(WorkerGroup):
         role, n = self.role, self.world_size
         if not ray.is_initialized():
             raise ValueError(
-                f"role '{role}': the ray backend needs Ray running (loopline.runtime.cluster.start_ray)"
+                f"role '{role}': the ray backend needs Ray running (loopline.distributed.cluster.start_ray)"
             )
         if pool is None:
             raise ValueError(f"role '{role}': the ray backend needs a pool (from placement.place_pools)")

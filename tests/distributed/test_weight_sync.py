@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from loopline.bench.sync import run_world, shard_model, trainer_mesh
 from loopline.config import ModelConfig
-from loopline.models import load_policy
-from loopline.runtime.resharding import (
+from loopline.distributed.resharding import (
     EngineLayout,
     ParamSpec,
     TrainerLayout,
@@ -27,7 +26,7 @@ from loopline.runtime.resharding import (
     default_tp_dim,
     plan_transfers,
 )
-from loopline.runtime.weight_sync import (
+from loopline.distributed.weight_sync import (
     empty_engine_shards,
     engine_tensors,
     local_shards,
@@ -35,6 +34,7 @@ from loopline.runtime.weight_sync import (
     sync_weights,
     sync_weights_naive,
 )
+from loopline.models import load_policy
 
 WORLD = 4
 TRAINER = 2
@@ -123,7 +123,7 @@ def test_trainer_took_a_step(synced: Path) -> None:
 
 
 def test_fsdp2_chunks_odd_shapes_like_the_planner(synced: Path) -> None:
-    from loopline.runtime.resharding import box_numel, trainer_shard_box
+    from loopline.distributed.resharding import box_numel, trainer_shard_box
 
     for rank in range(TRAINER):
         shapes = json.loads((synced / f"odd_rank{rank}.json").read_text())
@@ -204,7 +204,7 @@ def _in_threads(fn, members: list[int]) -> dict[int, object]:
 
 
 def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_syncs() -> None:
-    from loopline.runtime.weight_sync import SyncError, SyncGroup, engines_plan
+    from loopline.distributed.weight_sync import SyncError, SyncGroup, engines_plan
 
     trainer, _ = load_policy(ModelConfig(), seed=0)
     engines = [load_policy(ModelConfig(), seed=1 + e)[0] for e in range(2)]

@@ -25,7 +25,7 @@ from itertools import product
 
 import numpy as np
 
-from loopline.runtime.shard_layout import (
+from loopline.distributed.shard_layout import (
     COLUMN_PARALLEL,
     ROW_PARALLEL,
     Box,

@@ -18,7 +18,7 @@ import pytest
 import ray
 from pydantic import ValidationError
 
-from loopline.runtime.placement import (
+from loopline.distributed.placement import (
     PlacementConfig,
     PlacementError,
     Pool,
