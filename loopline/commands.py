@@ -157,8 +157,7 @@ def _attempts(
     alone when a trainer, critic or reference rank failed and runtime.restart_scope is role (ray: the other roles,
     engines and env workers keep running), else every role; the last context and the final state."""
     failed: tuple[float, str] | None = None  # when the last failure was caught, and its role
-    ctx = build_context(cfg)
-    ctx.stop = stop
+    ctx = build_context(cfg, stop=stop)
     # ray: the engines' generators as they start, for a restart of one group alone (below)
     engine_rng = ctx.rollout.rng_states() if ctx.restart_group is not None else []
     try:
@@ -196,8 +195,7 @@ def _attempts(
                 t0 = time.perf_counter()
                 ctx.close()  # also stops the Ray workers (and a Ray this run started)
                 t1 = time.perf_counter()
-                ctx = build_context(cfg)
-                ctx.stop = stop
+                ctx = build_context(cfg, stop=stop)
                 print(
                     f"roles stopped in {t1 - t0:.2f}s, started in {time.perf_counter() - t1:.2f}s", flush=True
                 )
@@ -276,8 +274,8 @@ def _pct(x: float | None) -> str:
 
 
 def _sft(cfg: RunConfig, stop: StopFlag, resume: bool, changes: dict[str, tuple]) -> None:
-    ctx = build_context(cfg, need_answer=False)  # SFT learns completions and assistant turns; no RL scoring
-    ctx.stop = stop
+    # SFT learns completions and assistant turns; no RL scoring
+    ctx = build_context(cfg, need_answer=False, stop=stop)
     try:
         if resume:
             state, parts = _resume(ctx, changes, "sft")
@@ -419,8 +417,7 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     )  # preflight.check_run checked what dpo needs of it
     stop = StopFlag()
     with stop.handling():
-        ctx = build_context(cfg)
-        ctx.stop = stop
+        ctx = build_context(cfg, stop=stop)
         try:
             if args.resume:
                 state, resume = _resume(ctx, changes, "dpo")

@@ -89,8 +89,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
-    """Seed, load model and data, start the roles (the engines hold their own weights), open the logger."""
+def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | None = None) -> RunContext:
+    """Seed, load model and data, start the roles (the engines hold their own weights), open the logger.
+    stop: the command's SIGINT/SIGTERM flag (installed around the whole command), else one of the context's own."""
     use_threads(cfg.threads)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -145,7 +146,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True) -> RunContext:
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
         roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic, val_rows=val_rows,
-        restart_group=roles.restart_group,
+        restart_group=roles.restart_group, stop=stop or StopFlag(),
     )  # fmt: skip
 
 
