@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,12 @@ def vm_peak_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident set (ru_maxrss, KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident set (VmHWM). Not ru_maxrss: a process started by fork or vfork then exec
+    carries its parent's high-water mark in it, so a small run under a large parent would report the parent's."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def trl_run(job: dict[str, Any]) -> dict[str, Any]:
