@@ -23,19 +23,13 @@ def reward(prompt: str, completion: str, **_: Any) -> float:
     return float(len(completion) % 2)
 
 
-def vm_peak_bytes() -> int:
-    """This process's peak virtual memory (VmPeak), what RLIMIT_AS limits."""
+def status_bytes(field: str) -> int:
+    """A field of this process's /proc/self/status in bytes: VmPeak, its peak virtual memory (what RLIMIT_AS
+    limits), or VmHWM, its peak resident set. Not ru_maxrss for the latter: a process started by fork or vfork
+    then exec carries its parent's high-water mark in it, so a small run under a large parent would report the
+    parent's."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmPeak:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM). Not ru_maxrss: a process started by fork or vfork then exec
-    carries its parent's high-water mark in it, so a small run under a large parent would report the parent's."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -129,7 +123,7 @@ def main(argv: list[str]) -> int:
         out = {"trl": trl_run, "trial": trial}[kind](job)
     except (MemoryError, RuntimeError) as e:  # an allocation over the limit: this trial fails, alone
         out = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    out |= {"peak_rss": peak_rss_bytes(), "vm_peak": vm_peak_bytes()}
+    out |= {"peak_rss": status_bytes("VmHWM"), "vm_peak": status_bytes("VmPeak")}
     print(json.dumps(out), flush=True)
     return 0
 
