@@ -139,7 +139,7 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
     print(f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}")
     # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
-    for line in ctx.no_signal.report(cfg, before) if ctx.no_signal is not None else []:
+    for line in ctx.no_signal.report(cfg, before):
         print(line)  # a run that learned nothing says so, and why it likely did not
     if state.done:
         print(

@@ -13,25 +13,15 @@ import math
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+from loopline.bench._procstat import status_bytes
 
 
 def reward(prompt: str, completion: str, **_: Any) -> float:
     """Half the samples score 1, by parity of the completion's length in characters: groups are mixed, so every
     step has advantages to train on (a random model's samples are never right)."""
     return float(len(completion) % 2)
-
-
-def status_bytes(field: str) -> int:
-    """A field of this process's /proc/self/status in bytes: VmPeak, its peak virtual memory (what RLIMIT_AS
-    limits), or VmHWM, its peak resident set. Not ru_maxrss for the latter: a process started by fork or vfork
-    then exec carries its parent's high-water mark in it, so a small run under a large parent would report the
-    parent's."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def trl_run(job: dict[str, Any]) -> dict[str, Any]:

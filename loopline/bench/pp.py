@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from loopline.bench._procstat import reset_peak, status_bytes
 from loopline.bench.args import require_positive
 from loopline.bench.sync import run_world
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig, TinyModelConfig
@@ -39,20 +40,6 @@ MODES = ("fsdp", "pp")
 def bubble_fraction(pp: int, micro_batches: int, virtual: int = 1) -> float:
     """The share of a GPipe / 1F1B (virtual = 1) or interleaved 1F1B step a stage spends idle."""
     return (pp - 1) / (virtual * micro_batches + pp - 1)
-
-
-def _rss_kib(field: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS: resident now; VmHWM: peak since the last reset)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    """Reset the peak resident set to the current one; return it (KiB)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return _rss_kib("VmRSS")
 
 
 def _batches(args: argparse.Namespace, steps: int) -> list[RolloutBatch]:
@@ -98,7 +85,7 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace, out: 
     cfg = GRPOConfig(micro_batch_size=args.micro_batch, sampling=SamplingConfig(max_new_tokens=args.max_new))
     optim = OptimConfig(lr=1e-4, warmup_steps=0)
     batches = _batches(args, args.steps + 1)  # the first step is a warm-up (optimizer state, schedules)
-    base = _reset_peak()
+    base = reset_peak()
     model = build_tiny_model(_model_cfg(args), build_byte_tokenizer(), seed=args.seed)
     if mode == "fsdp":
         mesh = dp_tp_mesh(world, 1)
@@ -119,7 +106,7 @@ def _rank_main(rank: int, world: int, mode: str, args: argparse.Namespace, out: 
         start = time.perf_counter()
         trainer.policy_step(batch, 0.0)
         seconds.append(time.perf_counter() - start)
-    peak_mib = (_rss_kib("VmHWM") - base) / 1024
+    peak_mib = (status_bytes("VmHWM") - base) / 2**20
     state = full_model_state(trainer.model) if mode == "fsdp" else full_pipeline_state(stages, mesh)
     result = {
         "seconds": seconds[1:],

@@ -13,7 +13,6 @@ Prints `name: value` lines, ending with the headline ratios planned/naive.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import hashlib
 import json
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from loopline.bench._procstat import reset_peak, status_bytes
 from loopline.bench.args import require_positive
 
 # FSDP2 exactly as the trainer applies it (the tests import these from here too)
@@ -248,12 +248,12 @@ def _bench_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
                     for t in dst.values():
                         t.fill_(float("nan"))  # a byte the sync misses stays NaN and spoils the digest
                 dist.barrier()
-                rss0 = _reset_peak_rss()
+                rss0 = reset_peak()
                 if method == "naive":
                     stats = sync_weights_naive(plan, src, dst)
                 else:
                     stats = sync_weights(plan, src, dst, bucket_bytes=conf["bucket_bytes"])
-                rss_delta = _peak_rss() - rss0
+                rss_delta = status_bytes("VmHWM") - rss0
                 dist.barrier()
                 runs.append((stats, rss_delta))
             digests[method] = _digest(dst)
@@ -277,22 +277,3 @@ def _digest(tensors: dict[str, torch.Tensor] | None) -> str:
         h.update(name.encode())
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
-
-
-def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS to its current RSS (Linux clear_refs) and return the current RSS."""
-    with contextlib.suppress(OSError):  # not Linux: the delta then measures against the lifetime peak
-        Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
-
-
-def _peak_rss() -> int:
-    """Peak RSS of this process since the last reset, in bytes."""
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0

@@ -323,6 +323,55 @@ def truncate_run_files(run_dir: Path, cursors: dict[str, int]) -> None:
                 f.truncate(keep)
 
 
+class SaveInFlight:
+    """The checkpoint being finished in the background (checkpoint.async_save), at most one: its failure is raised
+    by the next wait(), or dropped by abandon() when the ranks writing it were lost (a restart, a heal)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        """timeout_s: checkpoint.save_timeout_s, the longest a save's finish waits for the ranks' shards."""
+        self.timeout_s = timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, finish: Callable[[], None], name: str) -> None:
+        """Run `finish` in a thread (the caller wait()ed for the one before)."""
+        self._thread = threading.Thread(target=self._catch, args=(finish,), name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, finish: Callable[[], None]) -> None:
+        """Run `finish` here (a blocking save), raising its failure as wait() would."""
+        self._catch(finish)
+        self._raise()
+
+    def _catch(self, finish: Callable[[], None]) -> None:
+        try:
+            finish()
+        except BaseException as e:  # raised by the next wait() in the loop's thread
+            self._error = e
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"checkpoint failed: {type(error).__name__}: {error}") from error
+
+    def wait(self) -> None:
+        """Wait for the save in flight to become `latest`; raise if it failed or outlived its timeout."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout_s + 5.0)  # the finish itself waits at most timeout_s for the shards
+            if thread.is_alive():
+                raise TimeoutError(f"stage 'checkpoint': the save did not finish within {self.timeout_s:g}s")
+            self._thread = None
+        self._raise()
+
+    def abandon(self) -> None:
+        """Let the save in flight end (bounded) and drop its error: it is `latest` only if it became whole."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.timeout_s + 5.0)
+        self._thread, self._error = None, None
+
+
 class Checkpointer:
     """Saves a run's checkpoints through its actor (each trainer rank writes its own shards) and resumes from them."""
 
@@ -333,12 +382,14 @@ class Checkpointer:
         actor: CheckpointActor,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
+        in_flight: SaveInFlight | None = None,
     ) -> None:
+        """in_flight: the background save, when something built before this checkpointer (a trainer that heals)
+        must be able to drop it; else one of its own."""
         self.run_dir, self.cfg, self.actor = Path(run_dir), cfg, actor
         self.model, self.tokenizer = model, tokenizer  # for the config and tokenizer files only
         self.root = checkpoint_root(run_dir)
-        self._pending: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.in_flight = in_flight if in_flight is not None else SaveInFlight(cfg.save_timeout_s)
         self.last_save_s = 0.0  # wall time the last save() blocked the caller
         self.resumed_from: Path | None = None
         self.skipped: list[tuple[Path, str]] = []  # checkpoints the last resume() passed over, and why
@@ -368,53 +419,28 @@ class Checkpointer:
         )
         # as it is now (training goes on), in its file form
         staged = copy_state(loop_state.to_dict()) if loop_state is not None else None
+        finish = functools.partial(self._finish, tmp, name, staged, reference)
         if self.cfg.async_save:
-            self._pending = threading.Thread(
-                target=self._finish,
-                args=(tmp, name, staged, reference),
-                name=f"checkpoint-{name}",
-                daemon=True,
-            )
-            self._pending.start()
+            self.in_flight.start(finish, f"checkpoint-{name}")
         else:
-            self._finish(tmp, name, staged, reference)
-            self._raise()
+            self.in_flight.run(finish)
         self.last_save_s = time.perf_counter() - t0
 
     def _finish(self, tmp: Path, name: str, loop_state: dict[str, Any] | None, reference: bool) -> None:
-        try:
-            if loop_state is not None:
-                torch.save(loop_state, tmp / LOOP_FILE)
-            self.actor.wait_saved(self.cfg.save_timeout_s)
-            final = _commit(self.root, tmp, name, self.cfg.keep_last)
-            self._reference = final / REFERENCE_DIR if reference else None
-        except BaseException as e:  # raised by the next save() or wait() in the loop's thread
-            self._error = e
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError(f"checkpoint failed: {type(error).__name__}: {error}") from error
+        if loop_state is not None:
+            torch.save(loop_state, tmp / LOOP_FILE)
+        self.actor.wait_saved(self.cfg.save_timeout_s)
+        final = _commit(self.root, tmp, name, self.cfg.keep_last)
+        self._reference = final / REFERENCE_DIR if reference else None
 
     def wait(self) -> None:
         """Wait (at most checkpoint.save_timeout_s) for the save in flight to become `latest`; raise if it failed."""
-        pending = self._pending
-        if pending is not None:
-            pending.join(self.cfg.save_timeout_s + 5.0)  # _finish itself waits at most save_timeout_s
-            if pending.is_alive():
-                raise TimeoutError(
-                    f"stage 'checkpoint': the save did not finish within {self.cfg.save_timeout_s:g}s"
-                )
-            self._pending = None
-        self._raise()
+        self.in_flight.wait()
 
     def abandon(self) -> None:
         """After the roles failed: let the save in flight end (bounded) and drop its error; it is `latest` only
         if it became whole."""
-        pending = self._pending
-        if pending is not None:
-            pending.join(self.cfg.save_timeout_s + 5.0)
-        self._pending, self._error = None, None
+        self.in_flight.abandon()
 
     def resume(self) -> tuple[RunState, CheckpointParts] | None:
         """Restore the newest checkpoint whose files read whole: weights on every trainer rank, RNG, run files cut

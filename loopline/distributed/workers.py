@@ -187,8 +187,7 @@ class WorkerGroup(ABC):
         """Results of `futures` in their order; raise at the first failed rank, or when timeout_s runs out.
 
         timeout_s: None = the group's timeout_s (None there = no limit). The first failure seen is raised
-        at once, so a rank that died surfaces even while the others block waiting for it in a collective.
-        """
+        at once, so a rank that died surfaces even while the others block waiting for it in a collective."""
 
     def settle(self, futures: list[RankFuture], timeout_s: float | None = None) -> list[Any]:
         """Like wait, but waits for every call and puts a WorkerError in the place of each failed one; a call
@@ -268,8 +267,8 @@ class WorkerGroup(ABC):
 
 
 class LocalGroup(WorkerGroup):
-    """One rank in this process: the worker object is called directly, in the caller's thread (the embedded
-    default, no Ray). Its environment is this process's environment."""
+    """One rank in this process, called directly in the caller's thread (the embedded default, no Ray); its
+    environment is this process's, as the group found it again once the group stops."""
 
     def __init__(
         self,
@@ -285,11 +284,22 @@ class LocalGroup(WorkerGroup):
         """Build the worker in this process. env_vars: extra environment (RANK, WORLD_SIZE, ... take precedence).
         timeout_s: kept for the interface; a call in the caller's thread cannot be timed out."""
         super().__init__(cls, 1, role, timeout_s, mesh)
-        os.environ.update({**(env_vars or {}), **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())})
+        env = {**(env_vars or {}), **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())}
+        self._saved_env = {k: os.environ.get(k) for k in env}  # put back by shutdown()
+        os.environ.update(env)
         try:
             self._ranks = [cls(*init_args, **(init_kwargs or {}))]
         except Exception as e:
+            self.shutdown()
             raise WorkerError(role, 0, "__init__", f"raised {type(e).__name__}: {e}") from e
+
+    def shutdown(self) -> None:
+        """Drop the rank; put back the environment (a notebook that ran a job keeps no RANK); safe twice."""
+        super().shutdown()
+        os.environ.update({k: v for k, v in self._saved_env.items() if v is not None})
+        for k in [k for k, v in self._saved_env.items() if v is None]:
+            del os.environ[k]
+        self._saved_env = {}
 
     def _start_call(
         self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], side: bool

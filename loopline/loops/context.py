@@ -17,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline import config_rules
 from loopline.checkpoint.ledger import Ledger
-from loopline.checkpoint.state import Checkpointer
+from loopline.checkpoint.state import Checkpointer, SaveInFlight
 from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
@@ -41,6 +41,8 @@ from loopline.models.load import load_policy
 from loopline.rollout.config import SamplingConfig
 from loopline.rollout.engine import SamplingParams
 from loopline.rollout.trajectory import Trajectory
+from loopline.runtime.actor import HealHooks
+from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.ranks import use_threads
 from loopline.runtime.roles import build_roles
@@ -65,13 +67,13 @@ class RunContext:
     checkpoints: Checkpointer  # saves through the actor (every trainer rank writes its shards); resumes
     ledger: Ledger  # which samples each step trained (ledger.jsonl)
     watchdog: Watchdog  # fails the run when a stage hangs (runtime.stage_timeout_s)
+    no_signal: NoSignalWatch  # GRPO steps without learning signal, for the warning and the end-of-run report
     critic: Critic | None = None  # PPO's value model (grpo.advantage=gae), on the runtime's backend
     # the validation split (built-in task), read by SFT's stopping rule (sft.stop_at_accuracy)
     val_rows: list[PromptRow] = field(default_factory=list)
     stop: StopFlag = field(default_factory=StopFlag)  # SIGINT/SIGTERM: checkpoint at the step's end and stop
     trace: Trace = field(default_factory=Trace)  # the RL loop's stages as spans (trace.json in run_dir)
     restart_group: Callable[[str], None] | None = None  # ray: replace one role's ranks alone (roles.Roles)
-    no_signal: NoSignalWatch | None = None  # GRPO steps without learning signal (made as GRPO starts)
 
     def close(self) -> None:
         """Finish the checkpoint in flight; flush the logger; stop the watchdog and the roles' workers."""
@@ -128,7 +130,10 @@ def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | Non
     logger = MetricsLogger(
         run_dir, tensorboard=cfg.tensorboard, wandb=cfg.metrics, config=cfg.model_dump(mode="json")
     )
-    roles = build_roles(cfg, model, tokenizer)
+    # the save in flight, and the logger: what a heal of the trainer drops (the save lost a rank's shards) and
+    # where it logs its time (summed per step)
+    in_flight = SaveInFlight(cfg.checkpoint.save_timeout_s)
+    roles = build_roles(cfg, model, tokenizer, HealHooks(in_flight.abandon, logger.note_sum))
     if skipped:  # rows the data config let go (skip_bad_rows, overlong=skip), by reason, on the next row
         logger.note(
             {
@@ -136,17 +141,16 @@ def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | Non
                 **{f"data_skipped_{k}": n for k, n in skipped.items()},
             }
         )
-    checkpoints = Checkpointer(run_dir, cfg.checkpoint, roles.actor, model, tokenizer)
-    # what a heal of the trainer drops (a save in flight) and logs (its time, summed per step)
-    roles.actor.drop_save = checkpoints.abandon
-    roles.actor.note = logger.note_sum
+    # PPO's critic writes its part of every checkpoint once its phase has started
+    saved = roles.actor if roles.critic is None else CheckpointWithCritic(roles.actor, roles.critic)
+    checkpoints = Checkpointer(run_dir, cfg.checkpoint, saved, model, tokenizer, in_flight)
     rt = cfg.runtime
     ranks = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
     watchdog = Watchdog(rt.stage_timeout_s, ranks)
     return RunContext(
         cfg, run_dir, model, tokenizer, roles.actor, roles.rollout, roles.scorer, train_rows, eval_rows, logger,
-        roles.shutdown, checkpoints, Ledger(run_dir), watchdog, roles.critic, val_rows=val_rows,
-        restart_group=roles.restart_group, stop=stop or StopFlag(),
+        roles.shutdown, checkpoints, Ledger(run_dir), watchdog, NoSignalWatch.for_run(cfg), roles.critic,
+        val_rows=val_rows, restart_group=roles.restart_group, stop=stop or StopFlag(),
     )  # fmt: skip
 
 

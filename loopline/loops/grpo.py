@@ -45,10 +45,9 @@ from loopline.loops.context import (
     sync_engine,
 )
 from loopline.loops.estimators import ESTIMATORS, Signals
-from loopline.loops.no_signal import NoSignalWatch, Sample, warn
+from loopline.loops.no_signal import Sample, warn
 from loopline.loops.stream import RolloutStream, too_stale
 from loopline.rollout.engine import Completion
-from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Critic
 from loopline.training.critic import ValueBatch, ValueStepStats
 from loopline.training.policy import PolicyStepStats, grpo_loss
@@ -165,13 +164,12 @@ def _start_critic(
     resume: CheckpointParts | None,
 ) -> Critic | None:
     """PPO's critic (grpo.advantage=gae) from the policy's body, or as the resumed checkpoint holds it; from
-    now on its part of each checkpoint is written with the actor's."""
+    now on its part of each checkpoint is written with the actor's (CheckpointWithCritic)."""
     critic = ctx.critic
     if critic is None:  # the roles start one when grpo.advantage=gae
         return None
     checkpoint = resume.checkpoint if resume is not None else None
     critic.start_phase(policy, ctx.cfg.critic, total_steps, loop.critic, checkpoint)
-    ctx.checkpoints.actor = CheckpointWithCritic(ctx.actor, critic)
     return critic
 
 
@@ -208,8 +206,6 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
         # PPO: the critic starts as a copy of the policy's body (after SFT) with a zero head
         critic = _start_critic(ctx, policy, updates, loop, resume)
     kl_control = _kl_controller(cfg)
-    if ctx.no_signal is None:  # kept over a restart of this phase in this process
-        ctx.no_signal = NoSignalWatch.for_run(ctx.cfg)
     if state.step > 0:
         _restore_loop(ctx, state, loop, kl_control)
     # trainer log-probs before the update: the ratio's denominator after the first update, and the reward KL
@@ -351,7 +347,7 @@ def _grpo_step(
         row.update(_async_metrics(scored, trained_at, cfg.max_staleness, waited, stream, started))
     if cfg.max_staleness or dropped:
         row["stale_dropped"] = dropped
-    if ctx.no_signal is not None:  # every advantage 0 for grpo.no_signal_steps in a row: say so
+    if ctx.no_signal.needed:  # every advantage 0 for grpo.no_signal_steps in a row: say so
         _watch_signal(ctx, state, scored, exp.rewards, row["truncated_fraction"])
     row["time_step"] = time.perf_counter() - started  # the step's wall time, as the rows before eval
     return row, engine_rng, pending
@@ -515,7 +511,6 @@ def _watch_signal(
     ctx: RunContext, state: RunState, scored: Scored, rewards: torch.Tensor, truncated_fraction: float
 ) -> None:
     """grpo.no_signal_steps: warn when every advantage has been 0 that many steps in a row, with a sample."""
-    assert ctx.no_signal is not None
     first = scored.completions[0]
     text = first.text or ctx.tokenizer.decode(first.token_ids, skip_special_tokens=True)  # multi-turn: tokens
     sample = Sample(text, ctx.train_rows[scored.ids[0][1]].answer, float(rewards[0]))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import torch
@@ -71,6 +72,15 @@ def _reward_model(policy: PreTrainedModel) -> ScalarModel:
         return ScalarModel.from_policy(policy)
 
 
+@dataclass(frozen=True)
+class HealHooks:
+    """What a heal of the trainer (runtime.trainer_replicas > 1) tells the rest of the run, given when the roles
+    are built: the checkpoint in flight lost a rank's shards (drop it); the heal's time (a metrics row's note)."""
+
+    drop_save: Callable[[], None] = lambda: None  # the run's SaveInFlight.abandon
+    note: Callable[[dict[str, Any]], None] = lambda row: None  # the metrics logger's note_sum
+
+
 class ActorRole:
     """The policy trainer's ranks (a WorkerGroup of ActorWorkers); the frozen reference, when the run has one, is
     a role of its own (reference.ReferenceRole) that this class drives."""
@@ -83,11 +93,12 @@ class ActorRole:
         replicas: int = 1,
         restart: Callable[[], None] | None = None,
         heals: int = 0,
+        hooks: HealHooks = HealHooks(),
     ) -> None:
         """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills.
         replicas, restart, heals (ray, runtime.trainer_replicas > 1): `restart` replaces every trainer rank in its
         bundle in a new world with the weight sync reopened (roles._RayRun.restart_trainer); a lost rank is healed from a
-        live replica through it, at most `heals` times."""
+        live replica through it, at most `heals` times, telling the run through `hooks`."""
         self.group = group
         self.model = model
         self.reference = reference
@@ -96,9 +107,7 @@ class ActorRole:
         self._phase: tuple[Any, ...] | None = (
             None  # start_phase's arguments, for healed ranks' fresh trainers
         )
-        # set by the run: the checkpointer's abandon() (a save in flight lost a rank's shards), the logger's note_sum()
-        self.drop_save: Callable[[], None] = lambda: None
-        self.note: Callable[[dict[str, Any]], None] = lambda row: None
+        self.hooks = hooks
 
     def _run(self, method: str, *args: Any, failure: WorkerError | None = None) -> Any:
         """`method` on the trainer's ranks as its @dispatch declares (the group splits and gathers), through the
@@ -201,7 +210,7 @@ class ActorRole:
                 failure.role, failure.rank, failure.method, f"step {top} has no stats on its ranks"
             )
         self.heals_left -= 1
-        self.drop_save()  # a checkpoint in flight lost the rank's shards: it never becomes latest
+        self.hooks.drop_save()  # a checkpoint in flight lost the rank's shards: it never becomes latest
         per = n // self.replicas
         states = [group.submit(sources[p], "replica_state", side=True) for p in range(per)]
         group.made(states)  # into Ray's object store; the new ranks read them from there
@@ -213,7 +222,7 @@ class ActorRole:
         group.call("start_phase", optim, total_steps, None, loss, micro_batch_size)
         group.call_each("load_replica", [(states[r % per].ref,) for r in range(n)])
         seconds = time.perf_counter() - t0
-        self.note({"heal_actor_s": seconds, "heals": 1})  # summed on the row of the step it healed
+        self.hooks.note({"heal_actor_s": seconds, "heals": 1})  # summed on the row of the step it healed
         print(
             f"healed the trainer from a live replica in {seconds:.2f}s (lost ranks {lost}; state of step {top} "
             f"from ranks {sorted(set(sources.values()))}: taken {t1 - t0:.2f}s, ranks replaced {t2 - t1:.2f}s, "

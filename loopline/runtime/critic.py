@@ -174,6 +174,7 @@ class CriticRole:
         """group: the started CriticWorkers; `sharded` (ray): they join a world of their own here (the local rank
         holds the whole model, in no world)."""
         self.group = group
+        self.started = False  # a phase started (PPO's GRPO phase): until then checkpoints hold no critic
         if sharded:
             group.call("join", group.run("rendezvous"))
 
@@ -191,6 +192,7 @@ class CriticRole:
         # one copy of the whole initial weights for every rank
         weights = self.group.put(ScalarModel.from_policy(policy).state_dict())
         self.group.call("start_phase", weights, cfg, total_steps, restore, whole)
+        self.started = True
 
     def values(self, tokens: TokenBatch) -> torch.Tensor:
         return self.group.run("values", tokens)
@@ -222,20 +224,25 @@ def colocated_pool(role: str, actor_pool: Pool, pools: dict[str, Pool]) -> Pool:
 
 
 class CheckpointWithCritic:
-    """A CheckpointActor that also writes the critic's shards into each checkpoint (its critic/ directory)."""
+    """A CheckpointActor that also writes the critic's shards into each checkpoint (its critic/ directory), once
+    the critic's phase has started (the SFT before it holds no critic)."""
 
     def __init__(self, actor: CheckpointActor, critic: Critic) -> None:
         self.actor, self.critic = actor, critic
+        self._saving = False  # the save in flight includes the critic's shards
 
     def save_state(
         self, path: str, hf_dir: str | None, blocking: bool = True, reference: str | None = None
     ) -> None:
         self.actor.save_state(path, hf_dir, blocking=blocking, reference=reference)
-        self.critic.save(str(Path(path).parent / CRITIC_DIR), blocking)
+        self._saving = self.critic.started
+        if self._saving:
+            self.critic.save(str(Path(path).parent / CRITIC_DIR), blocking)
 
     def wait_saved(self, timeout_s: float) -> None:
         self.actor.wait_saved(timeout_s)
-        self.critic.wait_saved(timeout_s)
+        if self._saving:
+            self.critic.wait_saved(timeout_s)
 
     def load_state(self, path: str) -> None:
         self.actor.load_state(path)

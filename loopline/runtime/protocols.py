@@ -9,7 +9,7 @@ this process, on Ray one actor per rank. runtime.roles.build_roles starts them; 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -31,9 +31,6 @@ T = TypeVar("T")
 
 class Actor(Protocol):
     """The policy trainer: updates, log-probs, and the whole model for checkpoints."""
-
-    drop_save: Callable[[], None]  # a heal calls it: the checkpoint in flight lost a rank's shards
-    note: Callable[[dict[str, Any]], None]  # a heal logs its time through it (the metrics logger's note_sum)
 
     def replicas_agree(self) -> bool | None:
         """Whether the trainer's replicas (runtime.trainer_replicas) hold bitwise the same state; None: one replica."""
@@ -179,6 +176,8 @@ class Scorer(Protocol):
 
 class Critic(Protocol):
     """PPO's value model: values for GAE, clipped value-loss steps, and its part of a checkpoint."""
+
+    started: bool  # start_phase was called: checkpoints hold its part from then on
 
     def start_phase(
         self,

@@ -31,7 +31,7 @@ from loopline.distributed.dispatch import RankMesh
 from loopline.distributed.placement import PlacementConfig
 from loopline.distributed.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
 from loopline.errors import EXIT_TEMPFAIL, WorkersLost
-from loopline.runtime.actor import ActorRole
+from loopline.runtime.actor import ActorRole, HealHooks
 from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
@@ -63,12 +63,14 @@ class Roles:
 RESTARTABLE = ("actor", "critic", "ref")
 
 
-def build_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
+def build_roles(
+    cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, hooks: HealHooks | None = None
+) -> Roles:
     """The roles on cfg.runtime.backend; `model` is the policy in this process (trained by the local actor, a
-    copy for checkpoints on ray)."""
+    copy for checkpoints on ray). hooks: what a heal of the trainer tells the run (ray, trainer_replicas > 1)."""
     if cfg.runtime.backend == "local":
         return _local_roles(cfg, model, tokenizer)
-    return _ray_roles(cfg, model)
+    return _ray_roles(cfg, model, hooks or HealHooks())
 
 
 def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
@@ -101,7 +103,14 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
         task_timeout_s=rt.env_task_timeout_s,
         max_attempts=rt.env_task_attempts,
     )
-    return Roles(ActorRole(trainer, model, reference), rollout, scorer, scorer.close, critic)
+    groups = [trainer, engines, *(r.group for r in (reference, critic) if r is not None)]
+
+    def shutdown() -> None:
+        scorer.close()
+        for group in reversed(groups):  # each puts back the environment it found
+            group.shutdown()
+
+    return Roles(ActorRole(trainer, model, reference), rollout, scorer, shutdown, critic)
 
 
 def wants_reference(cfg: RunConfig) -> bool:
@@ -118,7 +127,7 @@ def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> Cluste
     return cluster.model_copy(update={"num_cpus": max(os.cpu_count() or 1, wanted)})
 
 
-def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
+def _ray_roles(cfg: RunConfig, model: PreTrainedModel, hooks: HealHooks) -> Roles:
     """Start or join Ray, place the pools, start the worker groups, the trainer's world and the sync group."""
     rt = cfg.runtime
     if rt.trainer_tp > 1:  # a model without a TP plan, or sizes that do not divide: say so before Ray starts
@@ -140,7 +149,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel) -> Roles:
         run.trainer is not None and run.rollout is not None and run.scorer is not None
     )  # started, or raised
     heal = run.restart_trainer if rt.trainer_replicas > 1 else None
-    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, rt.max_restarts)
+    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, rt.max_restarts, hooks)
     return Roles(actor, run.rollout, run.scorer, run.shutdown, run.critic, run.restart_group)
 
 

@@ -277,3 +277,36 @@ def test_lora_checkpoint_exports_and_saves_merged_weights(tmp_path, tokenizer, s
     exported = AutoModelForCausalLM.from_pretrained(export(tmp_path / "run", tmp_path / "hf"))
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, merged[name]), name
+
+
+def test_a_failed_save_in_flight_is_raised_by_the_next_wait_or_dropped_by_abandon() -> None:
+    """SaveInFlight: the background finish's failure reaches the loop's thread at its next wait(); abandon() (the
+    ranks writing it were lost, a heal or a restart) drops it; a blocking run() raises it at once."""
+    import threading
+
+    from loopline.checkpoint.state import SaveInFlight
+
+    def fail() -> None:
+        raise OSError("disk full")
+
+    saves = SaveInFlight(timeout_s=5.0)
+    saves.start(fail, "checkpoint-a")
+    with pytest.raises(RuntimeError, match="checkpoint failed: OSError: disk full"):
+        saves.wait()
+    saves.wait()  # raised once, then nothing is in flight
+
+    saves.start(fail, "checkpoint-b")
+    saves.abandon()
+    saves.wait()  # dropped
+
+    release = threading.Event()
+    saves.start(release.wait, "checkpoint-c")
+    slow = SaveInFlight(timeout_s=0.0)
+    slow.start(threading.Event().wait, "checkpoint-d")  # never finishes
+    with pytest.raises(TimeoutError, match="did not finish within 0s"):
+        slow.wait()
+    release.set()
+    saves.wait()
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        SaveInFlight(timeout_s=5.0).run(fail)

@@ -401,3 +401,27 @@ def test_warm_spares_build_the_ranks_they_replace(cluster: dict[str, str]) -> No
                 ray.get(group._standby[1].built.remote(), timeout=LIMIT_S)
     finally:
         remove_pools(pools)
+
+
+class Failing:
+    def __init__(self) -> None:
+        raise ValueError("no such model")
+
+
+@pytest.mark.unit
+def test_a_local_group_puts_the_environment_back_when_it_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local rank sees RANK, WORLD_SIZE, MASTER_* (and its env_vars) while it runs; once the group stops (or its
+    constructor raised), this process's environment is as it was: a notebook that ran a job keeps none of them."""
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")  # the user's own, put back as it was
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TAG", raising=False)
+    before = dict(os.environ)
+    group = LocalGroup(Probe, role="probe", env_vars={"TAG": "x"})
+    assert (os.environ["RANK"], os.environ["MASTER_ADDR"], os.environ["TAG"]) == ("0", "127.0.0.1", "x")
+    group.shutdown()
+    assert dict(os.environ) == before
+    group.shutdown()  # twice is harmless
+    assert dict(os.environ) == before
+    with pytest.raises(WorkerError, match="no such model"):
+        LocalGroup(Failing, role="broken")
+    assert dict(os.environ) == before

@@ -41,10 +41,10 @@ def _run(tmp_path, *overrides: str):
     before = {k: v.clone() for k, v in ctx.model.state_dict().items()}
     try:
         train_grpo(ctx, RunState(phase="grpo"))
+        engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights (close() stops it)
     finally:
         ctx.close()
     moved = [k for k, v in ctx.model.state_dict().items() if not torch.equal(v, before[k])]
-    engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights
     assert all(torch.equal(engine[k], v) for k, v in ctx.model.state_dict().items())  # synced
     return moved, read_metrics(tmp_path)
 

@@ -28,9 +28,10 @@ def _run(out: Path, *overrides: str) -> tuple[dict, dict, list[dict]]:
     ctx.scorer = DigitScorer()
     try:
         train_grpo(ctx, RunState(phase="grpo"))
+        engine = ctx.rollout.group.call("weights")[0]  # while the roles run: close() stops them
     finally:
         ctx.close()
-    return dict(ctx.model.named_parameters()), ctx.rollout.group.call("weights")[0], read_metrics(out)
+    return dict(ctx.model.named_parameters()), engine, read_metrics(out)
 
 
 def test_bf16_engine_beside_fp32_trainer_logs_the_mismatch_and_tis_corrects_it(tmp_path: Path) -> None:
