@@ -12,9 +12,11 @@ Per rank, the terms (bytes):
   layer's input only, plus one layer recomputed; selective: every other layer checkpointed);
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
-  rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes (tokens: the chunk when the log-probs are
-  chunked); a frozen model's forward keeps two (logits, log-softmax);
-- kv_cache: an engine's keys and values for its rows at prompt + completion length (vLLM: its reserved cache);
+  rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)
+  hold one chunk of the rows' tokens flattened and its copies; a frozen model's forward keeps two (logits,
+  log-softmax);
+- kv_cache: an engine's keys and values for its rows at prompt + completion length, the rows a step or the
+  held-out scoring runs at once (vLLM: its reserved cache);
 - sandbox: a code env worker's sandbox memory cap.
 The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md). On a
 pool with GPUs the plan counts host memory only (the runtime and one staged copy of the weights); GPU memory is
@@ -167,11 +169,24 @@ def model_shape(cfg: RunConfig) -> ModelShape:
         raise UserError(f"model.path: {cfg.model.path}/config.json lacks a decoder's shape ({e})") from None
 
 
-def logits_chunk_tokens(cfg: RunConfig, tokens: int) -> int:
-    """Tokens of one row whose logits exist at once: model.logits_chunk_tokens (chunked log-probs; 0 = off), else
-    the whole sequence."""
+def logits_bytes(cfg: RunConfig, rows: int, seq: int, response: int, copies: int, vocab: int) -> int:
+    """Float32 logits a forward of `rows` rows holds at once: the head's output over every position and `copies`
+    more over the response's; with model.logits_chunk_tokens (chunked log-probs) one chunk of the response's
+    tokens, counted over every row (the chunks run over rows x tokens flattened), and its copies."""
     chunk = cfg.model.logits_chunk_tokens
-    return min(chunk, tokens) if chunk else tokens
+    if chunk:
+        return min(chunk, rows * response) * (1 + copies) * vocab * 4
+    return rows * (seq + copies * response) * vocab * 4
+
+
+def eval_prompts(cfg: RunConfig) -> int:
+    """Prompts an engine generates for at once when it scores the held-out set: eval.batch_size, at most
+    eval.num_prompts and the held-out split (data.task.num_eval for the built-in task; none for a file source
+    without data.eval_path)."""
+    prompts = min(cfg.eval.batch_size, cfg.eval.num_prompts)
+    if cfg.data.source == "builtin" and not cfg.env.has_builtin_rows:
+        return min(prompts, cfg.data.task.num_eval)
+    return prompts if cfg.data.source == "builtin" or cfg.data.eval_path else 0
 
 
 def activation_checkpointing(cfg: RunConfig) -> str:
@@ -314,10 +329,7 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     micro = f"{phase.name}.{'max_tokens_per_micro_batch' if budgeted else 'micro_batch_size'}"
     logits = 0
     if phase.vocab_logits:  # the head's output over every position, then copies over the response's
-        per_row = logits_chunk_tokens(cfg, phase.seq) + LOGITS_COPIES * logits_chunk_tokens(
-            cfg, phase.response
-        )
-        logits = phase.micro_rows * per_row * shape.vocab * 4
+        logits = logits_bytes(cfg, phase.micro_rows, phase.seq, phase.response, LOGITS_COPIES, shape.vocab)
     more_ranks = "more runtime.trainer_ranks (FSDP2 shards it" + (
         ", on runtime.backend=ray)" if cfg.runtime.backend == "local" else ")"
     )
@@ -342,7 +354,7 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
     width = DTYPE_BYTES[cfg.engine_dtype]
     rows = phase.generated_rows if phase else 0
     rows = cfg.runtime.engine_max_rows or math.ceil(rows / cfg.runtime.engines)
-    rows = max(rows, cfg.eval.batch_size)
+    rows = max(rows, eval_prompts(cfg))
     seq = (
         phase.seq
         if phase
@@ -365,7 +377,8 @@ def frozen_terms(cfg: RunConfig, shape: ModelShape, role: str, phase: Phase | No
     shards = cfg.runtime.trainer_ranks if role == "ref" else 1
     rows = phase.micro_rows if phase else cfg.grpo.micro_batch_size
     seq = phase.seq if phase else prompt_tokens(cfg, shape)
-    logits = rows * logits_chunk_tokens(cfg, seq) * shape.vocab * 4 * 2 if role == "ref" else 0
+    # the reference's log-probs (no gradient): the logits over every position and their log-softmax
+    logits = logits_bytes(cfg, rows, seq, seq, 1, shape.vocab) if role == "ref" else 0
     return [
         Term("params", shape.params * width // shards, "model.dtype=bfloat16"),
         Term("logits", logits, "a smaller grpo.micro_batch_size (or model.logits_chunk_tokens)"),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from loopline.config import load_config
-from loopline.plan import GIB, main_process_bytes, model_shape, phases, role_terms, step_flops
+from loopline.plan import GIB, eval_prompts, main_process_bytes, model_shape, phases, role_terms, step_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 # a 6B-parameter shape of the built-in model: fp32 weights, grads and AdamW alone are ~90 GiB
@@ -57,6 +57,37 @@ def test_the_terms_follow_their_formulas():
     flops = dict(step_flops(cfg, "train"))
     assert flops["grpo train"] == 6.0 * shape.params * rows * seq
     assert flops["grpo generate"] == 2.0 * shape.params * rows * seq
+
+
+def test_chunked_logits_hold_one_chunk_of_every_row_s_tokens():
+    """model.logits_chunk_tokens: the chunks run over the completion tokens of all rows flattened, so the term is
+    one chunk (and its three copies), not a chunk per row; a chunk longer than the micro-batch's tokens is them."""
+    base = ["grpo.micro_batch_size=16", "sft.steps=0", "model.logits_chunk_tokens=64"]
+    assert _terms(load_config(None, base))["logits"] == 64 * 4 * 259 * 4
+    assert (
+        _terms(load_config(None, [*base, "grpo.micro_batch_size=8"]))["logits"] == 64 * 4 * 259 * 4
+    )  # 64 of 64
+    assert _terms(load_config(None, [*base, "grpo.micro_batch_size=4"]))["logits"] == 4 * 8 * 4 * 259 * 4
+    ref = load_config(None, [*base, "grpo.kl_coef=0.1"])
+    assert _terms(ref, "ref")["logits"] == 64 * 2 * 259 * 4  # a frozen forward: logits and log-softmax
+
+
+def test_an_engine_plans_the_held_out_prompts_it_can_be_given():
+    """The engine's rows: the step's, or the held-out prompts scored at once, at most the split's size; a file
+    source without data.eval_path scores none."""
+    cfg = load_config(None, ["data.task.num_eval=100"])
+    assert eval_prompts(cfg) == 100  # eval.batch_size 1000, num_prompts 2000, but 100 exist
+    assert eval_prompts(load_config(None, ["eval.num_prompts=50"])) == 50
+    assert eval_prompts(load_config(None, [])) == 1000  # the batch size
+    files = ["data.source=jsonl", "data.train_path=x.jsonl"]
+    assert eval_prompts(load_config(None, files)) == 0
+    assert eval_prompts(load_config(None, [*files, "data.eval_path=y.jsonl"])) == 1000
+    kv = {
+        n: _terms(load_config(None, [*files, *more]), "rollout")["kv_cache"]
+        for n, more in [("none", []), ("8", ["data.eval_path=y.jsonl", "eval.batch_size=8"]),
+                        ("1000", ["data.eval_path=y.jsonl"])]
+    }  # fmt: skip
+    assert kv["none"] == kv["8"] < kv["1000"]  # the step's 512 rows; 1,000 held-out prompts at once
 
 
 def test_checkpointing_and_sharding_shrink_their_terms():

@@ -78,10 +78,12 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     from loopline.models.load import load_policy
     from loopline.training.parallel import apply_activation_checkpointing
     from loopline.training.policy import PolicyTrainer, grpo_loss
+    from loopline.training.precision import cast_in_forward
 
     torch.set_num_threads(1)
     cfg = load_config(None, job["overrides"])
     model, _ = load_policy(cfg.model, seed=0)
+    cast_in_forward(model, cfg.training.mixed_precision)  # bf16 compute on fp32 masters, as the local actor
     mode = cfg.training.activation_checkpointing
     apply_activation_checkpointing(model, mode)
     share = cfg.model.share_prompts and mode == "none"  # as the actor does: a checkpointed layer cannot share

@@ -34,9 +34,10 @@ from typing import Any
 from loopline.bench.args import require_positive
 
 GIB = 2**30
-# The memory switches `on` sets; off is every one at its default. Mixed precision (being built beside this
-# bench) joins this list once it exists, e.g. its bf16-with-fp32-master-weights override.
+# The memory switches `on` sets; off is every one at its default. `--mixed-precision` adds a ladder with bf16
+# compute on fp32 master weights as well: opt-in, since a CPU without native bf16 runs it many times slower.
 MEMORY_SWITCHES = ["training.activation_checkpointing=full", "model.logits_chunk_tokens=512"]
+MIXED_PRECISION = "training.mixed_precision=bf16"
 # --quick: the Qwen2 architecture at a toy size (a vocabulary the BPE tokenizer fits), for tests
 TINY = {
     "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -165,8 +166,9 @@ def prompts_of(tokenizer: Any, count: int, tokens: int) -> list[str]:
 
 
 def run_overrides(a: argparse.Namespace, model_dir: Path, data: Path, new_tokens: int, rows: tuple[int, int],
-                  switches: bool) -> list[str]:  # fmt: skip
-    """`loopline train`'s GRPO-only config for the bench: rows = (prompts, samples per prompt)."""
+                  switches: list[str]) -> list[str]:  # fmt: skip
+    """`loopline train`'s GRPO-only config for the bench, with `switches` (overrides) added: rows = (prompts,
+    samples per prompt)."""
     prompts, samples = rows
     base = [
         f"model.path={model_dir}", "model.init=random", "data.source=jsonl", f"data.train_path={data}",
@@ -176,7 +178,7 @@ def run_overrides(a: argparse.Namespace, model_dir: Path, data: Path, new_tokens
         "grpo.stop_at_accuracy=null", "checkpoint_every=0", "threads=1", "progress=false", "tensorboard=false",
         f"env.name=python:{WORKER}:reward",
     ]  # fmt: skip
-    return base + (MEMORY_SWITCHES if switches else [])
+    return base + switches
 
 
 def plan_bytes(overrides: list[str], actor_only: bool = False) -> int:
@@ -204,7 +206,7 @@ def run_loopline(
 ) -> tuple[int, float]:
     """One `loopline train` run: its tree's peak beside the plan's estimate, and its step time; (0, 0) if it failed."""
     out = tmp / f"run-{backend}"
-    overrides = run_overrides(a, model_dir, data, a.new_tokens, (a.prompts, a.samples), switches=True)
+    overrides = run_overrides(a, model_dir, data, a.new_tokens, (a.prompts, a.samples), MEMORY_SWITCHES)
     if backend == "ray":
         overrides += ["runtime.backend=ray", "runtime.trainer_ranks=2"]
     overrides.append(f"out_dir={out}")
@@ -244,9 +246,12 @@ def run_trl(a: argparse.Namespace, tmp: Path, model_dir: Path, prompts: list[str
     return peak.peak, step
 
 
-def length_ladder(a: argparse.Namespace, tmp: Path, model_dir: Path, data: Path, switches: bool) -> int:
-    """The longest completion (of --lengths, doubling) whose training step succeeds under the limit; 0: none."""
-    name, best, limit = ("on" if switches else "off"), 0, int(a.limit_gib * GIB)
+def length_ladder(
+    a: argparse.Namespace, tmp: Path, model_dir: Path, data: Path, name: str, switches: list[str]
+) -> int:
+    """The longest completion (of --lengths, doubling) whose training step succeeds under the limit with
+    `switches` (the ladder `name`: off, on, mixed); 0: none."""
+    best, limit = 0, int(a.limit_gib * GIB)
     for length in a.lengths:
         overrides = run_overrides(a, model_dir, data, length, (1, a.rows), switches)
         estimate = plan_bytes(overrides, actor_only=True)
@@ -267,7 +272,7 @@ def length_ladder(a: argparse.Namespace, tmp: Path, model_dir: Path, data: Path,
               f"(plan {_gib(estimate)}), vm_peak {_gib(result['vm_peak'])} GiB")  # fmt: skip
         best = length
     print(f"length_limit_{name}: {best}  ({a.rows} rows + {a.prompt_tokens} prompt tokens, RLIMIT_AS "
-          f"{a.limit_gib:g} GiB, switches {' '.join(MEMORY_SWITCHES) if switches else 'off'})")  # fmt: skip
+          f"{a.limit_gib:g} GiB, switches {' '.join(switches) or 'off'})")  # fmt: skip
     return best
 
 
@@ -299,6 +304,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lengths", type=_lengths, default=[256, 512, 1024, 2048, 4096, 8192],
                         help="completion lengths tried, in order, until one fails (empty with --no-lengths)")  # fmt: skip
     parser.add_argument("--no-lengths", action="store_true", help="skip the length trials")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help=f"a third ladder: the switches and {MIXED_PRECISION} (slow on a CPU without bf16)")  # fmt: skip
     parser.add_argument("--limit-gib", type=float, default=12.0, help="RLIMIT_AS of each length trial")
     parser.add_argument("--run-limit-gib", type=float, default=0.0,
                         help="RLIMIT_AS of each process of the local and TRL runs (0: none)")  # fmt: skip
@@ -325,9 +332,18 @@ def main(argv: list[str]) -> int:
         peaks = {b: run_loopline(args, tmp, model_dir, data, b) for b in backends}
         trl_peak, trl_step = (0, 0.0) if args.no_trl else run_trl(args, tmp, model_dir, prompts)
         if not args.no_lengths:
-            off = length_ladder(args, tmp, model_dir, data, switches=False)
-            on = length_ladder(args, tmp, model_dir, data, switches=True)
+            off = length_ladder(args, tmp, model_dir, data, "off", [])
+            on = length_ladder(args, tmp, model_dir, data, "on", MEMORY_SWITCHES)
             print(f"length_ratio_on_over_off: {on / off:.2f}" if off else "length_ratio_on_over_off: n/a")
+            if args.mixed_precision:
+                mixed = length_ladder(
+                    args, tmp, model_dir, data, "mixed", [*MEMORY_SWITCHES, MIXED_PRECISION]
+                )
+                print(
+                    f"length_ratio_mixed_over_off: {mixed / off:.2f}"
+                    if off
+                    else "length_ratio_mixed_over_off: n/a"
+                )
     local_peak, local_step = peaks.get("local", (0, 0.0))
     if trl_peak and local_peak:
         print(f"step_time_ratio_vs_trl: {local_step / trl_step:.2f}")

@@ -24,7 +24,7 @@ def _value(out: str, key: str) -> str:
 def test_quick_bench_prints_peaks_beside_the_plan(capsys):
     need_module("trl", "the bench runs TRL beside loopline (pip install loopline[parity])")
     argv = ["bench", "memory", "--quick", "--steps", "1", "--backends", "local", "--prompt-tokens", "8",
-            "--new-tokens", "4", "--rows", "2", "--lengths", "16"]  # fmt: skip
+            "--new-tokens", "4", "--rows", "2", "--lengths", "16", "--mixed-precision"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
     for who in ("local", "trl"):
@@ -34,11 +34,13 @@ def test_quick_bench_prints_peaks_beside_the_plan(capsys):
     local = _value(out, "local_peak_rss_gib")
     measured, plan = float(local.split()[0]), float(re.search(r"\(plan ([\d.]+)", local).group(1))
     assert 0.5 < plan / measured < 2.0, local  # the estimate beside the peak, of the same size
-    for switches in ("off", "on"):
+    for switches in ("off", "on", "mixed"):
         trial = _value(out, f"trial_{switches}_16")
         assert re.match(r"ok [\d.]+ s, peak_rss [\d.]+ GiB \(plan [\d.]+\), vm_peak [\d.]+ GiB", trial), trial
         assert _value(out, f"length_limit_{switches}").startswith("16 ")
     assert _value(out, "length_ratio_on_over_off") == "1.00"
+    assert _value(out, "length_ratio_mixed_over_off") == "1.00"
+    assert "training.mixed_precision=bf16)" in _value(out, "length_limit_mixed")
     last = out.strip().splitlines()[-1]
     assert re.fullmatch(r"memory_ratio_vs_trl: [\d.]+", last), last
     ratio = float(last.split()[1])
@@ -53,7 +55,7 @@ def test_the_plan_refuses_a_trial_before_it_starts(tmp_path, capsys):
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": "0"}) + "\n" for p in prompts))
     a = argparse.Namespace(prompt_tokens=8, steps=1, rows=2, lengths=[16, 32], limit_gib=0.1)
-    assert length_ladder(a, tmp_path, tmp_path / "model", data, switches=False) == 0
+    assert length_ladder(a, tmp_path, tmp_path / "model", data, "off", []) == 0
     out = capsys.readouterr().out
     assert re.search(r"trial_off_16: refused by the plan \([\d.]+ GiB > limit 0.1\)", out), out
     assert "length_limit_off: 0 " in out and not list(tmp_path.glob("trial-*.log"))  # no trial process ran
