@@ -19,8 +19,8 @@ Per rank, the terms (bytes):
   held-out scoring runs at once (vLLM: its reserved cache);
 - sandbox: a code env worker's sandbox memory cap.
 The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md). On a
-pool with GPUs the plan counts host memory only (the runtime and one staged copy of the weights); GPU memory is
-not planned yet.
+pool with GPUs the host holds the runtime and one staged copy of the weights; one bundle's GPU memory is a node
+of its own (gpu_node), checked against the pool's gpu_memory_gib when declared.
 
 FLOPs: 6 x params x tokens for a training pass, 2 x params x tokens for generation and log-prob forwards (an MoE
 model's active parameters: a token computes with its top-k experts only).
@@ -31,11 +31,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.models.config import shape_fields
 from loopline.training.config import DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
+
+if TYPE_CHECKING:
+    from loopline.distributed.placement import PoolConfig
 
 GIB = 2**30
 MIB = 2**20
@@ -491,7 +495,8 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
         return [Node("this machine", ranks, 0, machine_memory(), "/proc/meminfo MemTotal")]
     placement = rt.pools()
     count = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
-    out = []
+    out: list[Node] = []
+    devices: list[Node] = []  # GPU memory: one bundle's GPUs per GPU pool
     here = not rt.cluster.address
     driver = [Rank("driver", 0, [_runtime("driver")])]
     placed = dict(placement.roles)
@@ -513,6 +518,8 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
         capacity = int(declared * pool.bundles) if declared else None
         out.append(Node(f"pool {pool.name} ({pool.bundles} bundles)", ranks, 0, capacity,
                         f"runtime.placement pool {pool.name}'s memory"))  # fmt: skip
+        if gpu:
+            devices.append(gpu_node(cfg, command, pool, [r for r in on if r != "env"]))
     if "reward" in roles and "reward" not in placement.roles:
         driver.append(Rank("reward", 0, role_terms(cfg, "reward", command)))
     out.insert(0, Node("driver", driver, RAY_HEAD_BYTES, None, ""))
@@ -521,8 +528,37 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
         machine = Node(
             "this machine (local Ray)", every, RAY_HEAD_BYTES, machine_memory(), "/proc/meminfo MemTotal"
         )
-        return [machine, *(n for n in out[1:] if n.capacity is not None)]
-    return out
+        return [machine, *(n for n in out[1:] if n.capacity is not None), *devices]
+    return out + devices
+
+
+CUDA_CONTEXT_BYTES = (
+    512 * MIB
+)  # a process's CUDA context and the caching allocator's first blocks (approximate)
+
+
+def gpu_node(cfg: RunConfig, command: str, pool: PoolConfig, roles: list[str]) -> Node:
+    """The GPU memory of one bundle of a GPU pool: one rank of each model role placed on it (a rank per bundle),
+    each its CUDA context and its terms (the same terms as on a CPU: weights, gradients, optimizer, activations,
+    logits, KV cache). vLLM takes its rollout.vllm.memory_fraction of the GPUs whatever it holds."""
+    gpus = pool.resources["GPU"]
+    capacity = int(pool.gpu_memory_gib * gpus * GIB) if pool.gpu_memory_gib else None
+    ranks = []
+    for role in roles:
+        terms = role_terms(cfg, role, command)
+        if role == "rollout" and cfg.rollout.engine == "vllm" and capacity:
+            reserved = int(cfg.rollout.vllm.memory_fraction * capacity)
+            params = next(t for t in terms if t.name == "params")
+            terms = [
+                params,
+                Term("kv_cache", max(0, reserved - params.nbytes), "rollout.vllm.memory_fraction"),
+            ]
+        context = Term(
+            "runtime", CUDA_CONTEXT_BYTES, "fewer processes on the GPU (colocate roles on one pool)"
+        )
+        ranks.append(Rank(role, 0, [context, *terms]))
+    name = f"pool {pool.name}: GPU memory of one bundle ({gpus:g} GPU)"
+    return Node(name, ranks, 0, capacity, f"runtime.placement pool {pool.name}'s gpu_memory_gib x {gpus:g}")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -309,3 +309,45 @@ def test_rows_of_unknown_length_say_which_fields_set_it(tmp_path):
     fits = _cli("plan", *args, "data.max_prompt_tokens=64", "data.max_seq_len=128", "grpo.sampling.max_new_tokens=64",
                 "grpo.micro_batch_size=4", "sft.micro_batch_size=4", "eval.batch_size=16")  # fmt: skip
     assert fits.returncode == 0, fits.stderr
+
+
+def _gpu_pools(gib: float, *more: str) -> list[str]:
+    pools = (
+        "runtime.placement.pools=[{name: gpu, bundles: 2, resources: {CPU: 4, GPU: 1}, gpu_memory_gib: "
+        f"{gib}}}, {{name: e, bundles: 1, resources: {{CPU: 1}}}}]"
+    )
+    return ["runtime.backend=ray", "runtime.cluster.address=10.0.0.1:6379", "runtime.trainer_ranks=2", pools,
+            "runtime.placement.roles={actor: gpu, rollout: gpu, env: e}", *more]  # fmt: skip
+
+
+def test_a_gpu_pool_plans_one_bundle_s_gpu_memory_and_checks_it_when_declared():
+    """On a GPU pool the model lives in GPU memory: one bundle's GPU holds one rank of each role placed there (a
+    CUDA context and the terms a CPU rank has); the host keeps one staged copy of the weights. A declared
+    gpu_memory_gib is checked like a pool's memory; vLLM takes its memory_fraction of it."""
+    from loopline.errors import UserError
+    from loopline.plan import CUDA_CONTEXT_BYTES, check, nodes
+
+    cfg = load_config(None, _gpu_pools(80))
+    gpu = next(n for n in nodes(cfg, "train") if "GPU memory" in n.name)
+    assert gpu.capacity == 80 * GIB and [r.role for r in gpu.ranks] == ["actor", "rollout"]
+    for rank in gpu.ranks:
+        want = CUDA_CONTEXT_BYTES + sum(t.nbytes for t in role_terms(cfg, rank.role, "train"))
+        assert rank.nbytes == want, rank.role
+    host = next(n for n in nodes(cfg, "train") if n.name.startswith("pool gpu (2 bundles)"))
+    assert {t.name for r in host.ranks for t in r.terms} == {"runtime", "params"}  # staged weights only
+    check(cfg, "train")  # fits 80 GiB
+
+    small = load_config(None, _gpu_pools(0.001))
+    with pytest.raises(
+        UserError, match=r"plan: pool gpu: GPU memory of one bundle \(1 GPU\) needs .* has 0\.00 GiB"
+    ):
+        check(small, "train")
+    undeclared = load_config(None, _gpu_pools(0))
+    assert next(n for n in nodes(undeclared, "train") if "GPU memory" in n.name).capacity is None
+    check(undeclared, "train")  # printed, not checked
+
+    vllm = load_config(None, _gpu_pools(80, "rollout.engine=vllm", "rollout.vllm.memory_fraction=0.5"))
+    engine = next(
+        r for n in nodes(vllm, "train") if "GPU memory" in n.name for r in n.ranks if r.role == "rollout"
+    )
+    assert engine.nbytes == CUDA_CONTEXT_BYTES + 40 * GIB  # vLLM reserves half the GPU, weights and cache

@@ -50,6 +50,12 @@ class PoolConfig(Section):
         "PACK",
         description="Ray placement strategy: PACK fills few nodes, SPREAD spreads, STRICT_SPREAD = one bundle per node.",
     )
+    gpu_memory_gib: float = Field(
+        0.0,
+        ge=0,
+        description="Memory of each GPU of a bundle (e.g. 80 for an 80 GB H100), which `loopline plan` checks the "
+        "bundle's ranks against; 0 = not declared (GPU memory is planned and printed, not checked).",
+    )
 
     @field_validator("resources")
     @classmethod

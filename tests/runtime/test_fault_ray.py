@@ -234,7 +234,12 @@ def _act_at_step_1(
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while 1 not in _grpo_steps(run):
-            assert proc.poll() is None and time.monotonic() < deadline, "run did not reach GRPO step 1"
+            if proc.poll() is not None:  # ended early: its own account says why
+                out, err = proc.communicate()
+                raise AssertionError(
+                    f"run exited {proc.returncode} before GRPO step 1:\n{out[-2000:]}{err[-3000:]}"
+                )
+            assert time.monotonic() < deadline, "run did not reach GRPO step 1"
             time.sleep(0.05)
         act(proc)
         out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
