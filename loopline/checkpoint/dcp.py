@@ -11,6 +11,8 @@ thread: the caller may update the weights at once. Every rank keeps at most one 
 
 from __future__ import annotations
 
+import json
+import struct
 import threading
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -21,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -186,12 +187,39 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return aliases
 
 
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
 def write_hf_weights(model: nn.Module, weights: Mapping[str, torch.Tensor], directory: str | Path) -> None:
-    """`weights` (whole tensors) as DIRECTORY/model.safetensors, tied aliases left out, as transformers saves them."""
+    """`weights` (whole tensors) as DIRECTORY/model.safetensors, tied aliases left out, as transformers saves them.
+
+    Written one tensor at a time, so a mapping that makes its tensors when read (a LoRA model's MergedWeights)
+    holds one of them beside the model, not a merged copy of the whole model (gigabytes at 1.5B parameters): the
+    header (each tensor's dtype, shape and byte range) first, from a pass that reads each tensor and drops it."""
     aliases = tied_aliases(model)
-    tensors = {k: v.detach().contiguous() for k, v in weights.items() if k not in aliases}
+    names = [k for k in weights if k not in aliases]
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        t = weights[name]
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     Path(directory).mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(Path(directory) / "model.safetensors"), metadata={"format": "pt"})
+    with open(Path(directory) / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for name in names:
+            tensor = weights[name].detach().to("cpu").contiguous().reshape(-1)
+            f.write(tensor.view(torch.uint8).numpy().data)  # its bytes, little-endian (x86, ARM)
 
 
 def copy_state(value: Any) -> Any:

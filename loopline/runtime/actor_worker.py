@@ -47,7 +47,7 @@ from loopline.runtime.ranks import (
     seeded_model,
 )
 from loopline.training.critic import RewardStepStats, RewardTrainer, ScalarModel
-from loopline.training.lora import MergedWeights, has_lora, merged_state_dict
+from loopline.training.lora import MergedWeights, has_lora
 from loopline.training.policy import (
     DPOStepStats,
     PolicyStepStats,
@@ -425,14 +425,18 @@ class ActorWorker:
     def save_state(self, path: str, hf_dir: str | None, blocking: bool) -> None:
         """Write this rank's shards (DCP); rank 0 also the whole weights to hf_dir (with LoRA, adapters folded in)."""
         sharded = self.mesh is not None
-        weights = self._whole_weights() if hf_dir and sharded else {}  # a collective: every rank joins
-        if (
-            self.stages and self.stages[0].tied
-        ):  # the head is the embeddings: saved once, as transformers does
-            weights.pop("lm_head.weight", None)
+        weights: Mapping[str, torch.Tensor] = {}
+        if hf_dir and sharded:
+            whole = self._whole_weights()  # a collective: every rank joins
+            if (
+                self.stages and self.stages[0].tied
+            ):  # the head is the embeddings: saved once, as transformers does
+                whole.pop("lm_head.weight", None)
+            weights = whole
         state = shard_state(self.model, self.trainer)
         if hf_dir and not sharded:  # one unsharded rank: the model part of its state is the whole weights
-            weights = merged_state_dict(self.model) if has_lora(self.model) else state["model"]
+            # with LoRA, each adapted weight merged only as it is written (MergedWeights), not a merged copy
+            weights = MergedWeights(self.model) if has_lora(self.model) else state["model"]
         hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
         self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
 

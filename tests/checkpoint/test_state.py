@@ -310,3 +310,58 @@ def test_a_failed_save_in_flight_is_raised_by_the_next_wait_or_dropped_by_abando
 
     with pytest.raises(RuntimeError, match="disk full"):
         SaveInFlight(timeout_s=5.0).run(fail)
+
+
+def test_hf_weights_are_written_as_safetensors_reads_them_one_tensor_at_a_time(tmp_path) -> None:
+    """write_hf_weights writes the safetensors format itself, tensor by tensor: safetensors reads back every
+    dtype and shape bitwise, and a mapping that makes its tensors when read (a LoRA model's MergedWeights) has at
+    most one of them alive at a time, never a copy of the whole model."""
+    import weakref
+    from collections.abc import Mapping
+
+    from safetensors.torch import load_file
+
+    from loopline.checkpoint.dcp import write_hf_weights
+
+    g = torch.Generator().manual_seed(0)
+    want = {
+        "a.weight": torch.randn(3, 5, generator=g),
+        "b.half": torch.randn(7, generator=g).to(torch.bfloat16),
+        "c.ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "d.flag": torch.tensor([True, False, True]),
+        "e.scalar": torch.tensor(2.5, dtype=torch.float64),
+        "f.empty": torch.zeros(0, 4),
+        "g.strided": torch.randn(4, 6, generator=g).t(),  # not contiguous
+    }
+    write_hf_weights(torch.nn.Linear(1, 1), want, tmp_path)
+    got = load_file(tmp_path / "model.safetensors")
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+
+    class Made(Mapping):
+        """Each read makes a new 1 MiB tensor; counts how many are alive at once."""
+
+        def __init__(self) -> None:
+            self.alive = self.most = 0
+
+        def __getitem__(self, name: str) -> torch.Tensor:
+            t = torch.full((2**18,), float(int(name)))
+            self.alive += 1
+            self.most = max(self.most, self.alive)
+            weakref.finalize(t, self._freed)
+            return t
+
+        def _freed(self) -> None:
+            self.alive -= 1
+
+        def __iter__(self):
+            return iter(str(i) for i in range(20))
+
+        def __len__(self) -> int:
+            return 20
+
+    made = Made()
+    write_hf_weights(torch.nn.Linear(1, 1), made, tmp_path / "made")
+    assert made.most <= 2  # the one being written and, at most, the next being made
+    assert torch.equal(load_file(tmp_path / "made" / "model.safetensors")["19"], torch.full((2**18,), 19.0))

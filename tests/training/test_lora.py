@@ -101,13 +101,13 @@ def test_lora_sft_and_grpo_train_adapters_only_and_the_engine_gets_the_merged_mo
         state = train_sft(ctx, RunState(), None)
         assert state.step == 3
         train_grpo(ctx, RunState(phase="grpo"))
+        engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights (close() stops it)
     finally:
         ctx.close()
     params = dict(ctx.model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in frozen.items())  # the base weights never moved
     assert all(not torch.equal(params[n], v) for n, v in adapters.items() if "lora_B" in n)  # adapters did
     merged = merged_state_dict(ctx.model)
-    engine = ctx.rollout.group.call("weights")[0]  # the one engine's whole weights
     assert engine.keys() == merged.keys()
     assert all(torch.equal(engine[k], merged[k]) for k in merged)
     assert any(not torch.equal(merged[k], frozen[k.replace(".weight", ".base_layer.weight")])
