@@ -12,7 +12,8 @@ import math
 
 from loopline.config import RunConfig
 from loopline.errors import UserError
-from loopline.plan import BUILTIN_VOCAB, GIB, ModelShape, wanted_roles
+from loopline.models.shape import BUILTIN_VOCAB, ModelShape
+from loopline.plan import GIB, wanted_roles
 from loopline.plan import model_shape as plan_model_shape
 from loopline.plan import role_rank_bytes as plan_rank_bytes
 
