@@ -184,12 +184,31 @@ class RunConfig(Section):
                 "which only the built-in engine does (rollout.engine=torch); with rollout.engine=vllm use "
                 "grpo.partial_rollouts=none"
             )
+        if self.grpo.routing_replay:
+            self._check_replay()
         if 0 < self.runtime.engine_max_rows < self.grpo.group_size:
             raise ValueError(
                 f"runtime.engine_max_rows ({self.runtime.engine_max_rows}) must hold one prompt's "
                 f"grpo.group_size ({self.grpo.group_size}) samples, which start together (or be 0: no cap)"
             )
         return self
+
+    def _check_replay(self) -> None:
+        """grpo.routing_replay=true needs the engine's routes in every training forward of the policy."""
+        why = {
+            "rollout.engine=vllm": self.rollout.engine == "vllm",  # it does not report routes
+            f"runtime.trainer_pp={self.runtime.trainer_pp}": self.runtime.trainer_pp > 1,
+            f"training.activation_checkpointing={self.training.activation_checkpointing}": (
+                self.training.activation_checkpointing != "none"
+            ),
+            f"env.name={self.env.name} (multi-turn)": self.env.multi_turn,
+        }
+        for key, on in why.items():
+            if on:
+                raise ValueError(
+                    f"grpo.routing_replay=true is not built with {key}: the trainer's forwards there cannot take "
+                    "the engine's routes (set grpo.routing_replay=false)"
+                )
 
     @model_validator(mode="after")
     def _mixed_precision_fits(self) -> RunConfig:

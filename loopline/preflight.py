@@ -91,7 +91,11 @@ def check_run(
             f"model.config: '{cfg.model.config}' holds no config.json (a Hugging Face model config)"
         )
     if command in WRITING_COMMANDS and cfg.model.router_aux_loss_coef:
-        _check_routed(cfg)
+        _check_routed(
+            cfg, f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef}", "no router to balance"
+        )
+    if command == "train" and cfg.grpo.routing_replay:
+        _check_routed(cfg, "grpo.routing_replay=true", "no routes to replay")
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -149,8 +153,8 @@ def _check_bf16(cfg: RunConfig, command: str) -> None:
         config_rules.warn(f"{asked[0]}: {why}")
 
 
-def _check_routed(cfg: RunConfig) -> None:
-    """model.router_aux_loss_coef > 0 needs a mixture of experts: a dense policy has no router to balance."""
+def _check_routed(cfg: RunConfig, setting: str, lack: str) -> None:
+    """`setting` (the router's loss weight, routing replay) needs a mixture of experts: a dense policy has `lack`."""
     try:
         fields = shape_fields(cfg.model)
     except (OSError, ValueError):
@@ -160,8 +164,7 @@ def _check_routed(cfg: RunConfig) -> None:
         if cfg.model.config or cfg.model.path:
             what = f"{cfg.model.config or cfg.model.path}/config.json"
         raise UserError(
-            f"model.router_aux_loss_coef={cfg.model.router_aux_loss_coef}: {what} is not a mixture of experts "
-            "(no num_experts or num_local_experts): it has no router to balance"
+            f"{setting}: {what} is not a mixture of experts (no num_experts or num_local_experts): it has {lack}"
         )
 
 

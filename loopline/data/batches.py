@@ -7,7 +7,7 @@ and `select`, `split` and `to` are built on it, so no caller walks a batch's fie
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Self, TypeVar
 
 import torch
@@ -23,6 +23,9 @@ class TokenBatch:
     input_ids: torch.Tensor  # (B, P + C) long
     attention_mask: torch.Tensor  # (B, P + C) long, 0 on padding
     response_mask: torch.Tensor  # (B, C) float, 1 on tokens that are trained
+    # (B, P + C, L, k) int16: an MoE engine's top-k experts per token and MoE layer, -1 where none was recorded
+    # (training.replay); None for a dense model or an engine that records none
+    routes: torch.Tensor | None = field(default=None, kw_only=True)
 
     @property
     def prompt_len(self) -> int:

@@ -51,6 +51,7 @@ from loopline.rollout.engine import Completion
 from loopline.runtime.protocols import Critic
 from loopline.training.critic import ValueBatch, ValueStepStats
 from loopline.training.policy import PolicyStepStats, grpo_loss
+from loopline.training.replay import sample_routes
 
 B = TypeVar("B", bound=TokenBatch)
 log = logging.getLogger(__name__)
@@ -393,7 +394,19 @@ def _experience(
             lengths, cfg.sampling.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
         )
     mask = mask_truncated(tokens.response_mask, truncated) if cfg.mask_truncated else tokens.response_mask
-    tokens = replace(tokens, response_mask=mask)  # (B, C) trained tokens
+    # an MoE engine's routes: the trainer's forwards compare with them or replay them (grpo.routing_replay); a
+    # pipelined trainer's forwards do not take them
+    routes = (
+        sample_routes(
+            [c.routes for c in completions],
+            [len(p) for p in scored.prompts],
+            tokens.prompt_len,
+            tokens.input_ids.shape[1],
+        )
+        if ctx.cfg.runtime.trainer_pp == 1
+        else None
+    )
+    tokens = replace(tokens, response_mask=mask, routes=routes)  # (B, C) trained tokens
     ref_logprobs = ctx.actor.logprobs(tokens, reference=True) if cfg.kl_coef > 0 else None
     correction, mismatch = None, None
     if cfg.behaviour_correction != "none":
@@ -414,7 +427,7 @@ def _experience(
     batch = RolloutBatch(
         tokens.input_ids, tokens.attention_mask, mask, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs if cfg.kl_in == "loss" else None, advantages=advantages, rewards=rewards,
-        is_weights=correction.weights if correction else None,
+        is_weights=correction.weights if correction else None, routes=routes,
     )  # fmt: skip
     return Experience(
         tokens, batch, lengths, truncated, rewards, reward_kl, values, returns, correction, mismatch

@@ -134,6 +134,9 @@ ROUTER = {
     "the layers as transformers defines it (experts per token at perfect balance); each micro-batch's own is "
     "added to its objective times model.router_aux_loss_coef (not counted in loss).",
     "router_aux_loss_layer<l>": "MoE policy: the load-balancing loss of decoder layer l's router alone.",
+    "route_mismatch": "MoE policy, GRPO family, built-in engine: share of the (token, MoE layer) pairs of the step's "
+    "training forwards whose top-k experts (as a set) the trainer's router chose differently from the engine's "
+    "(with grpo.routing_replay=true the engine's were used instead).",
 }
 
 # Noted once, on the next row after the event

@@ -41,6 +41,15 @@ def _router_spec(module: nn.Module) -> tuple[type[nn.Module], int] | None:
     return (spec, 0) if isinstance(spec, type) else (spec.target_class, spec.index)
 
 
+def router_logits_index(outer: nn.Module) -> int:
+    """Where the logits sit in a router call's output, for an MoE model's outermost recording model
+    (recording_model)."""
+    spec = _router_spec(outer)
+    if spec is None:
+        raise ValueError(f"{type(outer).__name__} records no router_logits (not a mixture of experts)")
+    return spec[1]
+
+
 def routers(model: nn.Module) -> list[Router]:
     """The model's routers in layer order; [] for a dense model (also one wrapped by peft or FSDP2)."""
     outer = recording_model(model)

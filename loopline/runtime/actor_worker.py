@@ -214,6 +214,7 @@ class ActorWorker:
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
                 share, self.cfg.model.logits_chunk_tokens, self.cfg.grpo.max_tokens_per_micro_batch,
                 self.cfg.model.router_aux_loss_coef,
+                self.cfg.grpo.routing_replay if loss is not None else None,
             )  # fmt: skip
         if resume is not None:
             self.load_state(resume.dcp)

@@ -29,6 +29,7 @@ from loopline.checkpoint.faults import pause_point
 from loopline.config import RunConfig
 from loopline.distributed.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.models.load import cast_parameters
+from loopline.models.moe import recording_model
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
 from loopline.runtime.engine_sync import sync_plan
 from loopline.runtime.protocols import WeightSync
@@ -52,6 +53,7 @@ def make_engine(
     return TorchEngine(
         model, tokenizer, seed=seed, max_rows=cfg.runtime.engine_max_rows,
         keep_stale_kv=cfg.grpo.partial_rollouts == "keep_stale_kv",
+        record_routes=recording_model(model) is not None,  # an MoE's routes: replay, route_mismatch
     )  # fmt: skip
 
 

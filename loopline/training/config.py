@@ -213,6 +213,14 @@ class GRPOConfig(Section):
         "weights; keep_stale_kv goes on from the cache the old weights filled (cheaper, off-policy keys/values). "
         "none = the fixed schedule.",
     )
+    routing_replay: bool = Field(
+        False,
+        description="Mixtures of experts: true = the trainer's forwards on the samples route each token to the "
+        "experts the engine's routers chose for it (rollout routing replay), so training and sampling use the same "
+        "experts; the expert weights still come from the trainer's own router. false = the trainer routes by its "
+        "own router. Either way, with the built-in engine, each step logs route_mismatch: the share of tokens "
+        "whose top-k experts the trainer's router chose differently from the engine's.",
+    )
 
     @model_validator(mode="after")
     def _variants_fit(self) -> GRPOConfig:

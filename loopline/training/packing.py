@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from loopline.training.replay import engine_routes
+
 
 @dataclass(frozen=True)
 class Packing:
@@ -31,6 +33,15 @@ class Packing:
         real = self.slot >= 0
         out[real] = packed.flatten(0, 1)[self.slot[real]]
         return out
+
+    def lay_in(self, values: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """Values (B, L, ...) per padded-batch token laid out as the packed rows (R, W, ...), `fill` on their padding
+        (unpack's inverse)."""
+        rows, width = self.input_ids.shape
+        out = values.new_full((rows * width, *values.shape[2:]), fill)
+        real = self.slot >= 0
+        out[self.slot[real]] = values[real]
+        return out.view(rows, width, *values.shape[2:])
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0) -> Packing:
@@ -64,12 +75,14 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_id: int = 0)
 _checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def packed_forward(model: nn.Module, packing: Packing) -> Any:
-    """The model's output over the packed rows (logits or hidden states per packed token, as the model gives)."""
+def packed_forward(model: nn.Module, packing: Packing, routes: torch.Tensor | None = None) -> Any:
+    """The model's output over the packed rows (logits or hidden states per packed token, as the model gives).
+    routes: the padded batch's engine routes (TokenBatch.routes), packed for the forward (training.replay)."""
     if model not in _checked:
         _check_separates_sequences(model)
         _checked.add(model)
-    return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False)
+    with engine_routes(model, packing.lay_in(routes, -1) if routes is not None else None):
+        return model(input_ids=packing.input_ids, position_ids=packing.position_ids, use_cache=False)
 
 
 def _check_separates_sequences(model: nn.Module) -> None:

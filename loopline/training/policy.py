@@ -35,6 +35,7 @@ from loopline.training.parallel import (
     mesh_groups,
 )
 from loopline.training.prefix import shared_prompt_logits, shared_prompts
+from loopline.training.replay import RouteReplay, engine_routes
 from loopline.training.router import RouterStats
 
 
@@ -247,15 +248,16 @@ def _response_outputs(
             return outputs, targets, lambda values: values
     if not packed:
         positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        outputs = model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
-            position_ids=positions,
-            use_cache=False,
-        ).logits  # no cache: nothing reads it, and a checkpointed layer could not recompute one it fills
+        with engine_routes(model, batch.routes):
+            outputs = model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                position_ids=positions,
+                use_cache=False,
+            ).logits  # no cache: nothing reads it, and a checkpointed layer could not recompute one it fills
         return outputs[:, p - 1 : -1, :], targets, lambda values: values
     packing = pack(batch.input_ids, batch.attention_mask)
-    outputs = packed_forward(model, packing).logits.flatten(0, 1)  # (R * W, X)
+    outputs = packed_forward(model, packing, batch.routes).logits.flatten(0, 1)  # (R * W, X)
     real = batch.attention_mask[:, p:].bool()  # (B, C)
     # a response token's predecessor is the token before it in its sequence (a prompt has at least one)
     before = (packing.slot[:, p:][real] - 1).clamp(min=0)
@@ -371,13 +373,16 @@ class PolicyTrainer:
         chunk_tokens: int = 0,
         max_tokens: int = 0,
         router_aux_loss_coef: float | None = None,
+        routing_replay: bool | None = None,
     ) -> None:
         """loss, micro_batch_size: the RL phase's policy objective (grpo_loss) and sequences per forward/backward,
         which policy_step applies; an SFT phase leaves them None. packed: forwards over packed sequences
         (model.packing); share_prompts: padded rows with one prompt share its forward (model.share_prompts);
         chunk_tokens: the head's logits that many tokens at a time (model.logits_chunk_tokens; 0 = all);
         max_tokens: policy_step's micro-batches by token count instead (grpo.max_tokens_per_micro_batch; 0 = off);
-        router_aux_loss_coef: an MoE model's load-balancing loss weight (model.router_aux_loss_coef)."""
+        router_aux_loss_coef: an MoE model's load-balancing loss weight (model.router_aux_loss_coef);
+        routing_replay: an MoE model's forwards against the engine's routes its batches carry (training.replay),
+        imposing them if True (grpo.routing_replay=true), only counting route_mismatch if False; None: neither."""
         self.model = model
         self.packed = packed
         self.share_prompts = share_prompts
@@ -388,6 +393,8 @@ class PolicyTrainer:
         self.micro_batch_size = micro_batch_size
         self.max_tokens = max_tokens
         self.router = RouterStats(model, router_aux_loss_coef)  # an MoE model's; nothing for a dense one
+        moe = bool(self.router.layers)
+        self.replay = RouteReplay(model, routing_replay) if moe and routing_replay is not None else None
         self.optimizer, self.scheduler = build_optimizer(model, optim, total_steps)
         self.updates = 0  # optimizer steps taken by this trainer (skipped non-finite ones included)
         self.lock = threading.Lock()  # held while the update changes the weights and optimizer state
@@ -495,6 +502,8 @@ class PolicyTrainer:
                 sums[key] += float(value.detach()) * weight
         sums = self._global_sums(sums)
         router = self.router.metrics(self.group)  # before the step's last collective, the grad norm's
+        if self.replay is not None:
+            router.update(self.replay.metrics(self.group))
         grad_norm, lr = self._step()
         stats = PolicyStepStats(grad_norm=grad_norm, lr=lr, **sums)
         stats.router = router

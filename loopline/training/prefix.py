@@ -19,6 +19,7 @@ from torch import nn
 
 from loopline.data.batches import TokenBatch
 from loopline.models.cache import cache_argument, cache_of
+from loopline.training.replay import engine_routes
 
 
 @dataclass(frozen=True)
@@ -55,23 +56,26 @@ def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedProm
         return None
     p = batch.prompt_len
     positions = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-    prompt = model(
-        input_ids=batch.input_ids[shared.rows, :p],
-        attention_mask=batch.attention_mask[shared.rows, :p],
-        position_ids=positions[shared.rows, :p],
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    routes = batch.routes
+    with engine_routes(model, routes[shared.rows, :p] if routes is not None else None):
+        prompt = model(
+            input_ids=batch.input_ids[shared.rows, :p],
+            attention_mask=batch.attention_mask[shared.rows, :p],
+            position_ids=positions[shared.rows, :p],
+            use_cache=True,
+            logits_to_keep=1,
+        )
     cache = cache_of(prompt)
     if cache is None:
         return None
     cache.batch_select_indices(shared.inverse)  # every row gets its prompt's keys and values
-    responses = model(
-        input_ids=batch.input_ids[:, p:],
-        attention_mask=batch.attention_mask,
-        position_ids=positions[:, p:],
-        use_cache=True,
-        **{argument: cache},
-    ).logits
+    with engine_routes(model, routes[:, p:] if routes is not None else None):
+        responses = model(
+            input_ids=batch.input_ids[:, p:],
+            attention_mask=batch.attention_mask,
+            position_ids=positions[:, p:],
+            use_cache=True,
+            **{argument: cache},
+        ).logits
     first = prompt.logits[:, -1][shared.inverse]  # the last prompt token predicts the first response token
     return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)

@@ -237,3 +237,41 @@ def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_s
             assert _bitwise_equal(v, want[k]), k
     largest = max(s.nbytes for s in param_specs(trainer))
     assert max(s.peak_buffer_bytes for s in stats.values()) <= max(BUCKET_BYTES, largest) + 1024
+
+
+def _moe_rank(rank: int, world: int, out: str) -> None:
+    """The scaled-down Qwen3-MoE preset: a 2-rank FSDP2 trainer after one AdamW step -> 2 whole engines (planned)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tests.moe import tiny_moe
+
+    model = tiny_moe(seed=0 if rank < TRAINER else 1)
+    specs = param_specs(model)
+    if rank < TRAINER:
+        shard_model(model, trainer_mesh(TRAINER))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = torch.randint(3, 259, (4, 16), generator=torch.Generator().manual_seed(0))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, Path(out, "full.pt"))
+    plan = _plan(specs, engines=2, tp=1, colocated=False)
+    dst = engine_tensors(model) if plan.dst_position(rank) is not None else None
+    for t in (dst or {}).values():
+        t.fill_(float("nan"))
+    sync_weights(plan, local_shards(model) if plan.is_src(rank) else None, dst, bucket_bytes=BUCKET_BYTES)
+    if dst is not None:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(out, f"engine_rank{rank}.pt"))
+
+
+def test_an_moe_models_experts_reach_every_engine_bitwise(tmp_path: Path) -> None:
+    run_world(_moe_rank, WORLD, args=(str(tmp_path),), timeout_s=150)
+    full = torch.load(tmp_path / "full.pt")
+    experts = [k for k in full if k.endswith("experts.gate_up_proj")]
+    assert experts and full[experts[0]].shape[0] == 128  # every expert, whole: FSDP2 held half on each rank
+    for rank in range(TRAINER, WORLD):
+        held = torch.load(tmp_path / f"engine_rank{rank}.pt")
+        assert held.keys() == full.keys()
+        for k in full:
+            assert _bitwise_equal(held[k], full[k]), (rank, k)

@@ -1,7 +1,7 @@
 """The scaled-down Qwen3-MoE preset (128 experts, 8 per token) through every command on the local backend: `train`
-(SFT, then PPO: the critic is built from the MoE body) with the load-balancing loss on, its router metrics in
-metrics.jsonl, TensorBoard and the curves; `export`; `eval` and `generate`; `dpo` and `rm` from the exported
-directory (model.path)."""
+(SFT, then PPO: the critic is built from the MoE body) with the load-balancing loss and routing replay on, its
+router metrics in metrics.jsonl, TensorBoard and the curves; `export`; `eval` and `generate`; `dpo` and `rm` from
+the exported directory (model.path)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ def test_moe_preset_through_every_command(tmp_path, capsys):
     run, exported = tmp_path / "run", tmp_path / "exported"
     train = [
         *MOE, *SMALL, f"out_dir={run}", "model.router_aux_loss_coef=0.01", "grpo.advantage=gae",
+        "grpo.routing_replay=true",
         "sft.steps=1", "sft.batch_size=8", "sft.micro_batch_size=8", "sft.eval_every=0", "sft.stop_at_accuracy=null",
         "grpo.steps=1", "grpo.stop_at_accuracy=null", "grpo.prompts_per_step=4", "grpo.group_size=2",
         "grpo.micro_batch_size=4", "grpo.eval_every=0", "grpo.sampling.max_new_tokens=6",
@@ -47,6 +48,8 @@ def test_moe_preset_through_every_command(tmp_path, capsys):
         assert row.keys() >= ROUTER and all(declared(k) for k in row)
         assert 0 < row["router_cv"] < 128**0.5 and row["router_aux_loss"] > 0
     assert "value_loss" in rows[1]  # PPO's critic trained on the MoE body
+    # the engine's routes reached the trainer: replayed, and its own router's disagreement with them counted
+    assert "route_mismatch" not in rows[0] and 0 <= rows[1]["route_mismatch"] <= 1
     assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
     need_module("tensorboard", "tensorboard is not installed (pip install loopline[tensorboard])")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
