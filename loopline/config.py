@@ -211,6 +211,25 @@ class RunConfig(Section):
                 )
 
     @model_validator(mode="after")
+    def _ep_fits(self) -> RunConfig:
+        ep = self.runtime.trainer_ep
+        if ep == 1:
+            return self
+        for key, on in (
+            (
+                f"training.mixed_precision={self.training.mixed_precision}",
+                self.training.mixed_precision != "none",
+            ),
+            (
+                f"training.activation_checkpointing={self.training.activation_checkpointing}",
+                self.training.activation_checkpointing != "none",
+            ),
+        ):
+            if on:
+                raise ValueError(f"runtime.trainer_ep={ep} with {key} is not built: set runtime.trainer_ep=1")
+        return self
+
+    @model_validator(mode="after")
     def _mixed_precision_fits(self) -> RunConfig:
         if self.training.mixed_precision == "none":
             return self

@@ -96,6 +96,11 @@ def check_run(
         )
     if command == "train" and cfg.grpo.routing_replay:
         _check_routed(cfg, "grpo.routing_replay=true", "no routes to replay")
+    ep = cfg.runtime.trainer_ep
+    if command in WRITING_COMMANDS and ep > 1:
+        experts, what = _check_routed(cfg, f"runtime.trainer_ep={ep}", "no experts to split")
+        if experts % ep:
+            raise UserError(f"runtime.trainer_ep={ep} must divide the {experts} experts per layer of {what}")
     data = cfg.data
     if data.source != "builtin":
         if not data.train_path:
@@ -153,19 +158,22 @@ def _check_bf16(cfg: RunConfig, command: str) -> None:
         config_rules.warn(f"{asked[0]}: {why}")
 
 
-def _check_routed(cfg: RunConfig, setting: str, lack: str) -> None:
-    """`setting` (the router's loss weight, routing replay) needs a mixture of experts: a dense policy has `lack`."""
+def _check_routed(cfg: RunConfig, setting: str, lack: str) -> tuple[int, str]:
+    """`setting` (the router's loss weight, routing replay, expert parallelism) needs a mixture of experts: a dense
+    policy has `lack`. Returns the model's experts per layer and how to name the model (0 when unreadable)."""
+    what = f"model.preset={cfg.model.preset}" if cfg.model.preset else "the built-in model"
+    if cfg.model.config or cfg.model.path:
+        what = f"{cfg.model.config or cfg.model.path}/config.json"
     try:
         fields = shape_fields(cfg.model)
     except (OSError, ValueError):
-        return  # an unreadable config.json is refused where the model loads, naming it
+        return 0, what  # an unreadable config.json is refused where the model loads, naming it
     if not is_moe(fields):
-        what = f"model.preset={cfg.model.preset}" if cfg.model.preset else "the built-in model"
-        if cfg.model.config or cfg.model.path:
-            what = f"{cfg.model.config or cfg.model.path}/config.json"
         raise UserError(
             f"{setting}: {what} is not a mixture of experts (no num_experts or num_local_experts): it has {lack}"
         )
+    assert fields is not None
+    return int(fields.get("num_experts") or fields.get("num_local_experts")), what
 
 
 # What a model learned that eval must score it on: a default here means the built-in addition task.

@@ -139,7 +139,10 @@ class ActorWorker:
                 self.dp_mesh = self.mesh["dp"]
             # TP inside each group of tp ranks, FSDP2 across; in place: the same module
             self.model = cast(
-                PreTrainedModel, parallelize(self.model, self.mesh, self.cfg.training.mixed_precision)
+                PreTrainedModel,
+                parallelize(
+                    self.model, self.mesh, self.cfg.training.mixed_precision, self.cfg.runtime.trainer_ep > 1
+                ),
             )
             # the engines get their weights from replica 0's ranks (the others are not in the sync group)
             self.layout = TrainerLayout(fsdp=self.ranks // (replicas * tp), tp=tp)

@@ -61,6 +61,14 @@ class RuntimeConfig(Section):
         "heals from a live replica (its shards and optimizer state copied, no checkpoint loaded, no step trained "
         "again) instead of rolling back.",
     )
+    trainer_ep: int = Field(
+        1,
+        gt=0,
+        description="Expert parallelism of an MoE actor (ray): each MoE layer's experts are split over this many "
+        "trainer ranks (1 or trainer_ranks for now), and every token goes to the ranks of its top-k experts and "
+        "back with all_to_all instead of FSDP2 gathering every expert on every rank. The rest of the model is "
+        "sharded by FSDP2 as before; checkpoints resume at any trainer_ep.",
+    )
     engines: int = Field(
         1, gt=0, description="Rollout engines (ray), a whole model each; prompts split across them."
     )
@@ -166,6 +174,29 @@ class RuntimeConfig(Section):
                     f"trainer_ranks={self.trainer_ranks} must be divisible by trainer_replicas * trainer_tp = "
                     f"{r} * {tp}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _ep_fits(self) -> RuntimeConfig:
+        ep = self.trainer_ep
+        if ep == 1:
+            return self
+        if self.backend != "ray":
+            raise ValueError(f"trainer_ep={ep} needs backend=ray (the local backend runs one rank)")
+        if ep != self.trainer_ranks:
+            raise ValueError(
+                f"trainer_ep={ep} must equal trainer_ranks={self.trainer_ranks}: the experts split over every "
+                "trainer rank (a smaller expert group inside the data-parallel ranks is not built)"
+            )
+        for key, value in (
+            ("trainer_tp", self.trainer_tp),
+            ("trainer_pp", self.trainer_pp),
+            ("trainer_replicas", self.trainer_replicas),
+        ):
+            if value > 1:
+                raise ValueError(f"trainer_ep={ep} with {key}={value} is not built: set one of them to 1")
+        if self.trainer_standby:
+            raise ValueError(f"trainer_ep={ep} with trainer_standby=true is not built (use trainer_warm)")
         return self
 
     @model_validator(mode="after")

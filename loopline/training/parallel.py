@@ -276,28 +276,42 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, mesh: DeviceMesh, mixed_precision: str = "none") -> nn.Module:
+def parallelize(
+    model: nn.Module, mesh: DeviceMesh, mixed_precision: str = "none", ep: bool = False
+) -> nn.Module:
     """TP over mesh["tp"] (when it has more than one rank), then FSDP2 over mesh["dp"] (a `dp_tp_mesh`), or HSDP
-    over mesh["rep", "shard"] (a `replica_mesh`: shards within a replica, gradients summed across replicas)."""
+    over mesh["rep", "shard"] (a `replica_mesh`: shards within a replica, gradients summed across replicas).
+    ep: an MoE model's experts split over mesh["dp"] first (runtime.trainer_ep), which FSDP2 then leaves alone."""
+    from loopline.training.expert_parallel import apply_ep
+
     if mesh["tp"].size() > 1:
         apply_tp(model, mesh["tp"])
+    experts = apply_ep(model, mesh["dp"]) if ep else None
     names = mesh.mesh_dim_names or ()
-    return shard_model(model, mesh["rep", "shard"] if "rep" in names else mesh["dp"], mixed_precision)
+    return shard_model(
+        model, mesh["rep", "shard"] if "rep" in names else mesh["dp"], mixed_precision, experts
+    )
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, mixed_precision: str = "none") -> nn.Module:
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    mixed_precision: str = "none",
+    ignored: set[nn.Parameter] | None = None,
+) -> nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, tied head); sum gradients.
 
     `mesh` is 1-D: the data-parallel ranks (`mesh["dp"]` of a `dp_tp_mesh` after `apply_tp`), or 2-D (replicate,
     shard) for HSDP. mixed_precision (training.mixed_precision): bf16 gathers bfloat16 parameters for compute and
-    reduces float32 gradients into the float32 shards (training.precision.fsdp_policy).
+    reduces float32 gradients into the float32 shards (training.precision.fsdp_policy). ignored: parameters FSDP2
+    leaves alone (the experts apply_ep split).
     """
     from loopline.training.precision import fsdp_policy
 
     policy = fsdp_policy(mixed_precision)
     for _, layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # sum, no division: each rank's loss is already its share of the total (and gloo has no PREMUL_SUM)

@@ -220,9 +220,9 @@ def test_model_packing_reaches_every_role_and_reports_the_padded_first_step(tmp_
 
     packed_models: set[str] = set()
 
-    def counting(model, packing):
+    def counting(model, packing, routes=None):
         packed_models.add(type(model).__name__)
-        return packed_forward(model, packing)
+        return packed_forward(model, packing, routes)
 
     for module in (loopline.training.policy, loopline.training.critic):
         monkeypatch.setattr(module, "packed_forward", counting)
