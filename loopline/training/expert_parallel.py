@@ -86,15 +86,37 @@ def _ep_forward(
     rows = _exchange(hidden[token], recv_sizes, send_sizes, group)  # (pairs this rank computes, H)
     local = torch.empty(sum(recv_sizes), dtype=expert.dtype, device=expert.device)
     dist.all_to_all_single(local, expert % per_rank, recv_sizes, send_sizes, group=group)
-    out = torch.zeros_like(rows)
-    for e in range(per_rank):
-        at = (local == e).nonzero().squeeze(-1)
-        if len(at):
-            gate, up = nn.functional.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
-            out = out.index_add(0, at, nn.functional.linear(self.act_fn(gate) * up, down[e]))
+    out = _local_experts(rows, local, gate_up, down, self.act_fn)
     back = _exchange(out, send_sizes, recv_sizes, group)  # (N * k, H), in `order`
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
     return torch.zeros_like(hidden).index_add(0, token, (back * weights).to(hidden.dtype))
+
+
+_GROUPED_MM = getattr(nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _local_experts(
+    rows: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: Any
+) -> torch.Tensor:
+    """Each row through its expert's MLP (down(act(gate) * up)), `expert` indexing this rank's experts: one
+    grouped matrix product per projection over the rows sorted by expert where torch has one, else expert by
+    expert."""
+    if not len(rows):  # no token came: still a (zero) gradient for every expert, as on the other ranks, whose
+        # grad-norm collectives this rank must join
+        return rows.new_zeros((0, down.shape[1])) + 0.0 * (gate_up.sum() + down.sum())
+    if _GROUPED_MM is None or any(d % 8 for d in (*gate_up.shape[1:], down.shape[1])):  # its 16-byte strides
+        out = torch.zeros((len(rows), down.shape[1]), dtype=rows.dtype, device=rows.device)
+        for e in range(gate_up.shape[0]):
+            at = (expert == e).nonzero().squeeze(-1)
+            if len(at):
+                gate, up = nn.functional.linear(rows[at], gate_up[e]).chunk(2, dim=-1)
+                out = out.index_add(0, at, nn.functional.linear(act(gate) * up, down[e]))
+        return out
+    order = torch.argsort(expert, stable=True)
+    ends = torch.cumsum(torch.bincount(expert, minlength=gate_up.shape[0]), 0).to(torch.int32)
+    gate, up = _GROUPED_MM(rows[order], gate_up.transpose(-2, -1), offs=ends).chunk(2, dim=-1)
+    out = _GROUPED_MM(act(gate) * up, down.transpose(-2, -1), offs=ends)
+    return out[torch.argsort(order)]  # back in the rows' order
 
 
 def _exchange(rows: torch.Tensor, recv_sizes: list[int], send_sizes: list[int], group: Any) -> torch.Tensor:

@@ -160,3 +160,25 @@ def test_apply_ep_refuses_a_dense_model_and_experts_it_cannot_divide(small_model
         check_ep(small_model, 2)
     with pytest.raises(ValueError, match="runtime.trainer_ep=3 must divide the model's 8 experts"):
         check_ep(tiny_moe("mixtral-tiny"), 3)
+
+
+def test_local_experts_grouped_and_one_by_one_agree_and_a_rank_without_tokens_still_has_gradients(
+    monkeypatch,
+):
+    from loopline.training import expert_parallel
+
+    experts = tiny_moe().model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(40, experts.hidden_dim, generator=g)
+    which = torch.randint(0, 16, (40,), generator=g)  # this rank's 16 experts of 128
+    gate_up, down = experts.gate_up_proj[:16], experts.down_proj[:16]
+    grouped = expert_parallel._local_experts(rows, which, gate_up, down, experts.act_fn)
+    monkeypatch.setattr(expert_parallel, "_GROUPED_MM", None)
+    one_by_one = expert_parallel._local_experts(rows, which, gate_up, down, experts.act_fn)
+    torch.testing.assert_close(grouped, one_by_one, rtol=1e-5, atol=1e-6)
+    gate, up = torch.einsum("nh,noh->no", rows, gate_up[which]).chunk(2, dim=-1)  # by hand, row by row
+    torch.testing.assert_close(grouped, torch.einsum("ni,nhi->nh", experts.act_fn(gate) * up, down[which]),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    none = expert_parallel._local_experts(rows[:0], which[:0], gate_up, down, experts.act_fn)
+    none.sum().backward()
+    assert none.shape == (0, experts.hidden_dim) and float(experts.gate_up_proj.grad.abs().sum()) == 0
