@@ -220,10 +220,6 @@ class RunConfig(Section):
                 f"training.mixed_precision={self.training.mixed_precision}",
                 self.training.mixed_precision != "none",
             ),
-            (
-                f"training.activation_checkpointing={self.training.activation_checkpointing}",
-                self.training.activation_checkpointing != "none",
-            ),
         ):
             if on:
                 raise ValueError(f"runtime.trainer_ep={ep} with {key} is not built: set runtime.trainer_ep=1")
