@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from loopline.bench.sync import run_world, shard_model, trainer_mesh
 from loopline.config import ModelConfig
@@ -58,23 +59,29 @@ def _plan(specs: list[ParamSpec], engines: int, tp: int, colocated: bool) -> Tra
     )
 
 
+def _train_a_step(model: torch.nn.Module, mesh: DeviceMesh, rank: int, out: str) -> None:
+    """Trainer rank: FSDP2 over `mesh`, one AdamW step; rank 0 saves the full weights after it as out/full.pt."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    shard_model(model, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(3, 259, (4, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, Path(out, "full.pt"))
+
+
 def _rank(rank: int, world: int, out: str) -> None:
     """One rank: train a step (trainer) or build a differently seeded model (engine), then run every scenario."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
 
     mesh = trainer_mesh(TRAINER)
     model, _ = load_policy(ModelConfig(), seed=0 if rank < TRAINER else 1)
     specs = param_specs(model)
     if rank < TRAINER:
-        shard_model(model, mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids = torch.randint(0, 259, (4, 16), generator=torch.Generator().manual_seed(0))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, Path(out, "full.pt"))
+        _train_a_step(model, mesh, rank, out)
         # FSDP2's own chunking of odd shapes, to hold the planner's rule against (3 rows: 2 + 1; 1 row: 1 + 0).
         odd = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(4, 1))
         for m in (odd[0], odd[1], odd):
@@ -241,21 +248,13 @@ def test_sync_group_fails_fast_when_an_engine_is_gone_then_the_next_generation_s
 
 def _moe_rank(rank: int, world: int, out: str) -> None:
     """The scaled-down Qwen3-MoE preset: a 2-rank FSDP2 trainer after one AdamW step -> 2 whole engines (planned)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from tests.moe import tiny_moe
 
     model = tiny_moe(seed=0 if rank < TRAINER else 1)
     specs = param_specs(model)
     if rank < TRAINER:
-        shard_model(model, trainer_mesh(TRAINER))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ids = torch.randint(3, 259, (4, 16), generator=torch.Generator().manual_seed(0))
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, Path(out, "full.pt"))
+        _train_a_step(model, trainer_mesh(TRAINER), rank, out)
     plan = _plan(specs, engines=2, tp=1, colocated=False)
     dst = engine_tensors(model) if plan.dst_position(rank) is not None else None
     for t in (dst or {}).values():
