@@ -134,7 +134,7 @@ def _step_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
                     times[mode].append(time.perf_counter() - start)
                 peaks[mode] = max(peaks[mode], status_bytes("VmHWM") - base)
                 exchange += timer.seconds if mode == "ep" else 0.0
-        result.update(times=times, peak_delta=peaks, rss=status_bytes("VmRSS"), exchange=exchange)
+        result.update(times=times, peak_delta=peaks, exchange=exchange)
         del trainers
     result["sync"] = {kind: _sync(rank, mesh, conf, kind == "dense") for kind in ("moe", "dense")}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
@@ -142,7 +142,7 @@ def _step_rank(rank: int, world: int, conf: dict[str, Any], out: str) -> None:
 
 def _sync(rank: int, mesh: Any, conf: dict[str, Any], dense: bool) -> dict[str, Any]:
     """The planned sync of the (MoE or dense) model from FSDP2 ranks 0-1 to the whole engine on rank 2: median
-    seconds over conf["repeats"], the bytes sent, and whether the engine then holds the trainer's weights."""
+    seconds over conf["repeats"], the parameter count, and whether the engine then holds the trainer's weights."""
     from loopline.distributed.resharding import EngineLayout, TrainerLayout, plan_transfers
     from loopline.distributed.weight_sync import engine_tensors, local_shards, param_specs, sync_weights
     from loopline.training.parallel import shard_model
@@ -159,14 +159,12 @@ def _sync(rank: int, mesh: Any, conf: dict[str, Any], dense: bool) -> dict[str, 
     for _ in range(conf["repeats"]):
         dist.barrier()
         start = time.perf_counter()
-        stats = sync_weights(plan, src, dst, bucket_bytes=16 * 2**20)
+        sync_weights(plan, src, dst, bucket_bytes=16 * 2**20)
         dist.barrier()
         seconds.append(time.perf_counter() - start)
     equal = dst is None or all(torch.equal(dst[n], expected[n]) for n in dst)
-    return {
-        "seconds": statistics.median(seconds), "bytes": sum(s.nbytes for s in specs), "equal": equal,
-        "params": sum(s.nbytes // s.dtype.itemsize for s in specs), "sent": stats.bytes_sent,
-    }  # fmt: skip
+    params = sum(s.nbytes // s.dtype.itemsize for s in specs)
+    return {"seconds": statistics.median(seconds), "equal": equal, "params": params}
 
 
 def _routes(conf: dict[str, Any]) -> dict[str, float]:

@@ -20,10 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-EXPERT_WEIGHTS = (
-    "gate_up_proj",
-    "down_proj",
-)  # (E, 2I, H) and (E, H, I) in Qwen3-MoE's and Mixtral's experts
+# (E, 2I, H) and (E, H, I) in Qwen3-MoE's and Mixtral's experts
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:

@@ -45,8 +45,9 @@ class RouteReplay:
         self._index = router_logits_index(outer)
         self._top_k = moe_config(outer)[1]
         self._routes: torch.Tensor | None = None  # (N, L, k) for the forward running, -1 = none
-        self._differ = torch.zeros((), dtype=torch.float64)
-        self._tokens = torch.zeros((), dtype=torch.float64)
+        # (differing routes, routed tokens) of the training forwards, kept where the router runs: no copy to the
+        # host per router call
+        self._counts: torch.Tensor | None = None
         old = _replays.get(model)  # a later phase's trainer on the same model replaces its hooks
         for handle in old.handles if old is not None else []:
             handle.remove()
@@ -68,8 +69,8 @@ class RouteReplay:
         known = want[:, 0] >= 0
         if torch.is_grad_enabled() and module.training:
             differ = (want.sort(-1).values != chosen.sort(-1).values).any(-1) & known
-            self._differ += float(differ.sum())
-            self._tokens += float(known.sum())
+            counts = torch.stack([differ.sum(), known.sum()])
+            self._counts = counts if self._counts is None else self._counts + counts
         if not self.replay:
             return None
         experts = torch.where(known.unsqueeze(-1), want, chosen.long()).to(chosen.dtype)
@@ -78,9 +79,11 @@ class RouteReplay:
     def metrics(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """route_mismatch over every rank's training forwards since the last call (then reset); {} when no
         forward had routes. Every data-parallel rank calls it at the same point: it all-reduces."""
-        sums = all_reduce_sum(torch.stack([self._differ, self._tokens]), group)
-        self._differ.zero_(), self._tokens.zero_()
-        differ, tokens = sums.tolist()
+        local = (
+            self._counts.double().cpu() if self._counts is not None else torch.zeros(2, dtype=torch.float64)
+        )
+        self._counts = None
+        differ, tokens = all_reduce_sum(local, group).tolist()
         return {"route_mismatch": differ / tokens} if tokens else {}
 
 
