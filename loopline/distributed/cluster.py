@@ -64,6 +64,11 @@ class ClusterConfig(Section):
     namespace: str = Field("loopline", min_length=1, description="Ray namespace for this run's actors.")
 
 
+# Ray starts a worker process per CPU when a driver first connects, for tasks loopline never sends (its roles are
+# actors, each in a process of its own): on few cores those idle imports of Ray delay the roles' own start.
+_NO_PRESTART = {"prestart_worker_first_driver": False}
+
+
 def start_ray(cfg: ClusterConfig | None = None) -> bool:
     """Start a local Ray on loopback or join cfg.address; True if this call started it (so the caller stops it).
 
@@ -87,6 +92,7 @@ def start_ray(cfg: ClusterConfig | None = None) -> bool:
             object_store_memory=cfg.object_store_mb * 2**20 or None,
             include_dashboard=False,
             namespace=cfg.namespace,
+            _system_config=_NO_PRESTART,
         )
     return True
 
@@ -134,7 +140,12 @@ def local_multinode_cluster(
             }
             cluster = Cluster(
                 initialize_head=True,
-                head_node_args={"num_cpus": head_cpus, "include_dashboard": False, **common},
+                head_node_args={
+                    "num_cpus": head_cpus,
+                    "include_dashboard": False,
+                    "_system_config": _NO_PRESTART,
+                    **common,
+                },
             )
             for res in nodes:
                 custom = {k: v for k, v in res.items() if k not in ("CPU", "GPU")}

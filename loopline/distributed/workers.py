@@ -391,13 +391,17 @@ class RayGroup(WorkerGroup):
                 f"role '{role}': spare ranks take no resources, so they cannot see the GPUs of pool "
                 f"'{pool.name}'; standby needs a pool without GPUs"
             )
-        # Rendezvous address: rank 0's node and a port free there (asked on that node, which may be remote).
-        where = in_bundle(pool.placement_group, 0)
-        probe = ray.remote(num_cpus=0, scheduling_strategy=where)(_master_address).remote()
-        self._master = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
+        nodes = pool.bundle_nodes()[:n]
+        # Rendezvous address: rank 0's node and a port free there, asked on that node where it is another one (a
+        # task there costs a worker process: on this node the driver answers itself).
+        if nodes[0] == ray.get_runtime_context().get_node_id():
+            self._master = _master_address()
+        else:
+            where = in_bundle(pool.placement_group, 0)
+            probe = ray.remote(num_cpus=0, scheduling_strategy=where)(_master_address).remote()
+            self._master = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
         self._spawn = (init_args, init_kwargs, env_vars, max_restarts)
         self._places = [(pool, i) for i in range(n)]
-        nodes = pool.bundle_nodes()[:n]
         try:
             for i in range(n):
                 self._ranks.append(self._start_rank(i, nodes))
