@@ -19,9 +19,9 @@ restart promotes instead of starting a process (`start_spares` then starts new o
 `warm` too, a spare is a warm process instead: its imports paid, its constructor not run until it is promoted
 (no model copy held; the rank's constructor runs at the restart).
 
-Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor
-again with the same arguments and environment); local calls run in the caller's thread, so the local
-backend cannot time a call out. WORLD_SIZE in a rank's environment is the group's size when it started.
+Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor again with the
+same arguments and environment); local calls run in the caller's thread, so the local backend cannot time a call
+out. WORLD_SIZE in a rank's environment is the group's size when it started.
 """
 
 from __future__ import annotations
@@ -120,9 +120,8 @@ class WorkerGroup(ABC):
         if num_ranks < 1:
             raise ValueError(f"role '{role}': num_ranks must be >= 1, got {num_ranks}")
         self.cls, self.role, self.world_size, self.timeout_s = cls, role, num_ranks, timeout_s
-        self.mesh = (
-            mesh or RankMesh()
-        )  # how `run` splits a batch: over dp ranks, shared by tp ranks and stages
+        # how `run` splits a batch: over dp ranks, shared by tp ranks and stages
+        self.mesh = mesh or RankMesh()
         self._ranks: list[Any] = []  # the worker objects (local) or actor handles (ray), in rank order
 
     # -----------------------------------------------------------------------------------------------------
@@ -350,13 +349,11 @@ class RayGroup(WorkerGroup):
 
         pool: where rank i goes (bundle i of the pool).
         env_vars: extra environment for every rank (RANK, WORLD_SIZE, ... take precedence).
-        max_restarts: passed to Ray's actor options.
+        max_restarts: passed to Ray's actor options. mesh: the ranks' (pp, dp, tp) shape, for `run` (None: all dp).
         timeout_s: default limit for construction and for every call; None = no limit.
-        standby: a spare for every rank, started once the ranks are ready; a restart promotes it. Spares
-        take no resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
-        warm: (with standby) the spares are warm processes, not built ranks: imports paid, constructor run when
-        a restart promotes them.
-        mesh: the ranks' (pp, dp, tp) shape, for `run`; None = all data-parallel.
+        standby: a spare for every rank, started once the ranks are ready; a restart promotes it. Spares take no
+        resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
+        warm: (with standby) the spares are warm processes: imports paid, constructor run when promoted.
         """
         super().__init__(cls, num_ranks, role, timeout_s, mesh)
         self._places: list[tuple[Pool, int]] = []  # (pool, bundle index) of each rank
@@ -392,8 +389,7 @@ class RayGroup(WorkerGroup):
                 f"'{pool.name}'; standby needs a pool without GPUs"
             )
         nodes = pool.bundle_nodes()[:n]
-        # Rendezvous address: rank 0's node and a port free there, asked on that node where it is another one (a
-        # task there costs a worker process: on this node the driver answers itself).
+        # Rendezvous: rank 0's node and a port free there, asked there by a task (a process) only off this node.
         if nodes[0] == ray.get_runtime_context().get_node_id():
             self._master = _master_address()
         else:
