@@ -87,6 +87,7 @@ def _finish(run: Path, resume: bool) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # a `loopline` process killed and resumed
 def test_a_mixed_precision_run_resumes_exactly(tmp_path: Path) -> None:
     """Killed (SIGKILL) after GRPO step 2's row, resumed from step 1's checkpoint: the same fp32 masters, AdamW
     state and rows as the run never interrupted."""

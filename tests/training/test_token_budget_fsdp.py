@@ -52,6 +52,7 @@ def _rank_main(rank: int, world: int, batch: RolloutBatch, out: str) -> None:
                    Path(out) / "ranks.pt")  # fmt: skip
 
 
+@pytest.mark.gloo  # spawned ranks
 def test_ranks_agree_on_the_count_and_update_like_one_process(tmp_path: Path) -> None:
     batch = _global_batch()
     run_world(
