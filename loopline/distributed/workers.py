@@ -389,8 +389,8 @@ class RayGroup(WorkerGroup):
                 f"'{pool.name}'; standby needs a pool without GPUs"
             )
         nodes = pool.bundle_nodes()[:n]
-        # Rendezvous: rank 0's node and a port free there, asked there by a task (a process) only off this node.
-        if nodes[0] == ray.get_runtime_context().get_node_id():
+        # Rendezvous: rank 0's node, a port free there; a task (a process) asks there off this node or via Ray Client
+        if nodes[0] == ray.get_runtime_context().get_node_id() and not ray.util.client.ray.is_connected():
             self._master = _master_address()
         else:
             where = in_bundle(pool.placement_group, 0)
