@@ -59,9 +59,8 @@ def run_world(fn: Callable[..., None], world_size: int, args: tuple = (), timeou
     socket); gloo binds the loopback interface. Raises if a rank fails or the world is not done within `timeout_s`
     (the ranks are then killed).
     """
-    mp.get_context("forkserver").set_forkserver_preload(
-        _PRELOAD
-    )  # read when the server starts, the first time
+    # read when the server starts (the first call): later calls change nothing
+    mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)
     with tempfile.TemporaryDirectory(prefix="loopline-world-") as tmp:
         ctx = mp.start_processes(
             _world_entry,
