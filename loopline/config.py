@@ -102,6 +102,15 @@ class RunConfig(Section):
         description="torch CPU threads per process, at most a Ray actor's CPUs (fixed, so runs replay on any "
         "machine; 2 made the default job's GRPO stage ~1.3x faster on 2 cores but moved its results); 0 = torch default.",
     )
+    malloc_mmap_threshold_kib: int = Field(
+        1024,
+        ge=0,
+        le=32768,
+        description="glibc (Linux): a memory block of at least this many KiB (a tensor's) is mapped on its own and "
+        "goes back to the OS when freed. glibc's default threshold grows up to 32 MiB as blocks are freed, after "
+        "which a step's freed gradients and activations stay in the heap, counted in the process's memory (1.3 "
+        "GiB of a 0.5B model's run, docs/guide/memory-plan.md); 0 = glibc's default.",
+    )
     deterministic: bool = Field(
         False,
         description="torch.use_deterministic_algorithms(True); with fixed threads a run killed and resumed "
@@ -252,6 +261,19 @@ class RunConfig(Section):
     def engine_dtype(self) -> str:
         """rollout.dtype resolved: auto = what the trainer computes in (compute_dtype)."""
         return self.compute_dtype if self.rollout.dtype == "auto" else self.rollout.dtype
+
+    @property
+    def engine_shares_weights(self) -> bool:
+        """The local engine generates with the actor's parameters themselves (rollout.share_weights): only where
+        a sync would write the same values into a copy (no LoRA merge, no cast). The local loop is synchronous:
+        the engine never generates while the actor steps."""
+        return (
+            self.rollout.share_weights
+            and self.runtime.backend == "local"
+            and self.rollout.engine == "torch"
+            and not self.model.lora.r
+            and self.engine_dtype == self.model.dtype
+        )
 
     @model_validator(mode="after")
     def _pipeline_fits(self) -> RunConfig:

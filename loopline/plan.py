@@ -243,8 +243,8 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
 
 
 def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list[Term]:
-    """An engine's memory: its own copy of the weights and the KV cache of the rows it runs at once, in its dtype
-    (rollout.dtype)."""
+    """An engine's memory: its own copy of the weights (none when it shares the local actor's) and the KV cache of
+    the rows it runs at once, in its dtype (rollout.dtype)."""
     width = DTYPE_BYTES[cfg.engine_dtype]
     rows = phase.generated_rows if phase else 0
     rows = cfg.runtime.engine_max_rows or math.ceil(rows / cfg.runtime.engines)
@@ -258,8 +258,10 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
     shrink = f"runtime.engine_max_rows (rows an engine runs at once){length_hint(cfg)}"
     if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
         kv, shrink = cfg.rollout.vllm.cpu_kv_cache_gib * GIB, "rollout.vllm.cpu_kv_cache_gib"
+    # a local engine on the actor's own parameters (rollout.share_weights) holds no weights of its own
+    params = 0 if cfg.engine_shares_weights else shape.params * width
     return [
-        Term("params", shape.params * width, "rollout.dtype=bfloat16"),
+        Term("params", params, "rollout.dtype=bfloat16"),
         Term("kv_cache", kv, shrink),
     ]
 

@@ -76,12 +76,13 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     from loopline.config import load_config
     from loopline.data.batches import RolloutBatch
     from loopline.models.load import load_policy
+    from loopline.runtime.ranks import setup_process
     from loopline.training.parallel import apply_activation_checkpointing
     from loopline.training.policy import PolicyTrainer, grpo_loss
     from loopline.training.precision import cast_in_forward
 
-    torch.set_num_threads(1)
     cfg = load_config(None, job["overrides"])
+    setup_process(cfg)  # one thread (the bench's threads=1) and the allocator, as a run's processes
     model, _ = load_policy(cfg.model, seed=0)
     cast_in_forward(model, cfg.training.mixed_precision)  # bf16 compute on fp32 masters, as the local actor
     mode = cfg.training.activation_checkpointing

@@ -106,7 +106,8 @@ def copy_in_process(
     shards: Mapping[int, Mapping[str, torch.Tensor]],
     targets: Mapping[int, Mapping[str, torch.Tensor]],
 ) -> int:
-    """Run the plan's transfers into the engine ranks of `targets` as tensor copies in this process; returns bytes.
+    """Run the plan's transfers into the engine ranks of `targets` as tensor copies in this process; returns the bytes
+    copied (none for an engine tensor that is the shard itself).
 
     `shards[rank][name]` are trainer shards, `targets[rank][name]` engine tensors, written in place: every engine
     rank of the plan (a whole plan at once), or some (the local sync: each engine fills its own tensors).
@@ -119,9 +120,25 @@ def copy_in_process(
                     f"rank {rank} holds no engine shard in the plan (its engine ranks: {plan.dst_ranks.tolist()})"
                 )
             for t in plan.transfers_to(rank):
-                _block(tensors[t.name], t.dst_slice).copy_(_block(shards[t.src_rank][t.name], t.src_slice))
+                dst, src = (
+                    _block(tensors[t.name], t.dst_slice),
+                    _block(shards[t.src_rank][t.name], t.src_slice),
+                )
+                if _same_memory(dst, src):  # a local engine on the actor's own parameters (share_weights)
+                    continue
+                dst.copy_(src)
                 copied += t.nbytes
     return copied
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of the same storage (a copy between them would change nothing)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _block(tensor: torch.Tensor, index: tuple[slice, ...]) -> torch.Tensor:

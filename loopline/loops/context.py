@@ -44,7 +44,7 @@ from loopline.rollout.trajectory import Trajectory
 from loopline.runtime.actor import HealHooks
 from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
-from loopline.runtime.ranks import use_threads
+from loopline.runtime.ranks import setup_process
 from loopline.runtime.roles import build_roles
 from loopline.runtime.watchdog import Watchdog
 
@@ -92,9 +92,9 @@ def seed_everything(seed: int) -> None:
 
 
 def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | None = None) -> RunContext:
-    """Seed, load model and data, start the roles (the engines hold their own weights), open the logger.
+    """Seed, load model and data, start the roles, open the logger.
     stop: the command's SIGINT/SIGTERM flag (installed around the whole command), else one of the context's own."""
-    use_threads(cfg.threads)
+    setup_process(cfg)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     seed_everything(cfg.seed)

@@ -85,3 +85,10 @@ class RolloutConfig(Section):
         "it sends them. auto = the dtype the trainer computes in (bfloat16 under training.mixed_precision=bf16, "
         "else model.dtype).",
     )
+    share_weights: bool = Field(
+        True,
+        description="Local backend: the engine generates with the actor's own parameters instead of a copy of "
+        "its own (a model's worth of memory less; the weight sync then only moves the version), where that "
+        "samples the same tokens: the torch engine, no LoRA, and the engine in model.dtype (the local loop is "
+        "synchronous: the engine never generates while the actor steps). false: the engine keeps its own copy, filled by the weight sync.",
+    )

@@ -36,7 +36,7 @@ from loopline.runtime.ranks import (
     rank_and_world,
     rank_device,
     rendezvous,
-    use_threads,
+    setup_process,
 )
 from loopline.training.config import CriticConfig
 from loopline.training.critic import CriticTrainer, ScalarModel, ValueBatch, ValueStepStats
@@ -77,7 +77,7 @@ class CriticWorker:
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
         if policy is None:
-            use_threads(cfg.threads)
+            setup_process(cfg)
         self.policy = policy
         self.mesh: Any = None  # the critic ranks' DeviceMesh, once joined (None: one unsharded rank)
         self.checkpoint_group: Any = None  # DCP's own group (an async save runs it in a thread), once joined

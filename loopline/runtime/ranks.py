@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from loopline.config import RunConfig
 from loopline.data.batches import TokenBatch
 from loopline.models.load import load_policy
+from loopline.runtime.allocator import return_freed_memory
 from loopline.training.policy import response_logprobs
 
 
@@ -34,9 +35,15 @@ def use_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def setup_process(cfg: RunConfig) -> None:
+    """What a process that holds a model sets first: torch's threads and the allocator's threshold."""
+    use_threads(cfg.threads)
+    return_freed_memory(cfg.malloc_mmap_threshold_kib)
+
+
 def seeded_model(cfg: RunConfig, rng_offset: int) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The run's initial policy (the same on every rank), with this process's torch RNG seeded."""
-    use_threads(cfg.threads)
+    setup_process(cfg)
     torch.manual_seed(cfg.seed + rng_offset)
     model, tokenizer = load_policy(cfg.model, seed=cfg.seed)
     return model.to(rank_device()), tokenizer  # type: ignore[arg-type]  # transformers types .to() oddly

@@ -29,7 +29,7 @@ from loopline.runtime.ranks import (
     rank_and_world,
     rank_device,
     rendezvous,
-    use_threads,
+    setup_process,
 )
 
 
@@ -42,7 +42,7 @@ class ReferenceWorker:
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
         if policy is None:
-            use_threads(cfg.threads)
+            setup_process(cfg)
         self.policy = policy
         self.mesh = None  # this group's DeviceMesh, once joined (None: one unsharded rank)
         self.checkpoint_group = None  # DCP's own group (an async save runs it in a thread), once joined

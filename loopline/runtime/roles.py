@@ -77,8 +77,10 @@ def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTo
     """One rank of each role in this process, on the driver's objects."""
     from loopline.runtime.critic import CriticRole, CriticWorker
 
-    # The engine holds its own copy: weight sync is an explicit step, as it is across processes.
-    engine = make_engine(cfg, copy.deepcopy(model), tokenizer, seed=None)
+    # The engine is a module of its own (its own mode, hooks and cache), on the actor's parameters where
+    # cfg.engine_shares_weights, else on a copy; either way the weight sync runs, as it does across processes.
+    shared = {id(p): p for p in model.parameters()} if cfg.engine_shares_weights else {}
+    engine = make_engine(cfg, copy.deepcopy(model, shared), tokenizer, seed=None)
     if cfg.model.lora.r:  # the actor trains adapters; the engine keeps a plain model, fed merged weights
         apply_lora(model, cfg.model.lora)
     # training.mixed_precision: the trainer's forwards on bf16 copies of its fp32 weights (FSDP2's policy on ray);

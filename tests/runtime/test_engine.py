@@ -1,6 +1,7 @@
 """The rollout role on the local backend: a one-rank WorkerGroup of the EngineWorker class Ray runs; the weight
 sync built with the roles copies the actor's weights into the engine's own copy, whatever actor it came from, by
-running the planned transfer in process (LoRA adapters merged).
+running the planned transfer in process (LoRA adapters merged), or, with rollout.share_weights where it samples
+the same tokens, the engine runs on the actor's parameters themselves.
 (Its ray ranks and elastic engines: tests/runtime/test_elastic_engines.py; the generators: tests/checkpoint.)"""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ PROMPTS = [[5, 6, 7], [8, 9]]
 
 
 def test_local_roles_are_one_rank_groups_of_the_ray_worker_classes(small_model, tokenizer):
-    cfg = load_config(overrides=["grpo.kl_coef=0.1", "grpo.advantage=gae"])
+    cfg = load_config(overrides=["grpo.kl_coef=0.1", "grpo.advantage=gae", "rollout.share_weights=false"])
     roles = build_roles(cfg, small_model, tokenizer)
     try:
         engine = roles.rollout.group.local()
@@ -40,7 +41,7 @@ def test_local_roles_are_one_rank_groups_of_the_ray_worker_classes(small_model, 
 
 
 def test_update_weights_copies_the_actors_weights_into_the_engines_own_copy(small_model, tokenizer):
-    cfg = load_config(overrides=[])
+    cfg = load_config(overrides=["rollout.share_weights=false"])
     roles = build_roles(cfg, small_model, tokenizer)
     engine = roles.rollout.group.local().engine
     with torch.no_grad():
@@ -102,7 +103,7 @@ def _move_every_weight(model: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_the_local_sync_runs_the_plan_into_every_engine_parameter_bitwise(small_model, tokenizer, lora):
-    cfg = load_config(overrides=["model.lora.r=4"] if lora else [])
+    cfg = load_config(overrides=["model.lora.r=4"] if lora else ["rollout.share_weights=false"])
     roles = build_roles(cfg, small_model, tokenizer)
     worker = roles.rollout.group.local()
     engine = worker.engine
@@ -133,8 +134,74 @@ def test_a_plan_that_skips_a_parameter_leaves_it_stale(small_model, tokenizer, m
         return engines_plan(specs, layout, tuple(targets))
 
     monkeypatch.setattr(engine_module, "sync_plan", without_one)
-    roles = build_roles(load_config(overrides=[]), small_model, tokenizer)
+    roles = build_roles(load_config(overrides=["rollout.share_weights=false"]), small_model, tokenizer)
     engine = roles.rollout.group.local().engine
     _move_every_weight(small_model)
     roles.rollout.update_weights(version=1)
     assert _stale(engine, merged_state_dict(small_model)) == [dropped]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rollout.share_weights: the local engine on the actor's own parameters
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_shared_engine_runs_on_the_actors_parameters_in_a_module_of_its_own(small_model, tokenizer):
+    roles = build_roles(load_config(overrides=[]), small_model, tokenizer)  # shared by default
+    try:
+        worker = roles.rollout.group.local()
+        engine = worker.engine
+        pairs = list(zip(engine.model.parameters(), small_model.parameters()))
+        assert pairs and all(e is a for e, a in pairs)  # no second copy of the weights
+        assert engine.model is not small_model  # its own module: train/eval mode, hooks, cache
+        small_model.train()
+        engine.model.eval()
+        assert small_model.training and not engine.model.training
+        _move_every_weight(small_model)
+        roles.rollout.update_weights(version=5)  # the sync still runs: it commits the version, copies nothing
+        assert engine.version == 5 and _stale(engine, small_model.state_dict()) == []
+        assert check_plan(worker.plan).exact
+        params = SamplingParams(max_new_tokens=4, temperature=1.0)
+        twin = TorchEngine(copy.deepcopy(small_model), tokenizer)  # the same weights, copied
+        torch.manual_seed(1)
+        got = [c.token_ids for c in roles.rollout.generate(PROMPTS, params, n=2)]
+        torch.manual_seed(1)
+        assert got == [c.token_ids for c in twin.generate(PROMPTS, params, n=2)]
+        assert all(p.requires_grad for p in small_model.parameters())  # generating left the actor trainable
+    finally:
+        roles.shutdown()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["rollout.share_weights=false"],
+        ["model.lora.r=4"],  # the engine needs the adapters merged into its weights
+        ["rollout.dtype=bfloat16"],  # the sync casts
+    ],
+    ids=["off", "lora", "bf16_engine"],
+)
+def test_the_engine_keeps_its_own_copy_where_sharing_would_sample_otherwise(
+    small_model, tokenizer, overrides
+):
+    cfg = load_config(overrides=overrides)
+    assert not cfg.engine_shares_weights
+    roles = build_roles(cfg, small_model, tokenizer)
+    try:
+        actor = {p.data_ptr() for p in small_model.parameters()}
+        assert not any(p.data_ptr() in actor for p in roles.rollout.group.local().engine.model.parameters())
+    finally:
+        roles.shutdown()
+
+
+def test_copy_in_process_skips_a_tensor_that_is_its_own_source():
+    from loopline.distributed.weight_sync import copy_in_process
+
+    model = torch.nn.Linear(3, 2)
+    specs = param_specs(model)
+    plan = engines_plan(specs, TrainerLayout(fsdp=1), (0,))
+    mine = dict(model.state_dict())
+    other = {k: torch.zeros_like(v) for k, v in mine.items()}
+    assert copy_in_process(plan, {0: mine}, {1: mine}) == 0  # shared: nothing to move
+    assert copy_in_process(plan, {0: mine}, {1: other}) == sum(v.nbytes for v in mine.values())
+    assert all(torch.equal(other[k], v) for k, v in mine.items())
