@@ -390,7 +390,9 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
     out: list[Node] = []
     devices: list[Node] = []  # GPU memory: one bundle's GPUs per GPU pool
     here = not rt.cluster.address
-    driver = [Rank("driver", 0, [_runtime("driver")])]
+    # the driver keeps a whole copy of the policy (what a checkpoint's HF weights and a restart start from)
+    copy = Term("params", model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype], "model.dtype=bfloat16")
+    driver = [Rank("driver", 0, [_runtime("driver"), copy])]
     placed = dict(placement.roles)
     for role in (r for r in roles if r not in placed and r != "reward"):
         placed[role] = placed.get("actor", "actor")  # critic and reference live beside the actor

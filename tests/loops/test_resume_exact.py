@@ -117,3 +117,11 @@ def test_killed_four_times_then_resumed_equals_uninterrupted(reference: Path, tm
     assert f"resumed from {run / 'checkpoints' / 'grpo-000002'} (grpo step 2)" in out
     # blocking and async saves mixed, four kills: the same run as the uninterrupted (blocking) one
     assert_same_run(run, reference)
+
+
+def test_an_engine_on_a_copy_of_its_own_samples_the_same_run(reference: Path, tmp_path: Path) -> None:
+    """rollout.share_weights (on by default: the engine generates with the actor's own parameters) changes
+    memory only: the engine on a copy synced every step gives the same samples, weights and metrics, bitwise."""
+    run = tmp_path / "run"
+    run_to_end(run, extra=["rollout.share_weights=false"])
+    assert_same_run(run, reference)
