@@ -59,6 +59,21 @@ def test_the_terms_follow_their_formulas():
     assert flops["grpo generate"] == 2.0 * shape.params * rows * seq
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_an_engine_copy_and_the_ray_driver_s_policy_are_counted_where_they_exist(backend):
+    """A local engine on the actor's parameters (rollout.share_weights) holds no weights; with LoRA it needs a
+    copy (merged adapters). On ray the engine is a process of its own, and the driver keeps a whole policy."""
+    from loopline.plan import nodes
+
+    base = ["sft.steps=0", f"runtime.backend={backend}"]
+    weights = model_shape(load_config(None, base)).params * 4
+    assert _terms(load_config(None, base), "rollout")["params"] == (0 if backend == "local" else weights)
+    if backend == "local":
+        assert _terms(load_config(None, [*base, "model.lora.r=4"]), "rollout")["params"] == weights
+    driver = {t.name: t.nbytes for t in nodes(load_config(None, base), "train")[0].ranks[0].terms}
+    assert driver.get("params", 0) == (weights if backend == "ray" else 0)
+
+
 def test_chunked_logits_hold_one_chunk_of_every_row_s_tokens():
     """model.logits_chunk_tokens: the chunks run over the completion tokens of all rows flattened, so the term is
     one chunk (and its three copies), not a chunk per row; a chunk longer than the micro-batch's tokens is them."""
