@@ -70,7 +70,8 @@ def trl_run(job: dict[str, Any]) -> dict[str, Any]:
 
 def trial(job: dict[str, Any]) -> dict[str, Any]:
     """One GRPO policy step (the run's config: job['overrides']) on job['rows'] rows of job['prompt_tokens'] +
-    job['length'] random tokens with fixed old log-probs and advantages: no generation, no reference."""
+    job['length'] random tokens with fixed old log-probs and advantages: no generation, no reference; the
+    optimizer's state already allocated, as in a run's later steps."""
     import torch
 
     from loopline.config import load_config
@@ -105,6 +106,12 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
         advantages=torch.tensor([1.0, -1.0] * (rows // 2) + [1.0] * (rows % 2)),  # (B,)
         rewards=torch.zeros(rows),
     )
+    # AdamW's moments exist, as they do through every step of a run but its first: a zero gradient's update
+    # allocates them (and moves nothing); without it a one-step trial misses 8 bytes a parameter
+    for param in (p for p in model.parameters() if p.requires_grad):
+        param.grad = torch.zeros_like(param)
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     stats = trainer.policy_step(batch, kl_coef=0.0)
     return {"ok": math.isfinite(stats.loss), "seconds": time.perf_counter() - t0}

@@ -9,8 +9,9 @@ written to a temp dir and used by every part:
   in a process tree of its own; its peak resident set is the largest sum of VmRSS over the tree's processes,
   sampled from /proc every 0.2 s (short spikes between samples are missed). `loopline plan`'s estimate for the
   same config is printed beside each loopline peak.
-- lengths: one GRPO training step of --rows rows with fixed old log-probs (no generation, no reference), the
-  completion doubling over --lengths until a step fails or the plan refuses it, memory switches off, then on.
+- lengths: one GRPO training step of --rows rows with fixed old log-probs (no generation, no reference; AdamW's
+  moments allocated first, as in a run's later steps), the completion doubling over --lengths until a step
+  fails or the plan refuses it, memory switches off, then on.
   Each trial is a process of its own under RLIMIT_AS = --limit-gib, so that a trial that does not fit fails
   alone with an allocation error (never the machine's OOM killer). RLIMIT_AS counts virtual memory, which torch
   and its libraries reserve beyond what they touch: each trial's peak RSS and VmPeak are printed to show the gap.
