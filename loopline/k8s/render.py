@@ -114,6 +114,11 @@ def _number(x: float) -> str:
     return str(_amount(x))
 
 
+# Ray's raylet starts a worker process per CPU when a driver connects, for tasks loopline never sends (its roles
+# are actors): off, as on the local Ray (distributed/cluster.py), so a pod's memory goes to the roles
+NO_PRESTART_ENV = {"name": "RAY_prestart_worker_first_driver", "value": "0"}
+
+
 def _container(
     role: str, image: str, k8s: K8sConfig, resources: dict[str, str], mounts: list[dict]
 ) -> dict[str, Any]:
@@ -121,6 +126,7 @@ def _container(
         "name": f"ray-{role}",
         "image": image or k8s.image,
         "imagePullPolicy": k8s.image_pull_policy,
+        "env": [dict(NO_PRESTART_ENV)],
         "resources": {"requests": dict(resources), "limits": dict(resources)},
         "volumeMounts": mounts,
     }

@@ -126,6 +126,14 @@ def test_every_pod_mounts_the_run_volume_and_the_head_the_config():
     assert {"name": "config", "mountPath": "/etc/loopline", "readOnly": True} in head_mounts
 
 
+def test_no_ray_pod_prestarts_task_workers():
+    """loopline sends Ray no tasks: the raylets start no worker per CPU for them, as on the local Ray."""
+    cluster = _by_kind(render(load_config(EXAMPLE)))["RayJob"]["spec"]["rayClusterSpec"]
+    for pod in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        env = pod["template"]["spec"]["containers"][0]["env"]
+        assert {"name": "RAY_prestart_worker_first_driver", "value": "0"} in env
+
+
 def test_kueue_queue_suspends_the_job_and_labels_it():
     job = _by_kind(render(load_config(EXAMPLE)))["RayJob"]
     assert job["spec"]["suspend"] is True
