@@ -284,9 +284,9 @@ def test_behaviour_correction_in_a_synchronous_run_weighs_every_token_one(tmp_pa
 
 
 def test_behaviour_correction_weighs_samples_from_a_stale_engine(tmp_path, monkeypatch):
-    # the engine keeps the initial weights (no sync after the first): from step 2 on the trainer's policy has
-    # moved, so the weights spread around 1, a tight cap truncates some of them, and the loss differs from the
-    # uncorrected run's on the same samples; step 1 is still on-policy
+    # the engine keeps the initial weights (a copy of its own, no sync after the first): from step 2 on the
+    # trainer's policy has moved, so the weights spread around 1, a tight cap truncates some of them, and the loss
+    # differs from the uncorrected run's on the same samples; step 1 is still on-policy
     import loopline.loops.grpo as grpo
 
     synced = grpo.sync_engine
@@ -295,7 +295,8 @@ def test_behaviour_correction_weighs_samples_from_a_stale_engine(tmp_path, monke
     )
 
     def stale_run(out, *overrides: str) -> list[dict]:
-        ctx = build_context(load_config(None, [*TINY, f"out_dir={out}", "grpo.steps=3", *overrides]))
+        overrides = (f"out_dir={out}", "grpo.steps=3", "rollout.share_weights=false", *overrides)
+        ctx = build_context(load_config(None, [*TINY, *overrides]))
         ctx.scorer = DigitScorer()
         try:
             train_grpo(ctx, RunState(phase="grpo"))
