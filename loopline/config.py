@@ -108,8 +108,8 @@ class RunConfig(Section):
         le=32768,
         description="glibc (Linux): a memory block of at least this many KiB (a tensor's) is mapped on its own and "
         "goes back to the OS when freed. glibc's default threshold grows up to 32 MiB as blocks are freed, after "
-        "which a step's freed gradients and activations stay in the heap, counted in the process's memory (1.3 "
-        "GiB of a 0.5B model's run, docs/guide/memory-plan.md); 0 = glibc's default.",
+        "which a step's freed gradients and activations stay in the heap, counted in the process's memory (about "
+        "2.8 GiB of the Qwen2.5-0.5B bench run's peak, docs/guide/memory-plan.md); 0 = glibc's default.",
     )
     deterministic: bool = Field(
         False,

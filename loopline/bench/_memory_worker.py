@@ -107,7 +107,7 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
         rewards=torch.zeros(rows),
     )
     # AdamW's moments exist, as they do through every step of a run but its first: a zero gradient's update
-    # allocates them (and moves nothing); without it a one-step trial misses 8 bytes a parameter
+    # allocates them (moving nothing without weight decay, the bench's); without it a trial misses 8 bytes a parameter
     for param in (p for p in model.parameters() if p.requires_grad):
         param.grad = torch.zeros_like(param)
     trainer.optimizer.step()

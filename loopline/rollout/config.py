@@ -90,5 +90,6 @@ class RolloutConfig(Section):
         description="Local backend: the engine generates with the actor's own parameters instead of a copy of "
         "its own (a model's worth of memory less; the weight sync then only moves the version), where that "
         "samples the same tokens: the torch engine, no LoRA, and the engine in model.dtype (the local loop is "
-        "synchronous: the engine never generates while the actor steps). false: the engine keeps its own copy, filled by the weight sync.",
+        "synchronous: the engine never generates while the actor steps). false: the engine keeps its own copy, "
+        "filled by the weight sync.",
     )

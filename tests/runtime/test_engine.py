@@ -154,9 +154,6 @@ def test_a_shared_engine_runs_on_the_actors_parameters_in_a_module_of_its_own(sm
         pairs = list(zip(engine.model.parameters(), small_model.parameters()))
         assert pairs and all(e is a for e, a in pairs)  # no second copy of the weights
         assert engine.model is not small_model  # its own module: train/eval mode, hooks, cache
-        small_model.train()
-        engine.model.eval()
-        assert small_model.training and not engine.model.training
         _move_every_weight(small_model)
         roles.rollout.update_weights(version=5)  # the sync still runs: it commits the version, copies nothing
         assert engine.version == 5 and _stale(engine, small_model.state_dict()) == []
