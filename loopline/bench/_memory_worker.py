@@ -88,10 +88,9 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     cast_in_forward(model, cfg.training.mixed_precision)  # bf16 compute on fp32 masters, as the local actor
     mode = cfg.training.activation_checkpointing
     apply_activation_checkpointing(model, mode)
-    share = cfg.model.share_prompts and mode == "none"  # as the actor does: a checkpointed layer cannot share
     trainer = PolicyTrainer(
         model, cfg.grpo.optim, 1, None, grpo_loss(cfg.grpo), cfg.grpo.micro_batch_size, cfg.model.packing,
-        share, cfg.model.logits_chunk_tokens,
+        cfg.model.share_prompts, cfg.model.logits_chunk_tokens,
     )  # fmt: skip
     rows, length = job["rows"], job["length"]
     g = torch.Generator().manual_seed(0)

@@ -210,12 +210,9 @@ class ActorWorker:
             self.trainer = PipelineTrainer(self.stages, self.mesh, optim, total_steps, schedule, loss, mbs)
         else:
             group = self.dp_mesh.get_group() if self.mesh is not None else None
-            # a checkpointed layer cannot recompute a forward that fills a KV cache: with activation checkpointing
-            # the trainer's forwards run each row whole rather than sharing its prompt's cache
-            share = self.cfg.model.share_prompts and self.cfg.training.activation_checkpointing == "none"
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                share, self.cfg.model.logits_chunk_tokens, self.cfg.grpo.max_tokens_per_micro_batch,
+                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens, self.cfg.grpo.max_tokens_per_micro_batch,
                 self.cfg.model.router_aux_loss_coef,
                 self.cfg.grpo.routing_replay if loss is not None else None,
             )  # fmt: skip

@@ -254,8 +254,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
 
 
 def _recomputed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    # a forward that fills a KV cache (generation, a shared prompt) runs as it is: a recompute would fill it again
-    with_cache = any(isinstance(v, Cache) for v in (*args, *kwargs.values()))
+    # a forward that fills a KV cache (generation) runs as it is: a recompute would fill it again. The shared
+    # prompt's caches (training.prefix) are recomputable: a layer computes the same from them every time
+    with_cache = any(
+        isinstance(v, Cache) and not getattr(v, "recomputable", False) for v in (*args, *kwargs.values())
+    )
     if with_cache or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)

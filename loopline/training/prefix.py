@@ -8,14 +8,21 @@ path's up to float reordering; the backward through the prompt is done once per 
 
 A sharded model (FSDP2, TP inside it) gathers or reduces in every forward, so all its ranks must make
 the same forwards: it always takes this path (two forwards), even on a slice whose prompts are all distinct.
+
+Both forwards work under activation checkpointing: their caches are pure functions of a layer's input (the prompt's
+stores each layer once and hands a recompute its own keys back; the responses' reads the prompt's and never grows),
+so a decoder layer recomputed in backward computes what it did in the forward.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicCache
 
 from loopline.data.batches import TokenBatch
 from loopline.models.cache import cache_argument, cache_of
@@ -64,18 +71,65 @@ def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedProm
             position_ids=positions[shared.rows, :p],
             use_cache=True,
             logits_to_keep=1,
+            **{argument: PromptCache(getattr(model, "config", None))},
         )
     cache = cache_of(prompt)
-    if cache is None:
+    if not isinstance(cache, PromptCache):
         return None
-    cache.batch_select_indices(shared.inverse)  # every row gets its prompt's keys and values
     with engine_routes(model, routes[:, p:] if routes is not None else None):
         responses = model(
             input_ids=batch.input_ids[:, p:],
             attention_mask=batch.attention_mask,
             position_ids=positions[:, p:],
             use_cache=True,
-            **{argument: cache},
+            **{argument: PrefixCache(cache, shared.inverse, getattr(model, "config", None))},
         ).logits
     first = prompt.logits[:, -1][shared.inverse]  # the last prompt token predicts the first response token
     return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)
+
+
+def _empty_cache_args(config: object) -> dict:
+    """DynamicCache's constructor arguments: the model's config where this transformers takes one (it tells
+    sliding-window layers apart)."""
+    takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
+    return {"config": config} if takes_config and config is not None else {}
+
+
+class PromptCache(DynamicCache):
+    """The prompt forward's cache: each layer's keys and values stored once. A recompute of a checkpointed layer
+    (in backward) gets its own keys and values back and stores nothing, as the first forward saw an empty cache."""
+
+    recomputable = True  # training.parallel checkpoints a layer that takes this cache
+
+    def __init__(self, config: object = None) -> None:
+        super().__init__(**_empty_cache_args(config))
+        self.stored: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx in self.stored:
+            return key_states, value_states
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        self.stored[layer_idx] = (keys, values)
+        return keys, values
+
+
+class PrefixCache(DynamicCache):
+    """Every row's prompt keys and values (the prompt cache's, indexed out by `inverse`: the gradient of each row
+    flows back into its one prompt), read by the response forward and never extended."""
+
+    recomputable = True
+
+    def __init__(self, prompt: PromptCache, inverse: torch.Tensor, config: object = None) -> None:
+        super().__init__(**_empty_cache_args(config))
+        self.prefix: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for layer, (keys, values) in sorted(prompt.stored.items()):
+            self.prefix[layer] = (keys[inverse], values[inverse])
+            super().update(*self.prefix[layer], layer)  # the cache's length and mask sizes: the prompt's
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.prefix[layer_idx]
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)

@@ -82,3 +82,13 @@ def test_heal_sources_take_every_position_from_a_live_rank_at_the_newest_step():
     # steps that are neither the group's nor one more: not this call's failure
     with pytest.raises(ValueError, match="not 5 or 6"):
         heal_sources({0: 7, 1: 7}, 2, 2, before=5)
+
+
+def test_a_checkpointed_actor_trains_on_shared_prompts(small_model):
+    # activation checkpointing recomputes the shared-prompt forwards: the trainer keeps sharing a group's prompt
+    from loopline.config import load_config
+
+    cfg = load_config(None, ["training.activation_checkpointing=full"])
+    actor = local_actor(small_model, cfg)
+    actor.start_phase(OPTIM, 10, None)
+    assert actor.group.local().trainer.share_prompts

@@ -1,6 +1,6 @@
 """training.activation_checkpointing: decoder layers recomputed in backward give the gradients of the plain
 path (float64, within 1e-6) on one process, on 2 FSDP2 gloo ranks, on 2 TP ranks and on 2 pipeline stages, while
-backward keeps fewer bytes."""
+backward keeps fewer bytes; the shared-prompt forwards (a GRPO group's prompt forwarded once) are recomputed too."""
 
 from __future__ import annotations
 
@@ -69,6 +69,36 @@ def test_checkpointed_layers_give_the_plain_gradients_and_keep_less(mode: str) -
     assert max(float(g.abs().max()) for g in plain.values()) > 1e-3  # gradients that say something
     saved = {m: _saved_bytes(_model(m), batch) for m in ("none", "selective", "full")}
     assert saved["full"] < saved["selective"] < saved["none"], saved
+
+
+def _shared_grads(model: torch.nn.Module, batch: TokenBatch) -> tuple[dict[str, torch.Tensor], int]:
+    """Gradients of the summed response log-probs through the shared-prompt forwards, and the bytes they saved."""
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = response_logprobs(model, batch, share_prompts=True)
+    (logp * batch.response_mask).sum().backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}, saved
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_shared_prompt_forwards_are_recomputed_with_the_same_gradients(mode: str) -> None:
+    # the prompt's cache is filled once and the responses read it: a recomputed layer must neither fill it again
+    # nor lengthen it, and every layer is recomputed (backward keeps less), not run plainly beside a cache
+    from tests.training.test_prefix import _grouped_batch
+
+    batch = _grouped_batch()
+    plain, plain_saved = _shared_grads(_model("none"), batch)
+    checkpointed, saved = _shared_grads(_model(mode), batch)
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-6, msg=name)
+    assert max(float(g.abs().max()) for g in plain.values()) > 1e-3
+    assert saved < plain_saved * (0.3 if mode == "full" else 0.7), (saved, plain_saved)
 
 
 def _rank_main(rank: int, world: int, batch: TokenBatch, out: str) -> None:
