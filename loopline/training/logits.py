@@ -69,10 +69,13 @@ def head_scores(
     chunk: int,
     with_entropy: bool = False,
     temperature: float | None = None,
+    entropy_grad: bool = True,
 ) -> TokenScores:
     """The head's log-prob of each target token (and the entropy, and the log-prob at `temperature`), `chunk`
     positions at a time. hidden: (N, H) hidden states, targets: (N,) token ids. With gradients, each chunk's
-    logits are recomputed in the backward rather than kept: the step never holds more than one chunk's."""
+    logits are recomputed in the backward rather than kept: the step never holds more than one chunk's.
+    entropy_grad=False: the entropy is a statistic only (no entropy bonus), computed without a graph, so that
+    backward does not run a (chunk x vocabulary) gradient of zeros through it."""
     channels = 1 + with_entropy + (temperature is not None)
 
     def scores(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -82,7 +85,8 @@ def head_scores(
         every = torch.log_softmax(logits, dim=-1)
         out = [every.gather(-1, t.unsqueeze(-1)).squeeze(-1)]
         if with_entropy:
-            out.append(entropy_from_logprobs(every))
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                out.append(entropy_from_logprobs(every))
         if temperature is not None:
             out.append(
                 torch.log_softmax(logits / temperature, dim=-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)

@@ -162,13 +162,17 @@ def response_logprobs(
     packed: bool = False,
     share_prompts: bool = True,
     chunk_tokens: int = 0,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (B, C) of the response tokens under `model`, and their entropies if asked.
     packed: one forward over the real tokens only (model.packing); 0 on padding. share_prompts: padded rows
     with the same prompt share one forward of it (model.share_prompts). chunk_tokens: the head's logits
-    chunk_tokens positions at a time, never all of them (model.logits_chunk_tokens; 0 = all at once)."""
+    chunk_tokens positions at a time, never all of them (model.logits_chunk_tokens; 0 = all at once).
+    entropy_grad=False: the entropies are a statistic (no gradient flows through them)."""
     if chunk_tokens:
-        scores, lay_out = _chunked_scores(model, batch, packed, share_prompts, chunk_tokens, with_entropy)
+        scores, lay_out = _chunked_scores(
+            model, batch, packed, share_prompts, chunk_tokens, with_entropy, entropy_grad=entropy_grad
+        )
         entropy = lay_out(scores.entropy) if scores.entropy is not None else None
         return lay_out(scores.logp), entropy
     outputs, targets, lay_out = _response_outputs(model, batch, packed, share_prompts)
@@ -176,7 +180,9 @@ def response_logprobs(
         at_least_float32(outputs), dim=-1
     )  # one pass serves the token log-probs and the entropy
     logp = every.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = lay_out(entropy_from_logprobs(every)) if with_entropy else None
+    entropy = (
+        lay_out(entropy_from_logprobs(every if entropy_grad else every.detach())) if with_entropy else None
+    )
     return lay_out(logp), entropy
 
 
@@ -213,6 +219,7 @@ def _chunked_scores(
     chunk_tokens: int,
     with_entropy: bool = False,
     temperature: float | None = None,
+    entropy_grad: bool = True,
 ) -> tuple[TokenScores, Callable[[torch.Tensor], torch.Tensor]]:
     """The forwards of _response_outputs run to the hidden states, then the head chunk by chunk: per-token
     scores over the flattened response positions, and what lays a (positions,) value out as (B, C)."""
@@ -225,6 +232,7 @@ def _chunked_scores(
         chunk_tokens,
         with_entropy,
         temperature,
+        entropy_grad,
     )
     shape = targets.shape
     return scores, lambda values: lay_out(values.view(shape))
@@ -481,6 +489,7 @@ class PolicyTrainer:
                 packed=self.packed,
                 share_prompts=self.share_prompts,
                 chunk_tokens=self.chunk_tokens,
+                entropy_grad=bool(loss_fn.entropy_coef),  # else only the step's entropy statistic
             )
             assert entropy is not None
             # on-policy with a single update per rollout: the behaviour log-probs equal the current

@@ -211,3 +211,58 @@ def test_the_backward_keeps_no_chunks_logits(path):
 
     assert kept_vocab_rows(0) >= int(batch.response_mask.sum())
     assert kept_vocab_rows(6) == 0
+
+
+@pytest.mark.parametrize("chunk", [0, 7])
+def test_an_entropy_without_a_bonus_costs_backward_no_vocabulary_wide_work(chunk):
+    """With no entropy bonus the step's entropy is only a statistic (entropy_grad=False): the same entropies and
+    the same gradients (bitwise); chunked, no vocabulary-wide operation of the entropy's runs in backward (a
+    zero gradient through it); whole, the forward keeps no vocabulary-wide tensor for the entropy's backward."""
+    vocab = 4099
+    batch = _batch(groups=4, group_size=3)
+    mask = batch.response_mask
+
+    def run(entropy_grad: bool):
+        model = _model(torch.float32, vocab=vocab)
+        saved = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            saved += int(t.dim() >= 1 and t.shape[-1] == vocab)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, entropy = response_logprobs(
+                model, batch, with_entropy=True, chunk_tokens=chunk, entropy_grad=entropy_grad
+            )
+        assert entropy is not None
+        with _VocabOps(vocab) as ops:
+            (
+                (logp * mask).sum() * 0.5
+            ).backward()  # no entropy in the loss, as the trainers with entropy_coef=0
+        return entropy.detach() * mask, _grads(model), ops.count, saved
+
+    entropy, grads, ops, saved = run(True)
+    statistic, statistic_grads, statistic_ops, statistic_saved = run(False)
+    assert torch.equal(statistic, entropy) and float(entropy.sum()) > 0
+    assert statistic_grads.keys() == grads.keys()
+    for name in grads:
+        assert torch.equal(statistic_grads[name], grads[name]), name
+    if chunk:
+        assert statistic_ops < ops, (statistic_ops, ops)
+    else:
+        assert statistic_saved < saved, (statistic_saved, saved)
+
+
+class _VocabOps(TorchDispatchMode):
+    """Counts the operations that produce a vocabulary-wide tensor."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.count = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[-1] == self.vocab:
+            self.count += 1
+        return out
