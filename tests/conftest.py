@@ -283,10 +283,13 @@ MODULE_LAYERS = {
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if any(item.get_closest_marker(m) for m in LAYER_MARKS):
-            continue  # a module or test that names its layer itself
-        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
-            layer = "ray"
-        else:
-            layer = MODULE_LAYERS.get(item.path.relative_to(config.rootpath).as_posix(), "unit")
-        item.add_marker(getattr(pytest.mark, layer))
+        module = item.path.relative_to(config.rootpath).as_posix()
+        named = next((m for m in LAYER_MARKS if item.get_closest_marker(m)), None)  # a module or test's own
+        if named is None:
+            ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
+            named = "ray" if ray else MODULE_LAYERS.get(module, "unit")
+            item.add_marker(getattr(pytest.mark, named))
+        # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): the tests on the session's Ray all
+        # on one worker, in turn, as they would run alone; any other module whole on one worker, so that its module
+        # fixtures (a trained run, a built model) are made once
+        item.add_marker(pytest.mark.xdist_group("ray" if named == "ray" else module))
