@@ -289,6 +289,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
             named = "ray" if ray else MODULE_LAYERS.get(module, "unit")
             item.add_marker(getattr(pytest.mark, named))
-        # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): each module whole on one worker,
-        # so that its module fixtures (a trained run, a built model, the session's Ray) are made once per worker
-        item.add_marker(pytest.mark.xdist_group(module))
+        # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): the tests on the session's Ray all
+        # on one worker, in turn, as they would run alone; any other module whole on one worker, so that its module
+        # fixtures (a trained run, a built model) are made once
+        item.add_marker(pytest.mark.xdist_group("ray" if named == "ray" else module))
