@@ -293,7 +293,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # on one worker, in turn, as they would run alone; any other module whole on one worker, so that its module
         # fixtures (a trained run, a built model) are made once
         item.add_marker(pytest.mark.xdist_group("ray" if named == "ray" else module))
-    if config.pluginmanager.hasplugin("xdist"):
-        # the Ray group is the longest: handed out first, so that the other worker takes the rest meanwhile (a
-        # stable sort: pytest-randomly's order stays within each part)
-        items.sort(key=lambda item: item.get_closest_marker("ray") is None)
