@@ -212,7 +212,8 @@ class ActorWorker:
             group = self.dp_mesh.get_group() if self.mesh is not None else None
             self.trainer = PolicyTrainer(
                 self.model, optim, total_steps, group, loss, micro_batch_size, self.cfg.model.packing,
-                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens, self.cfg.grpo.max_tokens_per_micro_batch,
+                self.cfg.model.share_prompts, self.cfg.model.logits_chunk_tokens,
+                self.cfg.grpo.max_tokens_per_micro_batch,
                 self.cfg.model.router_aux_loss_coef,
                 self.cfg.grpo.routing_replay if loss is not None else None,
             )  # fmt: skip

@@ -88,11 +88,13 @@ def shared_prompt_logits(model: nn.Module, batch: TokenBatch, shared: SharedProm
     return torch.cat([first.unsqueeze(1), responses[:, :-1]], dim=1)
 
 
+# whether this transformers' DynamicCache takes the model's config (it tells sliding-window layers apart)
+_CACHE_TAKES_CONFIG = "config" in inspect.signature(DynamicCache.__init__).parameters
+
+
 def _empty_cache_args(config: object) -> dict:
-    """DynamicCache's constructor arguments: the model's config where this transformers takes one (it tells
-    sliding-window layers apart)."""
-    takes_config = "config" in inspect.signature(DynamicCache.__init__).parameters
-    return {"config": config} if takes_config and config is not None else {}
+    """DynamicCache's constructor arguments: the model's config where this transformers takes one."""
+    return {"config": config} if _CACHE_TAKES_CONFIG and config is not None else {}
 
 
 class PromptCache(DynamicCache):

@@ -33,9 +33,9 @@ def _batch() -> TokenBatch:
     return collate(prompts, responses, pad_id=0)
 
 
-def _grads(model: torch.nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]:
-    """Gradients of the rows' summed response log-probs (each row its own full forward: no shared prompt)."""
-    logp, _ = response_logprobs(model, batch, share_prompts=False)
+def _grads(model: torch.nn.Module, batch: TokenBatch, share_prompts: bool = False) -> dict[str, torch.Tensor]:
+    """Gradients of the rows' summed response log-probs (by default each row its own full forward)."""
+    logp, _ = response_logprobs(model, batch, share_prompts=share_prompts)
     (logp * batch.response_mask).sum().backward()
     from torch.distributed.tensor import DTensor
 
@@ -45,7 +45,7 @@ def _grads(model: torch.nn.Module, batch: TokenBatch) -> dict[str, torch.Tensor]
     return out
 
 
-def _saved_bytes(model: torch.nn.Module, batch: TokenBatch) -> int:
+def _saved_bytes(model: torch.nn.Module, batch: TokenBatch, share_prompts: bool = False) -> int:
     """Bytes of the tensors the forward saves for backward (what activation checkpointing shrinks)."""
     total = 0
 
@@ -55,7 +55,7 @@ def _saved_bytes(model: torch.nn.Module, batch: TokenBatch) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = response_logprobs(model, batch, share_prompts=False)
+        logp, _ = response_logprobs(model, batch, share_prompts=share_prompts)
     return total
 
 
@@ -71,21 +71,6 @@ def test_checkpointed_layers_give_the_plain_gradients_and_keep_less(mode: str) -
     assert saved["full"] < saved["selective"] < saved["none"], saved
 
 
-def _shared_grads(model: torch.nn.Module, batch: TokenBatch) -> tuple[dict[str, torch.Tensor], int]:
-    """Gradients of the summed response log-probs through the shared-prompt forwards, and the bytes they saved."""
-    saved = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = response_logprobs(model, batch, share_prompts=True)
-    (logp * batch.response_mask).sum().backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}, saved
-
-
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_shared_prompt_forwards_are_recomputed_with_the_same_gradients(mode: str) -> None:
     # the prompt's cache is filled once and the responses read it: a recomputed layer must neither fill it again
@@ -93,8 +78,8 @@ def test_shared_prompt_forwards_are_recomputed_with_the_same_gradients(mode: str
     from tests.training.test_prefix import _grouped_batch
 
     batch = _grouped_batch()
-    plain, plain_saved = _shared_grads(_model("none"), batch)
-    checkpointed, saved = _shared_grads(_model(mode), batch)
+    plain, checkpointed = _grads(_model("none"), batch, True), _grads(_model(mode), batch, True)
+    plain_saved, saved = _saved_bytes(_model("none"), batch, True), _saved_bytes(_model(mode), batch, True)
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-6, msg=name)
     assert max(float(g.abs().max()) for g in plain.values()) > 1e-3
