@@ -70,6 +70,11 @@ class VllmConfig(Section):
     )
 
 
+# rollout.pack_weights: a call generating fewer tokens does not pack (rollout/packed.py); reordering reads and
+# writes every weight once, about two plain decode steps of 16 rows at the 0.5B shape
+PACK_MIN_NEW_TOKENS = 16
+
+
 class RolloutConfig(Section):
     """Which engine samples the rollouts."""
 
@@ -84,6 +89,13 @@ class RolloutConfig(Section):
         description="The engines' weight and compute dtype; the weight sync casts the trainer's weights to it as "
         "it sends them. auto = the dtype the trainer computes in (bfloat16 under training.mixed_precision=bf16, "
         "else model.dtype).",
+    )
+    pack_weights: bool = Field(
+        True,
+        description="Torch engine on a CPU: a generate call of at least 16 new tokens decodes on copies of the "
+        "float32 linear weights reordered for oneDNN (1.7x faster decoding of 16 rows at the 0.5B shape; the same "
+        "products up to float rounding), made at the call's start and freed at its end: one more copy of those "
+        "weights while the engine generates. false: decode on the weights as they are.",
     )
     share_weights: bool = Field(
         True,

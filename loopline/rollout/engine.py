@@ -14,6 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from loopline.models.cache import cache_argument, cache_of
+from loopline.rollout.packed import PACK_MIN_NEW_TOKENS, PackedLinears
 from loopline.rollout.routes import RouteRecorder
 
 
@@ -283,19 +284,23 @@ class TorchEngine:
         max_rows: int = 0,
         keep_stale_kv: bool = False,
         record_routes: bool = False,
+        pack_weights: bool = True,
     ) -> None:
         """max_rows: sequences computed at once (runtime.engine_max_rows); 0 = all of a call's at once.
         keep_stale_kv: weights offered during a generate call (a partial rollout) leave the cache of the sequences
         in flight as the old weights filled it (faster, but their next tokens attend to another policy's keys and
         values); by default the cache is recomputed under the new weights. record_routes: an MoE model's
-        completions carry the experts its routers chose (Completion.routes)."""
+        completions carry the experts its routers chose (Completion.routes). pack_weights: on a CPU, a call of at
+        least PACK_MIN_NEW_TOKENS new tokens decodes on reordered copies of the linear weights (rollout/packed.py)."""
         if max_rows < 0:
             raise ValueError(f"max_rows must be at least 0, got {max_rows}")
         self.model = model
         self.max_rows = max_rows
         self.keep_stale_kv = keep_stale_kv
         self.record_routes = record_routes
+        self.pack_weights = pack_weights
         self._routes: RouteRecorder | None = None  # the routes of the generate call running
+        self._packed: PackedLinears | None = None  # the reordered weights of the generate call running
         if record_routes:
             RouteRecorder(model, 0, 0)  # a dense model has none to record: say so now, not at the first call
         # weights offered while a generate call runs wait here for its next decode step (offer_weights)
@@ -350,6 +355,8 @@ class TorchEngine:
                 return False
             self.update_weights(*self._offered)
             self._offered = None
+            if self._packed is not None:
+                self._packed.pack()
             self._cond.notify_all()
             return True
 
@@ -464,11 +471,16 @@ class TorchEngine:
             self._generating = True
         if self.record_routes:
             self._routes = RouteRecorder(self.model, total, params.max_new_tokens)
+        pack = self.pack_weights and params.max_new_tokens >= PACK_MIN_NEW_TOKENS
         try:
-            with self._routes.hooks() if self._routes is not None else contextlib.nullcontext():
+            with (
+                self._routes.hooks() if self._routes is not None else contextlib.nullcontext(),
+                PackedLinears(self.model, slots) if pack else contextlib.nullcontext() as packed,
+            ):
+                self._packed = packed
                 return self._generate(prompts, params, n, total, slots)
         finally:
-            self._routes = None
+            self._routes = self._packed = None
             with self._cond:
                 self._generating = False
             self._take_offered()  # weights offered during the last decode step
