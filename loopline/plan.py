@@ -3,22 +3,28 @@ starts, no torch imported), checked against the memory of the node it runs on.
 
 Per rank, the terms (bytes):
 - runtime: the Python process with torch and transformers imported (measured here, RUNTIME_BYTES);
-- params, grads, optimizer: the model's parameters at model.dtype, their gradients, AdamW's two fp32 moments;
-  a trainer's three are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps grads and moments
-  of) the adapters only; training.mixed_precision=bf16 adds compute_copy (the bf16 copy of the fp32 master
-  weights its forwards run on) and halves the activations (bf16);
-- activations: what backward keeps per decoder layer for one micro-batch (ModelShape.act_floats_per_token
-  floats a token) and one layer's worth it works in, less under training.activation_checkpointing (full: each
-  layer's input only, plus one layer recomputed; selective: every other layer checkpointed);
+- params, optimizer: the model's parameters at model.dtype and AdamW's two fp32 moments, held throughout;
+  a trainer's are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps moments of) the adapters
+  only;
+- a trainer's step has two peaks, and a rank is planned at the larger (trainer_terms). Backward: compute_copy
+  (training.mixed_precision=bf16: the bf16 copy of the fp32 master weights its forwards run on; it also halves
+  the activations), the activations forward kept (ModelShape.act_floats_per_token floats a token per decoder
+  layer; under training.activation_checkpointing full each layer's input only, selective every other layer's),
+  the head's gradient (grads: the first one backward makes), and the larger of the logits and one layer's
+  backward (its activations' gradients, a checkpointed layer recomputed). The update: every gradient (grads) and
+  AdamW's temporaries (update);
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
   rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)
   hold one chunk of the rows' tokens flattened and its copies; a frozen model's forward keeps two (logits,
   log-softmax);
 - kv_cache: an engine's keys and values for its rows at prompt + completion length, the rows a step or the
-  held-out scoring runs at once (vLLM: its reserved cache);
+  held-out scoring runs at once (vLLM: its reserved cache); packed: a CPU torch engine's reordered copy of its
+  linear weights while it generates (rollout.pack_weights);
 - sandbox: a code env worker's sandbox memory cap.
-The terms are summed as if they coexisted; calibrated against measured peaks (docs/guide/memory-plan.md). On a
+A rank's terms are summed. On the local backend the model roles share one process and work in turn (generate,
+then score, then train): the process holds every role's resident terms (params, optimizer) and the working terms
+(the rest) of one role at a time, the largest. Calibrated against measured peaks (docs/guide/memory-plan.md). On a
 pool with GPUs the host holds the runtime and one staged copy of the weights; one bundle's GPU memory is a node
 of its own (gpu_node), checked against the pool's gpu_memory_gib when declared.
 
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING
 from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.models.shape import ModelShape, shape_of
+from loopline.rollout.config import PACK_MIN_NEW_TOKENS
 from loopline.training.config import DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
 
 if TYPE_CHECKING:
@@ -186,16 +193,19 @@ def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
 
 @dataclass(frozen=True)
 class Term:
-    """One part of a rank's memory and the setting that shrinks it."""
+    """One part of a rank's memory and the setting that shrinks it; `working`: held only while its role works (a
+    step's activations, an engine's KV cache), not between its turns."""
 
     name: str
     nbytes: int
     shrink: str
+    working: bool = False
 
 
-def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> int:
-    """What backward keeps of one micro-batch's decoder layers (fp32 compute), at the chosen checkpointing, plus
-    one layer's worth that backward works in (the gradients of a layer's activations as it goes through it)."""
+def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> tuple[int, int]:
+    """(kept, layer): what forward leaves for backward of one micro-batch's decoder layers (fp32 compute) at the
+    chosen checkpointing, and what backward adds while it goes through one layer (the gradients of its
+    activations; a checkpointed layer's activations recomputed as well)."""
     tokens = rows * seq
     word = 2 if cfg.training.mixed_precision == "bf16" else 4  # bytes of an activation: bf16 compute or fp32
     full_layer = tokens * shape.act_floats_per_token * word
@@ -204,7 +214,7 @@ def activation_bytes(cfg: RunConfig, shape: ModelShape, rows: int, seq: int) -> 
     # a checkpointed layer keeps its input; while backward recomputes it, its activations exist again
     checkpointed = {"none": 0, "full": shape.layers, "selective": shape.layers // 2}[mode]
     kept = (shape.layers - checkpointed) * full_layer + checkpointed * kept_input
-    return kept + full_layer * (checkpointed > 0) + full_layer
+    return kept, full_layer * (checkpointed > 0) + full_layer
 
 
 def compute_copy_bytes(cfg: RunConfig, shape: ModelShape) -> int:
@@ -214,7 +224,11 @@ def compute_copy_bytes(cfg: RunConfig, shape: ModelShape) -> int:
 
 
 def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
-    """A trainer rank's memory in one phase."""
+    """A trainer rank's memory in one phase, at the larger of a step's two peaks. Backward: forward's kept
+    activations, the head's gradient (the first one backward makes), and the larger of the logits (freed once the
+    head's backward is done) and one decoder layer's backward. The update: every gradient and AdamW's
+    temporaries (foreach AdamW computes the second moment's root for every parameter at once), the activations
+    gone. Calibrated in docs/guide/memory-plan.md."""
     width = DTYPE_BYTES[cfg.model.dtype]
     ranks = cfg.runtime.trainer_ranks
     lora = cfg.model.lora
@@ -227,18 +241,23 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     more_ranks = "more runtime.trainer_ranks (FSDP2 shards it" + (
         ", on runtime.backend=ray)" if cfg.runtime.backend == "local" else ")"
     )
+    adapters = f"model.lora.r=8 (adapters only) or {more_ranks}"
+    kept, layer = activation_bytes(cfg, shape, phase.micro_rows, phase.seq)
+    head = 0 if lora.r or not phase.vocab_logits else shape.vocab * shape.hidden * width // ranks
+    grads, update = trainable * width // ranks, trainable * 4 // ranks
+    backward = compute_copy_bytes(cfg, shape) // ranks + kept + head + max(logits, layer)
+    in_backward = backward > grads + update
+    acts = f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}"
     return [
         Term("params", shape.params * width // ranks, f"model.dtype=bfloat16 or {more_ranks}"),
-        Term("grads", trainable * width // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
-        Term("optimizer", trainable * 4 * 2 // ranks, f"model.lora.r=8 (adapters only) or {more_ranks}"),
-        Term("compute_copy", compute_copy_bytes(cfg, shape) // ranks, "training.mixed_precision=none"),
-        Term(
-            "activations",
-            activation_bytes(cfg, shape, phase.micro_rows, phase.seq),
-            f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}",
-        ),  # fmt: skip
-        Term("logits", logits,
-             f"a smaller {micro} (or chunked log-probs: model.logits_chunk_tokens){length_hint(cfg)}"),
+        Term("optimizer", trainable * 4 * 2 // ranks, adapters),
+        Term("grads", head if in_backward else grads, adapters, working=True),
+        Term("update", 0 if in_backward else update, adapters, working=True),
+        Term("compute_copy", compute_copy_bytes(cfg, shape) // ranks if in_backward else 0,
+             "training.mixed_precision=none", working=True),  # fmt: skip
+        Term("activations", kept + (layer if layer > logits else 0) if in_backward else 0, acts, working=True),
+        Term("logits", logits if in_backward and logits >= layer else 0,
+             f"a smaller {micro} (or chunked log-probs: model.logits_chunk_tokens){length_hint(cfg)}", working=True),
     ]  # fmt: skip
 
 
@@ -262,8 +281,20 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
     params = 0 if cfg.engine_shares_weights else shape.params * width
     return [
         Term("params", params, "rollout.dtype=bfloat16"),
-        Term("kv_cache", kv, shrink),
+        Term("kv_cache", kv, shrink, working=True),
+        Term("packed", packed_bytes(cfg, shape, phase), "rollout.pack_weights=false", working=True),
     ]
+
+
+def packed_bytes(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> int:
+    """rollout.pack_weights: while a torch engine on a CPU generates at least PACK_MIN_NEW_TOKENS tokens, a copy
+    of its float32 linear weights (every weight but the input embeddings and the norms; a tied head is one)."""
+    new = max(phase.new_tokens if phase else 0, cfg.eval.sampling.max_new_tokens if eval_prompts(cfg) else 0)
+    if not cfg.rollout.pack_weights or cfg.rollout.engine != "torch" or cfg.engine_dtype != "float32":
+        return 0
+    if new < PACK_MIN_NEW_TOKENS:
+        return 0
+    return (shape.params - (0 if shape.tied else shape.vocab * shape.hidden)) * 4
 
 
 def frozen_terms(cfg: RunConfig, shape: ModelShape, role: str, phase: Phase | None) -> list[Term]:
@@ -277,7 +308,9 @@ def frozen_terms(cfg: RunConfig, shape: ModelShape, role: str, phase: Phase | No
     logits = logits_bytes(cfg, rows, seq, seq, 1, shape.vocab) if role == "ref" else 0
     return [
         Term("params", shape.params * width // shards, "model.dtype=bfloat16"),
-        Term("logits", logits, "a smaller grpo.micro_batch_size (or model.logits_chunk_tokens)"),
+        Term(
+            "logits", logits, "a smaller grpo.micro_batch_size (or model.logits_chunk_tokens)", working=True
+        ),
     ]
 
 
@@ -294,7 +327,7 @@ def wanted_roles(cfg: RunConfig, command: str) -> list[str]:
 
 
 def role_terms(cfg: RunConfig, role: str, command: str = "train") -> list[Term]:
-    """One rank of `role`, besides its process's runtime: the largest of its phases (each term at its largest)."""
+    """One rank of `role`, besides its process's runtime: its largest phase."""
     shape = model_shape(cfg)
     if (
         role == "env"
@@ -308,9 +341,7 @@ def role_terms(cfg: RunConfig, role: str, command: str = "train") -> list[Term]:
     if role in ("ref", "reward"):
         return frozen_terms(cfg, shape, role, rl[0] if rl else runs[-1])
     per_phase = [trainer_terms(cfg, shape, p) for p in runs if p]
-    if not per_phase:
-        return []
-    return [max(same, key=lambda t: t.nbytes) for same in zip(*per_phase)]
+    return max(per_phase, key=lambda terms: sum(t.nbytes for t in terms), default=[])
 
 
 def role_rank_bytes(cfg: RunConfig, role: str, gpu: bool, command: str = "train") -> int:
@@ -341,17 +372,32 @@ class Rank:
 
 @dataclass(frozen=True)
 class Node:
-    """A group of ranks that share one memory: this machine (local), or a pool's bundle (ray)."""
+    """A group of ranks that share one memory: this machine (local), or a pool's bundle (ray). `turns`: the model
+    roles share one process and work in turn (the local loop), so the node holds every role's resident terms and
+    the working terms of one role at a time, the largest; env workers are processes of their own."""
 
     name: str
     ranks: list[Rank]
     extra: int  # Ray's services on this node
     capacity: int | None  # bytes; None: not declared
     capacity_from: str
+    turns: bool = False
 
     @property
     def nbytes(self) -> int:
-        return self.extra + sum(r.nbytes for r in self.ranks)
+        if not self.turns:
+            return self.extra + sum(r.nbytes for r in self.ranks)
+        return (
+            self.extra
+            + sum(r.nbytes for r in self.ranks if r.role == "env")
+            + in_turn([r for r in self.ranks if r.role != "env"])
+        )
+
+
+def in_turn(ranks: list[Rank]) -> int:
+    """Ranks of one process that work one at a time: every resident term and the largest working set."""
+    resident = sum(t.nbytes for r in ranks for t in r.terms if not t.working)
+    return resident + max((sum(t.nbytes for t in r.terms if t.working) for r in ranks), default=0)
 
 
 def main_process_bytes(cfg: RunConfig, command: str) -> int:
@@ -359,7 +405,7 @@ def main_process_bytes(cfg: RunConfig, command: str) -> int:
     its peak resident set should be."""
     if cfg.runtime.backend != "local":
         raise ValueError("main_process_bytes: runtime.backend=local runs every model role in one process")
-    return sum(r.nbytes for r in nodes(cfg, command)[0].ranks if r.role != "env")
+    return in_turn([r for r in nodes(cfg, command)[0].ranks if r.role != "env"])
 
 
 def machine_memory() -> int:
@@ -384,7 +430,7 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
     if rt.backend == "local":  # one process holds every model role; env workers are processes of their own
         main = Rank("driver", 0, [_runtime("driver")])
         ranks = [main, *(Rank(r, 0, role_terms(cfg, r, command)) for r in roles), *env]
-        return [Node("this machine", ranks, 0, machine_memory(), "/proc/meminfo MemTotal")]
+        return [Node("this machine", ranks, 0, machine_memory(), "/proc/meminfo MemTotal", turns=True)]
     placement = rt.pools()
     count = {"actor": rt.trainer_ranks, "rollout": rt.engines, "env": rt.env_workers}
     out: list[Node] = []
@@ -439,7 +485,7 @@ def gpu_node(cfg: RunConfig, command: str, pool: PoolConfig, roles: list[str]) -
     capacity = int(pool.gpu_memory_gib * gpus * GIB) if pool.gpu_memory_gib else None
     ranks = []
     for role in roles:
-        terms = role_terms(cfg, role, command)
+        terms = [t for t in role_terms(cfg, role, command) if t.name != "packed"]  # a CPU engine's only
         if role == "rollout" and cfg.rollout.engine == "vllm" and capacity:
             reserved = int(cfg.rollout.vllm.memory_fraction * capacity)
             params = next(t for t in terms if t.name == "params")
@@ -501,9 +547,10 @@ def report(cfg: RunConfig, command: str) -> list[str]:
     ]
     for p in phases(cfg, command, shape):
         lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
-    names = ["runtime", "params", "grads", "optimizer", "activations", "logits", "kv_cache", "sandbox"]
+    names = ["runtime", "params", "optimizer", "grads", "update", "activations", "logits", "kv_cache", "packed",
+             "sandbox"]  # fmt: skip
     if mixed != "none":  # the bf16 copy the trainer computes on
-        names.insert(4, "compute_copy")
+        names.insert(names.index("activations"), "compute_copy")
     for node in nodes(cfg, command):
         lines.append("")
         cap = f"{_gib(node.capacity)} GiB ({node.capacity_from})" if node.capacity else "not declared"
@@ -515,6 +562,9 @@ def report(cfg: RunConfig, command: str) -> list[str]:
             lines.append(f"  {r.role:<8} {r.rank:>4} {cells} {_mib(r.nbytes):>9}")
         if node.extra:
             lines.append(f"  Ray services: {_mib(node.extra)} MiB")
+        if node.turns:
+            lines.append("  the model roles share one process and work in turn: the total counts each role's "
+                         "params and optimizer and the largest role's working terms")  # fmt: skip
     lines.append("")
     lines.append("step FLOPs: " + ", ".join(f"{what} {f:.3g}" for what, f in step_flops(cfg, command)))
     return lines

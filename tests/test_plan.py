@@ -15,7 +15,20 @@ from pathlib import Path
 import pytest
 
 from loopline.config import load_config
-from loopline.plan import GIB, eval_prompts, main_process_bytes, model_shape, phases, role_terms, step_flops
+from loopline.plan import (
+    GIB,
+    LOGITS_COPIES,
+    RUNTIME_BYTES,
+    activation_bytes,
+    eval_prompts,
+    logits_bytes,
+    main_process_bytes,
+    model_shape,
+    nodes,
+    phases,
+    role_terms,
+    step_flops,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 # a 6B-parameter shape of the built-in model: fp32 weights, grads and AdamW alone are ~90 GiB
@@ -41,14 +54,20 @@ def _terms(cfg, role: str = "actor", command: str = "train") -> dict[str, int]:
     return {t.name: t.nbytes for t in role_terms(cfg, role, command)}
 
 
+def _logits(cfg) -> int:
+    """The trainer's logits term for its GRPO phase's micro-batch."""
+    (grpo,) = phases(cfg, "train", model_shape(cfg))
+    return logits_bytes(cfg, grpo.micro_rows, grpo.seq, grpo.response, LOGITS_COPIES, model_shape(cfg).vocab)
+
+
 def test_the_terms_follow_their_formulas():
     cfg = load_config(None, ["grpo.micro_batch_size=16", "sft.steps=0"])
     shape, (grpo,) = model_shape(cfg), phases(cfg, "train", model_shape(cfg))
     t = _terms(cfg)
-    assert t["params"] == t["grads"] == shape.params * 4  # fp32, one rank, every weight trained
+    assert t["params"] == shape.params * 4  # fp32, one rank
     assert t["optimizer"] == shape.params * 4 * 2  # AdamW's two fp32 moments
     # fp32 logits over every position, then log-softmax, its gradient and the slice's over the completion's 8
-    assert t["logits"] == 16 * (grpo.seq + 3 * 8) * 259 * 4
+    assert _logits(cfg) == 16 * (grpo.seq + 3 * 8) * 259 * 4
     rows, seq = 64 * 8, grpo.seq  # the engine runs the step's rows (or eval's 1000 prompts) at once
     kv = _terms(cfg, "rollout")["kv_cache"]
     assert (
@@ -78,11 +97,9 @@ def test_chunked_logits_hold_one_chunk_of_every_row_s_tokens():
     """model.logits_chunk_tokens: the chunks run over the completion tokens of all rows flattened, so the term is
     one chunk (and its three copies), not a chunk per row; a chunk longer than the micro-batch's tokens is them."""
     base = ["grpo.micro_batch_size=16", "sft.steps=0", "model.logits_chunk_tokens=64"]
-    assert _terms(load_config(None, base))["logits"] == 64 * 4 * 259 * 4
-    assert (
-        _terms(load_config(None, [*base, "grpo.micro_batch_size=8"]))["logits"] == 64 * 4 * 259 * 4
-    )  # 64 of 64
-    assert _terms(load_config(None, [*base, "grpo.micro_batch_size=4"]))["logits"] == 4 * 8 * 4 * 259 * 4
+    assert _logits(load_config(None, base)) == 64 * 4 * 259 * 4
+    assert _logits(load_config(None, [*base, "grpo.micro_batch_size=8"])) == 64 * 4 * 259 * 4  # 64 of 64
+    assert _logits(load_config(None, [*base, "grpo.micro_batch_size=4"])) == 4 * 8 * 4 * 259 * 4
     ref = load_config(None, [*base, "grpo.kl_coef=0.1"])
     assert _terms(ref, "ref")["logits"] == 64 * 2 * 259 * 4  # a frozen forward: logits and log-softmax
 
@@ -103,6 +120,57 @@ def test_an_engine_plans_the_held_out_prompts_it_can_be_given():
                         ("1000", ["data.eval_path=y.jsonl"])]
     }  # fmt: skip
     assert kv["none"] == kv["8"] < kv["1000"]  # the step's 512 rows; 1,000 held-out prompts at once
+
+
+@pytest.mark.parametrize("binds", ["backward", "update"])
+def test_a_trainer_is_planned_at_the_larger_of_its_backward_and_its_update(binds):
+    """Backward holds the kept activations, the head's gradient and the larger of the logits and one layer's
+    backward; the update every gradient and AdamW's root of the second moment, the activations gone. A rank is
+    planned at the larger; its params and optimizer are held at both."""
+    rows = {"backward": ["grpo.micro_batch_size=64"], "update": ["grpo.micro_batch_size=1"]}[binds]
+    cfg = load_config(None, ["sft.steps=0", "training.activation_checkpointing=full", *rows])
+    shape, (grpo,) = model_shape(cfg), phases(cfg, "train", model_shape(cfg))
+    kept, layer = activation_bytes(cfg, shape, grpo.micro_rows, grpo.seq)
+    head = shape.vocab * shape.hidden * 4
+    backward = kept + head + max(_logits(cfg), layer)
+    update = shape.params * 4 * 2  # the gradients and the root
+    terms = role_terms(cfg, "actor", "train")
+    working = {t.name: t.nbytes for t in terms if t.working}
+    assert sum(working.values()) == max(backward, update)
+    assert (backward > update) == (binds == "backward")
+    if binds == "backward":
+        assert working["grads"] == head and working["update"] == 0 and working["activations"] >= kept
+    else:
+        assert working["grads"] == shape.params * 4 and working["activations"] == working["logits"] == 0
+    resident = {t.name: t.nbytes for t in terms if not t.working}
+    assert resident == {"params": shape.params * 4, "optimizer": shape.params * 8}
+
+
+def test_local_roles_working_in_turn_hold_one_working_set_at_a_time():
+    """One process runs the local engine, the reference and the actor one after another: it holds all their
+    resident terms and the largest working set, not every working set at once; env workers are processes."""
+    cfg = load_config(None, ["grpo.kl_coef=0.1", "runtime.env_workers=2"])
+    (node,) = nodes(cfg, "train")
+    ranks = {r.role: r for r in node.ranks if r.role != "env"}
+    assert set(ranks) == {"driver", "actor", "rollout", "ref"}
+    resident = sum(t.nbytes for r in ranks.values() for t in r.terms if not t.working)
+    working = [sum(t.nbytes for t in r.terms if t.working) for r in ranks.values()]
+    assert working.count(0) == 1 and sorted(working)[-2] > 0  # the driver works in none; two or more do
+    assert main_process_bytes(cfg, "train") == resident + max(working)
+    assert main_process_bytes(cfg, "train") < sum(r.nbytes for r in ranks.values())
+    envs = [r for r in node.ranks if r.role == "env"]
+    assert len(envs) == 2 and node.nbytes == main_process_bytes(cfg, "train") + sum(r.nbytes for r in envs)
+    assert ranks["driver"].nbytes == RUNTIME_BYTES
+
+
+def test_a_cpu_engine_packing_its_weights_plans_their_copy():
+    """rollout.pack_weights: a call of 16 or more new tokens decodes on a copy of the linear weights (float32);
+    shorter calls, bf16 engines and a GPU bundle do not pack."""
+    long = ["grpo.sampling.max_new_tokens=16", "eval.sampling.max_new_tokens=16"]
+    shape = model_shape(load_config(None, long))
+    assert _terms(load_config(None, long), "rollout")["packed"] == shape.params * 4  # tied head: every weight
+    for off in ([], ["rollout.pack_weights=false"], ["rollout.dtype=bfloat16"]):
+        assert _terms(load_config(None, [*(long if off else []), *off]), "rollout")["packed"] == 0, off
 
 
 def test_checkpointing_and_sharding_shrink_their_terms():
