@@ -174,7 +174,11 @@ def phases(cfg: RunConfig, command: str, shape: ModelShape) -> list[Phase]:
             g = cfg.grpo
             rows = g.prompts_per_step * g.group_size
             seq = min(prompt_tokens(cfg, shape) + g.sampling.max_new_tokens, shape.max_positions)
-            forwards = 1 + (g.kl_coef > 0)
+            # the old policy's forward runs only where the loop needs it (loops/grpo.py): more than one update per
+            # batch, a KL in the reward, or the engine's log-probs compared with the trainer's
+            old = (g.epochs_per_step * g.minibatches > 1 or g.kl_in == "reward"
+                   or g.behaviour_correction != "none" or cfg.engine_dtype != cfg.compute_dtype)  # fmt: skip
+            forwards = int(old) + (g.kl_coef > 0)
             out.append(Phase("grpo", rows_per_micro(g, rows // ranks // g.minibatches, seq), seq,
                              rows * g.epochs_per_step, rows, g.sampling.max_new_tokens, forwards,
                              min(g.sampling.max_new_tokens, seq)))  # fmt: skip

@@ -78,6 +78,23 @@ def test_the_terms_follow_their_formulas():
     assert flops["grpo generate"] == 2.0 * shape.params * rows * seq
 
 
+def test_log_prob_forwards_are_counted_where_the_loop_runs_them():
+    """One update per batch takes its old log-probs from the training forward itself: no forward of its own.
+    More updates per batch, a reference, or a behaviour correction each cost one more forward."""
+
+    def forwards(*overrides: str) -> float:
+        cfg = load_config(None, ["sft.steps=0", "grpo.kl_coef=0", *overrides])
+        return (
+            dict(step_flops(cfg, "train")).get("grpo log-probs", 0.0)
+            / dict(step_flops(cfg, "train"))["grpo generate"]
+        )
+
+    assert forwards() == 0
+    assert forwards("grpo.epochs_per_step=2") == forwards("grpo.kl_coef=0.1") == 1
+    assert forwards("grpo.behaviour_correction=tis") == 1
+    assert forwards("grpo.kl_coef=0.1", "grpo.minibatches=2", "grpo.micro_batch_size=32") == 2
+
+
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_an_engine_copy_and_the_ray_driver_s_policy_are_counted_where_they_exist(backend):
     """A local engine on the actor's parameters (rollout.share_weights) holds no weights; with LoRA it needs a
