@@ -6,13 +6,14 @@ Per rank, the terms (bytes):
 - params, optimizer: the model's parameters at model.dtype and AdamW's two fp32 moments, held throughout;
   a trainer's are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps moments of) the adapters
   only;
-- a trainer's step has two peaks, and a rank is planned at the larger (trainer_terms). Backward: compute_copy
+- a trainer's step has two peaks, and a rank is planned at the larger (trainer_terms). Backward's start: compute_copy
   (training.mixed_precision=bf16: the bf16 copy of the fp32 master weights its forwards run on; it also halves
   the activations), the activations forward kept (ModelShape.act_floats_per_token floats a token per decoder
   layer; under training.activation_checkpointing full each layer's input only, selective every other layer's),
   the head's gradient (grads: the first one backward makes), and the larger of the logits and one layer's
-  backward (its activations' gradients, a checkpointed layer recomputed). The update: every gradient (grads) and
-  AdamW's temporaries (update);
+  backward (its activations' gradients, a checkpointed layer recomputed). Backward's end: every gradient (grads)
+  and, with a tied head, the embedding's gradient before it is summed into the head's (tied_grad); the update
+  (fused AdamW) adds nothing;
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
   rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)
@@ -228,11 +229,12 @@ def compute_copy_bytes(cfg: RunConfig, shape: ModelShape) -> int:
 
 
 def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
-    """A trainer rank's memory in one phase, at the larger of a step's two peaks. Backward: forward's kept
+    """A trainer rank's memory in one phase, at the larger of a step's two peaks. Backward's start: forward's kept
     activations, the head's gradient (the first one backward makes), and the larger of the logits (freed once the
-    head's backward is done) and one decoder layer's backward. The update: every gradient and AdamW's
-    temporaries (foreach AdamW computes the second moment's root for every parameter at once), the activations
-    gone. Calibrated in docs/guide/memory-plan.md."""
+    head's backward is done) and one decoder layer's backward. Backward's end: every gradient and, with a tied
+    head, the embedding's own before it is summed into the head's (a whole one, also on FSDP2 ranks, where the
+    root's gradients are reduce-scattered from whole ones); the activations are gone, and the update (fused
+    AdamW, training/policy.py) adds nothing. Calibrated in docs/guide/memory-plan.md."""
     width = DTYPE_BYTES[cfg.model.dtype]
     ranks = cfg.runtime.trainer_ranks
     lora = cfg.model.lora
@@ -248,15 +250,16 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     adapters = f"model.lora.r=8 (adapters only) or {more_ranks}"
     kept, layer = activation_bytes(cfg, shape, phase.micro_rows, phase.seq)
     head = 0 if lora.r or not phase.vocab_logits else shape.vocab * shape.hidden * width // ranks
-    grads, update = trainable * width // ranks, trainable * 4 // ranks
+    grads = trainable * width // ranks
+    tied = shape.vocab * shape.hidden * width if head and shape.tied else 0
     backward = compute_copy_bytes(cfg, shape) // ranks + kept + head + max(logits, layer)
-    in_backward = backward > grads + update
+    in_backward = backward > grads + tied
     acts = f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}"
     return [
         Term("params", shape.params * width // ranks, f"model.dtype=bfloat16 or {more_ranks}"),
         Term("optimizer", trainable * 4 * 2 // ranks, adapters),
         Term("grads", head if in_backward else grads, adapters, working=True),
-        Term("update", 0 if in_backward else update, adapters, working=True),
+        Term("tied_grad", 0 if in_backward else tied, adapters, working=True),
         Term("compute_copy", compute_copy_bytes(cfg, shape) // ranks if in_backward else 0,
              "training.mixed_precision=none", working=True),  # fmt: skip
         Term("activations", kept + (layer if layer > logits else 0) if in_backward else 0, acts, working=True),
@@ -551,7 +554,7 @@ def report(cfg: RunConfig, command: str) -> list[str]:
     ]
     for p in phases(cfg, command, shape):
         lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
-    names = ["runtime", "params", "optimizer", "grads", "update", "activations", "logits", "kv_cache", "packed",
+    names = ["runtime", "params", "optimizer", "grads", "tied_grad", "activations", "logits", "kv_cache", "packed",
              "sandbox"]  # fmt: skip
     if mixed != "none":  # the bf16 copy the trainer computes on
         names.insert(names.index("activations"), "compute_copy")

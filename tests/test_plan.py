@@ -141,24 +141,26 @@ def test_an_engine_plans_the_held_out_prompts_it_can_be_given():
 
 @pytest.mark.parametrize("binds", ["backward", "update"])
 def test_a_trainer_is_planned_at_the_larger_of_its_backward_and_its_update(binds):
-    """Backward holds the kept activations, the head's gradient and the larger of the logits and one layer's
-    backward; the update every gradient and AdamW's root of the second moment, the activations gone. A rank is
-    planned at the larger; its params and optimizer are held at both."""
+    """Backward's start holds the kept activations, the head's gradient and the larger of the logits and one
+    layer's backward; its end every gradient and the tied embedding's before it is summed into the head's, the
+    activations gone (fused AdamW's update adds nothing). A rank is planned at the larger; its params and
+    optimizer are held at both."""
     rows = {"backward": ["grpo.micro_batch_size=64"], "update": ["grpo.micro_batch_size=1"]}[binds]
     cfg = load_config(None, ["sft.steps=0", "training.activation_checkpointing=full", *rows])
     shape, (grpo,) = model_shape(cfg), phases(cfg, "train", model_shape(cfg))
     kept, layer = activation_bytes(cfg, shape, grpo.micro_rows, grpo.seq)
     head = shape.vocab * shape.hidden * 4
     backward = kept + head + max(_logits(cfg), layer)
-    update = shape.params * 4 * 2  # the gradients and the root
+    update = (shape.params + shape.vocab * shape.hidden) * 4  # the gradients, the embedding's a second time
     terms = role_terms(cfg, "actor", "train")
     working = {t.name: t.nbytes for t in terms if t.working}
     assert sum(working.values()) == max(backward, update)
     assert (backward > update) == (binds == "backward")
     if binds == "backward":
-        assert working["grads"] == head and working["update"] == 0 and working["activations"] >= kept
+        assert working["grads"] == head and working["tied_grad"] == 0 and working["activations"] >= kept
     else:
-        assert working["grads"] == shape.params * 4 and working["activations"] == working["logits"] == 0
+        assert working["grads"] == shape.params * 4 and working["tied_grad"] == head
+        assert working["activations"] == working["logits"] == 0
     resident = {t.name: t.nbytes for t in terms if not t.working}
     assert resident == {"params": shape.params * 4, "optimizer": shape.params * 8}
 

@@ -44,11 +44,15 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW plus linear warmup then constant/cosine/linear decay to min_lr_ratio.
 
-    One parameter group per device mesh (one in all but TP + FSDP2): AdamW's foreach kernels run per group.
+    One parameter group per device mesh (one in all but TP + FSDP2): AdamW's kernels run per group. The fused
+    kernel (CPU and CUDA) updates each weight in one pass with no temporaries: foreach AdamW holds the root of
+    every second moment at once (a float32 copy of the trainable weights, the step's peak with the memory
+    switches on) and took 2.0 s against fused's 0.3 s for the 0.5B shape's update here.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": group} for group in mesh_groups(params)]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:

@@ -172,6 +172,27 @@ def test_lr_schedule(schedule, expected):
     assert got == pytest.approx(expected)
 
 
+def test_the_optimizer_is_fused_adamw_and_steps_by_its_formula():
+    """One kernel pass per weight, no temporaries (training/policy.py), and the update AdamW's formula gives:
+    two steps against a float64 hand computation, with weight decay and bias corrections."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    cfg = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.1, betas=(0.9, 0.95))
+    opt, _ = build_optimizer(model, cfg, total_steps=10)
+    assert opt.defaults["fused"] is True
+    w = model.weight.detach().double().clone()
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for t in (1, 2):
+        g = torch.randn(3, 4, dtype=torch.float64)
+        model.weight.grad, model.bias.grad = g.float(), torch.zeros(3)
+        opt.step()
+        b1, b2 = cfg.betas
+        w = w * (1 - cfg.lr * cfg.weight_decay)
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        w = w - cfg.lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + 1e-8)
+    torch.testing.assert_close(model.weight.detach().double(), w, atol=1e-6, rtol=0)
+
+
 def test_grpo_loss_is_built_from_the_config():
     cfg = GRPOConfig(
         policy_loss="clip", clip_low=0.1, clip_high=0.3, dual_clip=2.0, loss_agg="fixed_length",
