@@ -275,6 +275,15 @@ class RunConfig(Section):
             and self.engine_dtype == self.model.dtype
         )
 
+    @property
+    def engine_packs_weights(self) -> bool:
+        """A CPU torch engine decodes on reordered copies of its float32 linear weights (rollout.pack_weights;
+        auto: where the engine shares the local actor's weights, whose freed gradients make room for the copy)."""
+        mode = self.rollout.pack_weights
+        if mode == "never" or self.rollout.engine != "torch" or self.engine_dtype != "float32":
+            return False
+        return mode == "always" or self.engine_shares_weights
+
     @model_validator(mode="after")
     def _pipeline_fits(self) -> RunConfig:
         rt = self.runtime

@@ -289,7 +289,7 @@ def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list
     return [
         Term("params", params, "rollout.dtype=bfloat16"),
         Term("kv_cache", kv, shrink, working=True),
-        Term("packed", packed_bytes(cfg, shape, phase), "rollout.pack_weights=false", working=True),
+        Term("packed", packed_bytes(cfg, shape, phase), "rollout.pack_weights=never", working=True),
     ]
 
 
@@ -297,9 +297,7 @@ def packed_bytes(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> int:
     """rollout.pack_weights: while a torch engine on a CPU generates at least PACK_MIN_NEW_TOKENS tokens, a copy
     of its float32 linear weights (every weight but the input embeddings and the norms; a tied head is one)."""
     new = max(phase.new_tokens if phase else 0, cfg.eval.sampling.max_new_tokens if eval_prompts(cfg) else 0)
-    if not cfg.rollout.pack_weights or cfg.rollout.engine != "torch" or cfg.engine_dtype != "float32":
-        return 0
-    if new < PACK_MIN_NEW_TOKENS:
+    if not cfg.engine_packs_weights or new < PACK_MIN_NEW_TOKENS:
         return 0
     return (shape.params - (0 if shape.tied else shape.vocab * shape.hidden)) * 4
 

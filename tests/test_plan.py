@@ -183,13 +183,21 @@ def test_local_roles_working_in_turn_hold_one_working_set_at_a_time():
 
 
 def test_a_cpu_engine_packing_its_weights_plans_their_copy():
-    """rollout.pack_weights: a call of 16 or more new tokens decodes on a copy of the linear weights (float32);
-    shorter calls, bf16 engines and a GPU bundle do not pack."""
+    """rollout.pack_weights: a call of 16 or more new tokens decodes on a copy of the linear weights (float32).
+    auto packs only in a local engine on the actor's own weights (the actor's freed gradients make room), always
+    in any float32 CPU torch engine; shorter calls and bf16 engines never do."""
     long = ["grpo.sampling.max_new_tokens=16", "eval.sampling.max_new_tokens=16"]
     shape = model_shape(load_config(None, long))
-    assert _terms(load_config(None, long), "rollout")["packed"] == shape.params * 4  # tied head: every weight
-    for off in ([], ["rollout.pack_weights=false"], ["rollout.dtype=bfloat16"]):
-        assert _terms(load_config(None, [*(long if off else []), *off]), "rollout")["packed"] == 0, off
+
+    def packed(*overrides: str) -> int:
+        return _terms(load_config(None, [*long, *overrides]), "rollout")["packed"]
+
+    assert packed() == shape.params * 4  # a tied head: every weight
+    assert packed("runtime.backend=ray", "rollout.pack_weights=always") == shape.params * 4
+    for off in (["rollout.pack_weights=never"], ["rollout.dtype=bfloat16", "rollout.pack_weights=always"],
+                ["runtime.backend=ray"], ["model.lora.r=4"], ["rollout.share_weights=false"]):  # fmt: skip
+        assert packed(*off) == 0, off
+    assert _terms(load_config(None, []), "rollout")["packed"] == 0  # 8 new tokens: no call packs
 
 
 def test_checkpointing_and_sharding_shrink_their_terms():

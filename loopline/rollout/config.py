@@ -90,12 +90,15 @@ class RolloutConfig(Section):
         "it sends them. auto = the dtype the trainer computes in (bfloat16 under training.mixed_precision=bf16, "
         "else model.dtype).",
     )
-    pack_weights: bool = Field(
-        True,
-        description="Torch engine on a CPU: a generate call of at least 16 new tokens decodes on copies of the "
-        "float32 linear weights reordered for oneDNN (1.7x faster decoding of 16 rows at the 0.5B shape; the same "
+    pack_weights: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Torch engine on a CPU, float32: a generate call of at least 16 new tokens decodes on copies "
+        "of the linear weights reordered for oneDNN (1.7x faster decoding of 16 rows at the 0.5B shape; the same "
         "products up to float rounding), made at the call's start and freed at its end: one more copy of those "
-        "weights while the engine generates. false: decode on the weights as they are.",
+        "weights while the engine generates. auto: only where that copy raises no peak, a local engine on the "
+        "actor's own weights (rollout.share_weights; the actor's gradients, a copy's worth, are freed while it "
+        "generates). always: in every such engine (an engine of its own holds its weights twice as it "
+        "generates). never: decode on the weights as they are.",
     )
     share_weights: bool = Field(
         True,

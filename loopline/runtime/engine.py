@@ -54,7 +54,7 @@ def make_engine(
         model, tokenizer, seed=seed, max_rows=cfg.runtime.engine_max_rows,
         keep_stale_kv=cfg.grpo.partial_rollouts == "keep_stale_kv",
         record_routes=recording_model(model) is not None,  # an MoE's routes: replay, route_mismatch
-        pack_weights=cfg.rollout.pack_weights,
+        pack_weights=cfg.engine_packs_weights,
     )  # fmt: skip
 
 

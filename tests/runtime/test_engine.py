@@ -202,3 +202,17 @@ def test_copy_in_process_skips_a_tensor_that_is_its_own_source():
     assert copy_in_process(plan, {0: mine}, {1: mine}) == 0  # shared: nothing to move
     assert copy_in_process(plan, {0: mine}, {1: other}) == sum(v.nbytes for v in mine.values())
     assert all(torch.equal(other[k], v) for k, v in mine.items())
+
+
+@pytest.mark.parametrize(
+    "overrides, packs",
+    [([], True), (["rollout.share_weights=false"], False), (["rollout.pack_weights=always",
+     "rollout.share_weights=false"], True), (["rollout.pack_weights=never"], False), (["model.lora.r=4"], False)],
+)  # fmt: skip
+def test_an_engine_packs_its_weights_where_the_config_says(small_model, tokenizer, overrides, packs):
+    """rollout.pack_weights=auto packs in a local engine on the actor's own weights only (their copy fits where
+    the actor's gradients were); always and never say what they mean."""
+    from loopline.runtime.engine import make_engine
+
+    cfg = load_config(None, overrides)
+    assert make_engine(cfg, copy.deepcopy(small_model), tokenizer, seed=0).pack_weights is packs
