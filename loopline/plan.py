@@ -11,9 +11,9 @@ Per rank, the terms (bytes):
   the activations), the activations forward kept (ModelShape.act_floats_per_token floats a token per decoder
   layer; under training.activation_checkpointing full each layer's input only, selective every other layer's),
   the head's gradient (grads: the first one backward makes), and the larger of the logits and one layer's
-  backward (its activations' gradients, a checkpointed layer recomputed). Backward's end: every gradient (grads)
-  and, with a tied head, the embedding's gradient before it is summed into the head's (tied_grad); the update
-  (fused AdamW) adds nothing;
+  backward (its activations' gradients, a checkpointed layer recomputed). Backward's end and the update: every
+  gradient (grads) and the larger of a tied embedding's gradient before it is summed into the head's and AdamW's
+  temporaries for one chunk of the step (training/policy.py step_in_chunks): update;
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
   rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)
@@ -44,7 +44,7 @@ from loopline.config import RunConfig
 from loopline.errors import UserError
 from loopline.models.shape import ModelShape, shape_of
 from loopline.rollout.config import PACK_MIN_NEW_TOKENS
-from loopline.training.config import DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
+from loopline.training.config import STEP_CHUNK_BYTES, DPOConfig, GRPOConfig, RewardModelConfig, SFTConfig
 
 if TYPE_CHECKING:
     from loopline.distributed.placement import PoolConfig
@@ -231,10 +231,11 @@ def compute_copy_bytes(cfg: RunConfig, shape: ModelShape) -> int:
 def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]:
     """A trainer rank's memory in one phase, at the larger of a step's two peaks. Backward's start: forward's kept
     activations, the head's gradient (the first one backward makes), and the larger of the logits (freed once the
-    head's backward is done) and one decoder layer's backward. Backward's end: every gradient and, with a tied
-    head, the embedding's own before it is summed into the head's (a whole one, also on FSDP2 ranks, where the
-    root's gradients are reduce-scattered from whole ones); the activations are gone, and the update (fused
-    AdamW, training/policy.py) adds nothing. Calibrated in docs/guide/memory-plan.md."""
+    head's backward is done) and one decoder layer's backward. Backward's end and the update: every gradient and
+    the larger of a tied embedding's own before it is summed into the head's (a whole one, also on FSDP2 ranks,
+    where the root's gradients are reduce-scattered from whole ones) and AdamW's temporaries, one chunk's of the
+    step (the root of its second moments: a chunk of STEP_CHUNK_BYTES, or the largest tensor alone); the
+    activations are gone. Calibrated in docs/guide/memory-plan.md."""
     width = DTYPE_BYTES[cfg.model.dtype]
     ranks = cfg.runtime.trainer_ranks
     lora = cfg.model.lora
@@ -252,14 +253,16 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
     head = 0 if lora.r or not phase.vocab_logits else shape.vocab * shape.hidden * width // ranks
     grads = trainable * width // ranks
     tied = shape.vocab * shape.hidden * width if head and shape.tied else 0
+    largest = (shape.vocab * shape.hidden if head else shape.hidden * shape.intermediate) * 4 // ranks
+    update = max(tied, min(trainable * 4 // ranks, max(STEP_CHUNK_BYTES, largest)))
     backward = compute_copy_bytes(cfg, shape) // ranks + kept + head + max(logits, layer)
-    in_backward = backward > grads + tied
+    in_backward = backward > grads + update
     acts = f"training.activation_checkpointing=full or a smaller {micro}{length_hint(cfg)}"
     return [
         Term("params", shape.params * width // ranks, f"model.dtype=bfloat16 or {more_ranks}"),
         Term("optimizer", trainable * 4 * 2 // ranks, adapters),
         Term("grads", head if in_backward else grads, adapters, working=True),
-        Term("tied_grad", 0 if in_backward else tied, adapters, working=True),
+        Term("update", 0 if in_backward else update, adapters, working=True),
         Term("compute_copy", compute_copy_bytes(cfg, shape) // ranks if in_backward else 0,
              "training.mixed_precision=none", working=True),  # fmt: skip
         Term("activations", kept + (layer if layer > logits else 0) if in_backward else 0, acts, working=True),
@@ -552,7 +555,7 @@ def report(cfg: RunConfig, command: str) -> list[str]:
     ]
     for p in phases(cfg, command, shape):
         lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
-    names = ["runtime", "params", "optimizer", "grads", "tied_grad", "activations", "logits", "kv_cache", "packed",
+    names = ["runtime", "params", "optimizer", "grads", "update", "activations", "logits", "kv_cache", "packed",
              "sandbox"]  # fmt: skip
     if mixed != "none":  # the bf16 copy the trainer computes on
         names.insert(names.index("activations"), "compute_copy")

@@ -29,6 +29,7 @@ from loopline.plan import (
     role_terms,
     step_flops,
 )
+from loopline.training.config import STEP_CHUNK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 # a 6B-parameter shape of the built-in model: fp32 weights, grads and AdamW alone are ~90 GiB
@@ -142,24 +143,25 @@ def test_an_engine_plans_the_held_out_prompts_it_can_be_given():
 @pytest.mark.parametrize("binds", ["backward", "update"])
 def test_a_trainer_is_planned_at_the_larger_of_its_backward_and_its_update(binds):
     """Backward's start holds the kept activations, the head's gradient and the larger of the logits and one
-    layer's backward; its end every gradient and the tied embedding's before it is summed into the head's, the
-    activations gone (fused AdamW's update adds nothing). A rank is planned at the larger; its params and
-    optimizer are held at both."""
+    layer's backward; its end and the update every gradient and the larger of the tied embedding's before it is
+    summed into the head's and AdamW's temporaries for one chunk (the embedding alone here), the activations gone.
+    A rank is planned at the larger; its params and optimizer are held at both."""
     rows = {"backward": ["grpo.micro_batch_size=64"], "update": ["grpo.micro_batch_size=1"]}[binds]
     cfg = load_config(None, ["sft.steps=0", "training.activation_checkpointing=full", *rows])
     shape, (grpo,) = model_shape(cfg), phases(cfg, "train", model_shape(cfg))
     kept, layer = activation_bytes(cfg, shape, grpo.micro_rows, grpo.seq)
     head = shape.vocab * shape.hidden * 4
     backward = kept + head + max(_logits(cfg), layer)
-    update = (shape.params + shape.vocab * shape.hidden) * 4  # the gradients, the embedding's a second time
+    chunk = min(shape.params * 4, max(STEP_CHUNK_BYTES, head))  # the tiny model: the whole model is one chunk
+    update = shape.params * 4 + max(head, chunk)  # the gradients, then the larger temporary
     terms = role_terms(cfg, "actor", "train")
     working = {t.name: t.nbytes for t in terms if t.working}
     assert sum(working.values()) == max(backward, update)
     assert (backward > update) == (binds == "backward")
     if binds == "backward":
-        assert working["grads"] == head and working["tied_grad"] == 0 and working["activations"] >= kept
+        assert working["grads"] == head and working["update"] == 0 and working["activations"] >= kept
     else:
-        assert working["grads"] == shape.params * 4 and working["tied_grad"] == head
+        assert working["grads"] == shape.params * 4 and working["update"] == max(head, chunk)
         assert working["activations"] == working["logits"] == 0
     resident = {t.name: t.nbytes for t in terms if not t.working}
     assert resident == {"params": shape.params * 4, "optimizer": shape.params * 8}

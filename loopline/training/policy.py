@@ -22,7 +22,7 @@ from loopline.algorithms.preference import (
 )
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
-from loopline.training.config import DPOConfig, GRPOConfig, OptimConfig
+from loopline.training.config import STEP_CHUNK_BYTES, DPOConfig, GRPOConfig, OptimConfig
 from loopline.training.logits import TokenScores, at_least_float32, head_scores, hidden_states_out
 from loopline.training.micro import micro_batches, pair_micro_batches
 from loopline.training.packing import pack, packed_forward
@@ -44,15 +44,11 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW plus linear warmup then constant/cosine/linear decay to min_lr_ratio.
 
-    One parameter group per device mesh (one in all but TP + FSDP2): AdamW's kernels run per group. The fused
-    kernel (CPU and CUDA) updates each weight in one pass with no temporaries: foreach AdamW holds the root of
-    every second moment at once (a float32 copy of the trainable weights, the step's peak with the memory
-    switches on) and took 2.0 s against fused's 0.3 s for the 0.5B shape's update here.
+    One parameter group per device mesh (one in all but TP + FSDP2): AdamW's foreach kernels run per group.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": group} for group in mesh_groups(params)]
-    fused = bool(params) and all(p.device.type in ("cpu", "cuda") for p in params)
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, fused=fused)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
 
     def factor(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -82,6 +78,36 @@ def optimizer_step(
     return float(grad_norm), apply_update(optimizer, scheduler, grad_norm, lr_scale)
 
 
+def step_chunks(params: list[torch.Tensor], max_bytes: int = STEP_CHUNK_BYTES) -> list[list[torch.Tensor]]:
+    """`params` in order, cut into runs of at most `max_bytes` (as float32) each; a larger tensor is a run alone."""
+    chunks: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in params:
+        if chunks[-1] and size + p.numel() * 4 > max_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel() * 4
+    return [c for c in chunks if c]
+
+
+def step_in_chunks(optimizer: torch.optim.Optimizer, max_bytes: int = STEP_CHUNK_BYTES) -> None:
+    """optimizer.step() over each group's parameters a chunk at a time. torch's foreach AdamW takes the root of
+    every second moment of one call at once: a float32 copy of the trainable weights (1.0-1.7 GiB at the 0.5B
+    shape, the step's peak with the memory switches on); a chunk at a time it is one chunk's. Every weight is
+    updated once, by the same elementwise kernels: bitwise the same update."""
+    whole = [group["params"] for group in optimizer.param_groups]
+    try:
+        for i, params in enumerate(whole):
+            for chunk in step_chunks(params, max_bytes):
+                for j, group in enumerate(optimizer.param_groups):  # this group's chunk, no other group's
+                    group["params"] = chunk if j == i else []
+                optimizer.step()
+    finally:
+        for group, params in zip(optimizer.param_groups, whole, strict=True):
+            group["params"] = params
+
+
 def apply_update(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
@@ -93,7 +119,7 @@ def apply_update(
     if torch.isfinite(grad_norm):
         for group in optimizer.param_groups:
             group["lr"] *= lr_scale  # for this step: the scheduler's next step sets every group's lr afresh
-        optimizer.step()
+        step_in_chunks(optimizer)
         scheduler.step()
     # else: a non-finite gradient would poison the weights and AdamW moments: skip this update
     optimizer.zero_grad(set_to_none=True)

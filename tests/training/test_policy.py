@@ -10,7 +10,14 @@ import torch
 
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig
 from loopline.data.batches import RolloutBatch, collate
-from loopline.training.policy import PolicyTrainer, build_optimizer, grpo_loss, response_logprobs
+from loopline.training.policy import (
+    PolicyTrainer,
+    build_optimizer,
+    grpo_loss,
+    response_logprobs,
+    step_chunks,
+    step_in_chunks,
+)
 
 MAX_NEW = 6
 
@@ -172,20 +179,44 @@ def test_lr_schedule(schedule, expected):
     assert got == pytest.approx(expected)
 
 
-def test_the_optimizer_is_fused_adamw_and_steps_by_its_formula():
-    """One kernel pass per weight, no temporaries (training/policy.py), and the update AdamW's formula gives:
-    two steps against a float64 hand computation, with weight decay and bias corrections."""
+def test_a_step_in_chunks_is_bitwise_one_step_and_adamw_s_formula():
+    """step_in_chunks (training/policy.py) steps each group's weights a chunk at a time, so foreach AdamW's
+    temporaries are one chunk's: every weight stepped once, bitwise as one whole step (two groups, a chunk a
+    tensor), and the update AdamW's formula gives against a float64 hand computation over two steps."""
     torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(300, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 300)
+    )
+    whole = copy.deepcopy(model)
+    groups = lambda m: [{"params": list(m.parameters())[:2]}, {"params": list(m.parameters())[2:]}]  # noqa: E731
+    chunked, plain = (
+        torch.optim.AdamW(groups(model), weight_decay=0.1),
+        torch.optim.AdamW(groups(whole), weight_decay=0.1),
+    )
+    assert [len(c) for c in step_chunks(list(model.parameters()), 16 * 16 * 4 + 16 * 4)] == [1, 2, 1, 1]
+    seen: list[int] = []  # the weights each call of the step takes
+    chunked.register_step_pre_hook(
+        lambda opt, *_: seen.append(sum(len(g["params"]) for g in opt.param_groups))
+    )
+    for _ in range(3):
+        for a, b in zip(model.parameters(), whole.parameters()):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        step_in_chunks(chunked, max_bytes=1)
+        plain.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole.parameters()))
+    assert seen == [1] * 15 and [len(g["params"]) for g in chunked.param_groups] == [2, 3]
+    assert all(int(chunked.state[p]["step"]) == 3 for p in model.parameters())
+
     model = torch.nn.Linear(4, 3)
     cfg = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.1, betas=(0.9, 0.95))
     opt, _ = build_optimizer(model, cfg, total_steps=10)
-    assert opt.defaults["fused"] is True
     w = model.weight.detach().double().clone()
     m, v = torch.zeros_like(w), torch.zeros_like(w)
     for t in (1, 2):
         g = torch.randn(3, 4, dtype=torch.float64)
         model.weight.grad, model.bias.grad = g.float(), torch.zeros(3)
-        opt.step()
+        step_in_chunks(opt)
         b1, b2 = cfg.betas
         w = w * (1 - cfg.lr * cfg.weight_decay)
         m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
