@@ -13,7 +13,7 @@ Per rank, the terms (bytes):
   the head's gradient (grads: the first one backward makes), and the larger of the logits and one layer's
   backward (its activations' gradients, a checkpointed layer recomputed). Backward's end and the update: every
   gradient (grads) and the larger of a tied embedding's gradient before it is summed into the head's and AdamW's
-  temporaries for one chunk of the step (training/policy.py step_in_chunks): update;
+  temporaries for one chunk of the step (training/optim.py step_in_chunks): update;
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
   rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)

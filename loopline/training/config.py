@@ -26,7 +26,7 @@ def token_budget_field() -> Any:
     )
 
 
-# parameters (as float32 bytes) one call of AdamW's step takes (training/policy.py step_in_chunks): its foreach
+# parameters (as float32 bytes) one call of AdamW's step takes (training/optim.py step_in_chunks): its foreach
 # temporaries are one chunk's, not the model's; a larger tensor is a chunk alone
 STEP_CHUNK_BYTES = 256 * 2**20
 

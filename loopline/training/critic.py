@@ -23,9 +23,9 @@ from loopline.data.batches import TokenBatch, collate, split_rows
 from loopline.data.preference import PairBatch
 from loopline.training.config import CriticConfig, RewardModelConfig
 from loopline.training.micro import micro_batches, pair_micro_batches
+from loopline.training.optim import build_optimizer, optimizer_step
 from loopline.training.packing import pack, packed_forward
 from loopline.training.parallel import all_reduce_sum, apply_activation_checkpointing
-from loopline.training.policy import build_optimizer, optimizer_step
 
 
 class ScalarModel(nn.Module):

@@ -41,9 +41,10 @@ from loopline.algorithms.policy_loss import PolicyLoss
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.training.config import OptimConfig
 from loopline.training.logits import at_least_float32, head_scores
+from loopline.training.optim import apply_update, build_optimizer
 from loopline.training.parallel import apply_tp, clip_grads_with_norm, shard_model, total_grad_norm
 from loopline.training.pipeline_sizes import check_pp, padded_shape, rank_stages, stage_layers
-from loopline.training.policy import PolicyStepStats, SFTStepStats, apply_update, build_optimizer
+from loopline.training.policy import PolicyStepStats, SFTStepStats
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 MAX_SCHEDULES = 8  # schedules (one per batch shape) a trainer keeps

@@ -10,14 +10,8 @@ import torch
 
 from loopline.config import GRPOConfig, OptimConfig, SamplingConfig
 from loopline.data.batches import RolloutBatch, collate
-from loopline.training.policy import (
-    PolicyTrainer,
-    build_optimizer,
-    grpo_loss,
-    response_logprobs,
-    step_chunks,
-    step_in_chunks,
-)
+from loopline.training.optim import build_optimizer, step_chunks, step_in_chunks
+from loopline.training.policy import PolicyTrainer, grpo_loss, response_logprobs
 
 MAX_NEW = 6
 
@@ -207,6 +201,8 @@ def test_a_step_in_chunks_is_bitwise_one_step_and_adamw_s_formula():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), whole.parameters()))
     assert seen == [1] * 15 and [len(g["params"]) for g in chunked.param_groups] == [2, 3]
     assert all(int(chunked.state[p]["step"]) == 3 for p in model.parameters())
+    step_in_chunks(chunked)  # both groups in one chunk: one call, as a plain step
+    assert seen[15:] == [5]
 
     model = torch.nn.Linear(4, 3)
     cfg = OptimConfig(lr=0.1, warmup_steps=0, weight_decay=0.1, betas=(0.9, 0.95))
