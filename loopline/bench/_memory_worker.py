@@ -78,6 +78,7 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     from loopline.data.batches import RolloutBatch
     from loopline.models.load import load_policy
     from loopline.runtime.ranks import setup_process
+    from loopline.training.optim import step_in_chunks
     from loopline.training.parallel import apply_activation_checkpointing
     from loopline.training.policy import PolicyTrainer, grpo_loss
     from loopline.training.precision import cast_in_forward
@@ -109,7 +110,9 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     # allocates them (moving nothing without weight decay, the bench's); without it a trial misses 8 bytes a parameter
     for param in (p for p in model.parameters() if p.requires_grad):
         param.grad = torch.zeros_like(param)
-    trainer.optimizer.step()
+    step_in_chunks(
+        trainer.optimizer
+    )  # as a run steps: a warm-up with foreach's whole temporaries would set the peak
     trainer.optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     stats = trainer.policy_step(batch, kl_coef=0.0)

@@ -14,7 +14,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from loopline.models.cache import cache_argument, cache_of
-from loopline.rollout.packed import PACK_MIN_NEW_TOKENS, PackedLinears
+from loopline.rollout.config import PACK_MIN_NEW_TOKENS
+from loopline.rollout.packed import PackedLinears
 from loopline.rollout.routes import RouteRecorder
 
 

@@ -15,10 +15,6 @@ import functools
 import torch
 from torch import nn
 
-from loopline.rollout.config import PACK_MIN_NEW_TOKENS
-
-__all__ = ["PACK_MIN_NEW_TOKENS", "PackedLinears", "packable"]
-
 
 def _ops_available() -> bool:
     try:

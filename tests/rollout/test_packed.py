@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from loopline.rollout.config import PACK_MIN_NEW_TOKENS
 from loopline.rollout.engine import SamplingParams, TorchEngine
-from loopline.rollout.packed import PACK_MIN_NEW_TOKENS, PackedLinears, _ops_available
+from loopline.rollout.packed import PackedLinears, _ops_available
 
 pytestmark = pytest.mark.skipif(not _ops_available(), reason="this torch build has no oneDNN linear ops")
 
