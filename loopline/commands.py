@@ -21,8 +21,8 @@ from loopline.checkpoint.state import (
     newest_whole_checkpoint,
 )
 from loopline.config import RunConfig, absolute_paths, load_config
-from loopline.distributed.workers import WorkerDiedError, WorkerError
-from loopline.errors import EXIT_TEMPFAIL, UserError, WorkersLost
+from loopline.distributed.workers import WorkerError
+from loopline.errors import UserError
 from loopline.loops.context import (
     RunContext,
     build_context,
@@ -34,6 +34,7 @@ from loopline.loops.context import (
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
+from loopline.runtime.recovery import Recovery
 from loopline.runtime.roles import RESTARTABLE
 from loopline.training.lora import merged_state_dict
 
@@ -153,62 +154,51 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
 def _attempts(
     cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
 ) -> tuple[RunContext, RunState]:
-    """`train` until it ends, restarting after a worker failure from the last checkpoint: the failed role's group
-    alone when a trainer, critic or reference rank failed and runtime.restart_scope is role (ray: the other roles,
-    engines and env workers keep running), else every role; the last context and the final state."""
+    """`train` until it ends, restarting after a worker failure from the last checkpoint as the run's Recovery
+    allows: the failed role's group alone when its scope is a role (ray: the other roles, engines and env workers
+    keep running), else every role; the last context and the final state."""
     failed: tuple[float, str] | None = None  # when the last failure was caught, and its role
-    ctx = build_context(cfg, stop=stop)
+    recovery = Recovery(cfg.runtime, f"continue with `loopline train --resume out_dir={cfg.out_dir}`")
+    ctx = build_context(cfg, stop=stop, recovery=recovery)
     # ray: the engines' generators as they start, for a restart of one group alone (below)
     engine_rng = ctx.rollout.rng_states() if ctx.restart_group is not None else []
     try:
-        for attempt in range(cfg.runtime.max_restarts + 1):
+        while True:
             try:
                 return ctx, _train(ctx, resume, failed, changes)
             except WorkerError as e:
                 caught = time.perf_counter()
                 ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
-                if attempt == cfg.runtime.max_restarts:
-                    if isinstance(
-                        e, WorkerDiedError
-                    ):  # a process lost, not a call that raised: worth a retry
-                        lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
-                        raise WorkersLost(
-                            f"{lost}: runtime.max_restarts={cfg.runtime.max_restarts} allows no more restarts; "
-                            f"exiting {EXIT_TEMPFAIL} (EX_TEMPFAIL): continue with `loopline train --resume "
-                            f"out_dir={cfg.out_dir}` (a job controller's retry does)"
-                        ) from e
-                    raise
-                restarts = cfg.runtime.max_restarts
+                restart = recovery.restart(e)  # raises when no restart is left
                 resume, failed, changes = True, (caught, e.role), None
                 print(e, flush=True)  # now: the restart takes seconds
-                if cfg.runtime.restart_scope == "role" and _restart_group(ctx, e):
+                limit = recovery.restarts.limit
+                restartable = RESTARTABLE if ctx.restart_group is not None else ()
+                if recovery.scope(e, restartable) == "role" and _restart_group(ctx, e):
                     # the engines ran on: their generators go back to their start, as new engines' would be (a
                     # GRPO checkpoint then restores its own; one of SFT holds none, and GRPO starts from these)
                     ctx.rollout.set_rng_states(engine_rng, reseed=cfg.seed)
                     group = "trainer" if e.role == "actor" else e.role
                     print(
                         f"restarted the {group} group; resuming from the last checkpoint (restart "
-                        f"{attempt + 1} of {restarts}; the other roles, engines and env workers kept running)"
+                        f"{restart} of {limit}; the other roles, engines and env workers kept running)"
                     )
                     continue
-                print(f"restarting the roles from the last checkpoint (restart {attempt + 1} of {restarts})")
+                print(f"restarting the roles from the last checkpoint (restart {restart} of {limit})")
                 t0 = time.perf_counter()
                 ctx.close()  # also stops the Ray workers (and a Ray this run started)
                 t1 = time.perf_counter()
-                ctx = build_context(cfg, stop=stop)
+                ctx = build_context(cfg, stop=stop, recovery=recovery)
                 print(
                     f"roles stopped in {t1 - t0:.2f}s, started in {time.perf_counter() - t1:.2f}s", flush=True
                 )
     finally:
         ctx.close()
-    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def _restart_group(ctx: RunContext, failure: WorkerError) -> bool:
-    """After a trainer, critic or reference rank's failure on ray, replace that role's ranks alone; False when that
-    does not apply or fails (then every role restarts)."""
-    if ctx.restart_group is None or failure.role not in RESTARTABLE:
-        return False
+    """Replace the failed role's ranks alone (ray); False when that fails (then every role restarts)."""
+    assert ctx.restart_group is not None  # Recovery.scope said "role"
     try:
         ctx.restart_group(failure.role)
     except WorkerError as e:

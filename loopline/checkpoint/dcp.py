@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 
 if TYPE_CHECKING:
     from loopline.training.pipeline import PipelineTrainer
@@ -305,7 +305,8 @@ class ShardWriter:
     ) -> None:
         with _quiet():
             dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
-        pause_point(f"save:mid:{Path(path).parent.name.removeprefix('.tmp-')}")  # test hook: a kill half-way
+        # test hook: a kill half-way
+        FAULTS.pause_point(f"save:mid:{Path(path).parent.name.removeprefix('.tmp-')}")
         if hf is not None:
             write_hf_weights(*hf)
         for extra_path, extra_state in extra:

@@ -47,7 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from loopline.checkpoint.config import CheckpointConfig
 from loopline.checkpoint.dcp import copy_state, read_model_weights
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.ledger import LEDGER_FILE
 from loopline.errors import UserError
 
@@ -297,7 +297,7 @@ def _commit(root: Path, tmp: Path, name: str, keep_last: int) -> Path:
     for old in whole[:-keep_last] if keep_last > 0 else []:
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-    pause_point(f"saved:{name}")  # test hook: a kill right after a save
+    FAULTS.pause_point(f"saved:{name}")  # test hook: a kill right after a save
     return final
 
 

@@ -45,6 +45,7 @@ from loopline.runtime.actor import HealHooks
 from loopline.runtime.critic import CheckpointWithCritic
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
 from loopline.runtime.ranks import setup_process
+from loopline.runtime.recovery import Recovery
 from loopline.runtime.roles import build_roles
 from loopline.runtime.watchdog import Watchdog
 
@@ -91,9 +92,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | None = None) -> RunContext:
+def build_context(
+    cfg: RunConfig, need_answer: bool = True, stop: StopFlag | None = None, recovery: Recovery | None = None
+) -> RunContext:
     """Seed, load model and data, start the roles, open the logger.
-    stop: the command's SIGINT/SIGTERM flag (installed around the whole command), else one of the context's own."""
+    stop: the command's SIGINT/SIGTERM flag (installed around the whole command), else one of the context's own;
+    recovery: the run's allowances of restarts, heals and engine replacements, kept across its restarts (else
+    the context's own)."""
     setup_process(cfg)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -133,7 +138,7 @@ def build_context(cfg: RunConfig, need_answer: bool = True, stop: StopFlag | Non
     # the save in flight, and the logger: what a heal of the trainer drops (the save lost a rank's shards) and
     # where it logs its time (summed per step)
     in_flight = SaveInFlight(cfg.checkpoint.save_timeout_s)
-    roles = build_roles(cfg, model, tokenizer, HealHooks(in_flight.abandon, logger.note_sum))
+    roles = build_roles(cfg, model, tokenizer, HealHooks(in_flight.abandon, logger.note_sum), recovery)
     if skipped:  # rows the data config let go (skip_bad_rows, overlong=skip), by reason, on the next row
         logger.note(
             {

@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from loopline.algorithms.dapo import mask_truncated, overlong_penalty
 from loopline.algorithms.kl import AdaptiveKLController, FixedKLController
 from loopline.algorithms.losses import BehaviourWeights, behaviour_weights, kl_estimate, logprob_mismatch
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.config import GRPOConfig
 from loopline.data.batches import RolloutBatch, TokenBatch, collate
@@ -238,7 +238,7 @@ def train_grpo(ctx: RunContext, state: RunState, resume: CheckpointParts | None 
             last = _evaluate(ctx, state, stream, row)
             ctx.logger.log(row)
             # test hook: a kill between a step's row and its checkpoint
-            pause_point(f"step:grpo:{state.step}")
+            FAULTS.pause_point(f"step:grpo:{state.step}")
             stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
             if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
                 _save(ctx, state, _loop_state(kl_control, critic, engine_rng, pending))

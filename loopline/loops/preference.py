@@ -28,7 +28,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.state import CheckpointParts, LoopState, RunState, load_loop_state
 from loopline.data.batches import collate
 from loopline.data.datasets import PromptRow
@@ -195,7 +195,7 @@ def train_dpo(
             sync_engine(ctx, version=step)
             row.update(evaluate(ctx), **dpo_eval(ctx, eval_pairs, eval_ref))
         ctx.logger.log(row)
-        pause_point(f"step:dpo:{step}")  # test hook: a kill between a step's row and its checkpoint
+        FAULTS.pause_point(f"step:dpo:{step}")  # test hook: a kill between a step's row and its checkpoint
         stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
         if step == cfg.steps or stop or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):

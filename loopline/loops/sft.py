@@ -8,7 +8,7 @@ import time
 
 from tqdm import tqdm
 
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.state import CheckpointParts, RunState
 from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
@@ -104,7 +104,8 @@ def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None =
                 sync_engine(ctx, version=0)
                 row.update(evaluate(ctx))
         ctx.logger.log(row)
-        pause_point(f"step:sft:{state.step}")  # test hook: a kill between a step's row and its checkpoint
+        # test hook: a kill between a step's row and its checkpoint
+        FAULTS.pause_point(f"step:sft:{state.step}")
         stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
         if last or stop or (ctx.cfg.checkpoint_every and state.step % ctx.cfg.checkpoint_every == 0):
             with ctx.watchdog.stage("checkpoint"):

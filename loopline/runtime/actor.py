@@ -26,6 +26,7 @@ from loopline.data.preference import PairBatch
 from loopline.distributed.dispatch import rule_of
 from loopline.distributed.workers import LocalGroup, WorkerDiedError, WorkerError, WorkerGroup
 from loopline.runtime.actor_worker import ActorWorker
+from loopline.runtime.recovery import Recovery
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.training.critic import RewardStepStats, ScalarModel
 from loopline.training.policy import (
@@ -92,17 +93,17 @@ class ActorRole:
         reference: ReferenceRole | None = None,
         replicas: int = 1,
         restart: Callable[[], None] | None = None,
-        heals: int = 0,
+        recovery: Recovery | None = None,
         hooks: HealHooks = HealHooks(),
     ) -> None:
         """model: the driver's policy: the one the local rank trains, or (ray) a copy that state() fills.
-        replicas, restart, heals (ray, runtime.trainer_replicas > 1): `restart` replaces every trainer rank in its
-        bundle in a new world with the weight sync reopened (roles._RayRun.restart_trainer); a lost rank is healed from a
-        live replica through it, at most `heals` times, telling the run through `hooks`."""
+        replicas, restart, recovery (ray, runtime.trainer_replicas > 1): `restart` replaces every trainer rank in its
+        bundle in a new world with the weight sync reopened (roles._RayRun.restart_trainer); a lost rank is healed
+        from a live replica through it when the run's `recovery` allows, telling the run through `hooks`."""
         self.group = group
         self.model = model
         self.reference = reference
-        self.replicas, self.restart, self.heals_left = replicas, restart, heals if restart else 0
+        self.replicas, self.restart, self.recovery = replicas, restart, recovery
         self.updates = 0  # optimizer steps of the phase, as the ranks count them (PolicyTrainer.updates)
         self._phase: tuple[Any, ...] | None = (
             None  # start_phase's arguments, for healed ranks' fresh trainers
@@ -181,9 +182,9 @@ class ActorRole:
     def _can_heal(self, failure: WorkerError) -> bool:
         return (
             self.restart is not None
-            and self.heals_left > 0
-            and failure.role == self.group.role
+            and self.recovery is not None
             and self._phase is not None
+            and self.recovery.may_heal(failure, self.group.role)
         )
 
     def _heal(self, failure: WorkerError) -> tuple[int, Any]:
@@ -209,7 +210,7 @@ class ActorRole:
             raise HealError(
                 failure.role, failure.rank, failure.method, f"step {top} has no stats on its ranks"
             )
-        self.heals_left -= 1
+        cast(Recovery, self.recovery).healed()
         self.hooks.drop_save()  # a checkpoint in flight lost the rank's shards: it never becomes latest
         per = n // self.replicas
         states = [group.submit(sources[p], "replica_state", side=True) for p in range(per)]

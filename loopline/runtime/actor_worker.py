@@ -31,7 +31,7 @@ from loopline.checkpoint.dcp import (
     shard_state,
     state_digest,
 )
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.state import CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
@@ -74,7 +74,8 @@ class ActorWorker:
         the run's seeded initial policy in its own process."""
         self.cfg = cfg
         self.rank, self.ranks = rank_and_world()
-        pause_point(f"init:actor:{self.rank}", once=True)  # test hook: a rank lost while the roles start
+        # test hook: a rank lost while the roles start
+        FAULTS.pause_point(f"init:actor:{self.rank}", once=True)
         self.model = model if model is not None else seeded_model(cfg, rng_offset=0)[0]
         from loopline.training.parallel import apply_activation_checkpointing
 
@@ -270,9 +271,9 @@ class ActorWorker:
     def _fault_points(self, method: str) -> Iterator[None]:
         """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it."""
         point = f"{method}:{self.rank}:{_started(self.trainer).updates + 1}"
-        pause_point(f"{point}:before", once=True)
+        FAULTS.pause_point(f"{point}:before", once=True)
         yield
-        pause_point(f"{point}:after", once=True)
+        FAULTS.pause_point(f"{point}:after", once=True)
 
     # Healing from a replica (runtime.trainer_replicas > 1): a rank at the same mesh position of another replica
     # holds the same shards, so a new rank loads a live one's instead of a checkpoint.
@@ -383,7 +384,7 @@ class ActorWorker:
         from loopline.distributed.weight_sync import local_shards
 
         if self.trainer is not None:  # test hook: a rank lost as the sync after its n-th step begins
-            pause_point(f"send_weights:{self.rank}:{self.trainer.updates}", once=True)
+            FAULTS.pause_point(f"send_weights:{self.rank}:{self.trainer.updates}", once=True)
         if not self._sends_weights():
             return
         self.plan = sync_plan(self.plan, self.sync_params, self.layout, targets)

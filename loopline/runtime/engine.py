@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 from loopline.config import RunConfig
 from loopline.distributed.workers import WorkerDiedError, WorkerError, WorkerGroup
 from loopline.models.load import cast_parameters
 from loopline.models.moe import recording_model
 from loopline.rollout.engine import Completion, SamplingParams, TorchEngine
+from loopline.runtime.config import RuntimeConfig
 from loopline.runtime.engine_sync import sync_plan
 from loopline.runtime.protocols import WeightSync
 from loopline.runtime.ranks import node_address, rank_and_world, seeded_model
+from loopline.runtime.recovery import Recovery
 
 if TYPE_CHECKING:
     from loopline.distributed.placement import Pool
@@ -69,7 +71,8 @@ class EngineWorker:
         initial model and samples from its own generator, seeded per engine rank (checkpointed: rng_state)."""
         self.cfg = cfg
         self.rank = rank_and_world()[0]
-        pause_point(f"init:rollout:{self.rank}", once=True)  # test hook: an engine lost while the roles start
+        # test hook: an engine lost while the roles start
+        FAULTS.pause_point(f"init:rollout:{self.rank}", once=True)
         if engine is None:
             model, tokenizer = seeded_model(cfg, rng_offset=1 + self.rank)
             engine = make_engine(cfg, model, tokenizer, seed=cfg.seed + 1 + self.rank)
@@ -185,13 +188,13 @@ class RolloutRole:
     """
 
     def __init__(
-        self, group: WorkerGroup, sync: WeightSync, pool: Pool | None = None, max_replacements: int = 3
+        self, group: WorkerGroup, sync: WeightSync, pool: Pool | None = None, recovery: Recovery | None = None
     ) -> None:
         """group: the engines; sync: the weight sync from the actor's ranks into them; pool: the rollout pool
-        (ray; None: the engines cannot change); max_replacements: engine deaths survived."""
+        (ray; None: the engines cannot change); recovery: the run's, which says how many engine deaths it survives
+        (None: runtime.max_engine_replacements' default)."""
         self.group, self.sync, self.pool = group, sync, pool
-        self.max_replacements = max_replacements
-        self.replacements = 0  # engines replaced so far
+        self.recovery = recovery if recovery is not None else Recovery(RuntimeConfig())
         # grpo.partial_rollouts: the trainer syncs while the rollout thread generates; either may replace an engine
         self._lock = threading.RLock()
         self._incarnation = [0] * group.world_size  # actors each rank has had: a death is replaced once
@@ -251,6 +254,11 @@ class RolloutRole:
     # -----------------------------------------------------------------------------------------------------
     # Elastic engines
     # -----------------------------------------------------------------------------------------------------
+
+    @property
+    def replacements(self) -> int:
+        """Engines replaced so far in the run."""
+        return self.recovery.engines.used
 
     @property
     def engines(self) -> int:
@@ -321,22 +329,14 @@ class RolloutRole:
             return
         start = time.perf_counter()
         for rank in ranks:
-            if self.replacements >= self.max_replacements:
-                raise WorkerDiedError(
-                    "rollout",
-                    rank,
-                    method,
-                    f"the engine's actor died, and all runtime.max_engine_replacements={self.max_replacements} "
-                    "engine replacements of this run are used up",
-                )
-            self.replacements += 1
+            self.recovery.replace_engine(rank, method)  # raises when the run's allowance is used up
             self._incarnation[rank] += 1
             self.group.restart_rank(rank)
         self.sync.open()
         print(
             f"rollout engine(s) {ranks} died in {method}(): replaced in {time.perf_counter() - start:.1f}s "
-            f"(sync group generation {self.sync.generation}; {self.replacements} of {self.max_replacements} "
-            "replacements used)",
+            f"(sync group generation {self.sync.generation}; {self.replacements} of "
+            f"{self.recovery.engines.limit} replacements used)",
             flush=True,
         )
 

@@ -24,18 +24,18 @@ from typing import TYPE_CHECKING, Any, cast
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from loopline.checkpoint.faults import fault_env
+from loopline.checkpoint.faults import FAULTS
 from loopline.config import RunConfig
 from loopline.distributed.cluster import ClusterConfig
 from loopline.distributed.dispatch import RankMesh
 from loopline.distributed.placement import PlacementConfig
-from loopline.distributed.workers import LocalGroup, RayGroup, WorkerDiedError, WorkerGroup
-from loopline.errors import EXIT_TEMPFAIL, WorkersLost
+from loopline.distributed.workers import LocalGroup, RayGroup, WorkerGroup
 from loopline.runtime.actor import ActorRole, HealHooks
 from loopline.runtime.actor_worker import ActorWorker
 from loopline.runtime.engine import EngineWorker, RolloutRole, make_engine
 from loopline.runtime.engine_sync import CollectiveSync, InProcessSync
 from loopline.runtime.protocols import Actor, Critic, Rollout, Scorer
+from loopline.runtime.recovery import Recovery
 from loopline.runtime.reference import ReferenceRole, ReferenceWorker
 from loopline.runtime.scorer import ScorerRole
 from loopline.training.lora import apply_lora
@@ -64,13 +64,18 @@ RESTARTABLE = ("actor", "critic", "ref")
 
 
 def build_roles(
-    cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, hooks: HealHooks | None = None
+    cfg: RunConfig,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    hooks: HealHooks | None = None,
+    recovery: Recovery | None = None,
 ) -> Roles:
     """The roles on cfg.runtime.backend; `model` is the policy in this process (trained by the local actor, a
-    copy for checkpoints on ray). hooks: what a heal of the trainer tells the run (ray, trainer_replicas > 1)."""
+    copy for checkpoints on ray). hooks: what a heal of the trainer tells the run (ray, trainer_replicas > 1);
+    recovery: the run's allowances of restarts, heals and engine replacements (ray; a new one when None)."""
     if cfg.runtime.backend == "local":
         return _local_roles(cfg, model, tokenizer)
-    return _ray_roles(cfg, model, hooks or HealHooks())
+    return _ray_roles(cfg, model, hooks or HealHooks(), recovery or Recovery(cfg.runtime))
 
 
 def _local_roles(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Roles:
@@ -129,7 +134,7 @@ def _local_cluster(cluster: ClusterConfig, placement: PlacementConfig) -> Cluste
     return cluster.model_copy(update={"num_cpus": max(os.cpu_count() or 1, wanted)})
 
 
-def _ray_roles(cfg: RunConfig, model: PreTrainedModel, hooks: HealHooks) -> Roles:
+def _ray_roles(cfg: RunConfig, model: PreTrainedModel, hooks: HealHooks, recovery: Recovery) -> Roles:
     """Start or join Ray, place the pools, start the worker groups, the trainer's world and the sync group."""
     rt = cfg.runtime
     if rt.trainer_tp > 1:  # a model without a TP plan, or sizes that do not divide: say so before Ray starts
@@ -140,7 +145,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel, hooks: HealHooks) -> Role
         from loopline.training.pipeline import check_split
 
         check_split(model, rt.trainer_pp, rt.trainer_pp_virtual)
-    run = _RayRun(cfg)
+    run = _RayRun(cfg, recovery)
     try:
         run.place()
         run.start()
@@ -151,7 +156,7 @@ def _ray_roles(cfg: RunConfig, model: PreTrainedModel, hooks: HealHooks) -> Role
         run.trainer is not None and run.rollout is not None and run.scorer is not None
     )  # started, or raised
     heal = run.restart_trainer if rt.trainer_replicas > 1 else None
-    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, rt.max_restarts, hooks)
+    actor = ActorRole(run.trainer, model, run.reference, rt.trainer_replicas, heal, recovery, hooks)
     return Roles(actor, run.rollout, run.scorer, run.shutdown, run.critic, run.restart_group)
 
 
@@ -159,10 +164,10 @@ class _RayRun:
     """The Ray side of one run's roles: the pools, the worker groups, the weight sync; how to start them (again,
     when a rank is lost while they start), restart one role's ranks, and stop them all."""
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, recovery: Recovery) -> None:
         from loopline.distributed.cluster import start_ray
 
-        self.cfg, self.rt = cfg, cfg.runtime
+        self.cfg, self.rt, self.recovery = cfg, cfg.runtime, recovery
         self.placement = self.rt.pools()
         self.started = start_ray(_local_cluster(self.rt.cluster, self.placement))
         self.groups: list[WorkerGroup] = []
@@ -201,32 +206,10 @@ class _RayRun:
                 self.where[role] = colocated_pool(role, pools["actor"], pools)
 
     def start(self) -> None:
-        """Start the groups, at most runtime.max_restarts times again when a rank is lost meanwhile.
-
-        A rank lost while the roles start (its process killed, its node gone) costs a start of the groups again,
-        as a lost rank mid-run costs a restart; then the run is given up (WorkersLost: the CLI exits EX_TEMPFAIL
-        for a job controller to retry). A rank that raised is not retried (its constructor would raise again), nor
-        one past runtime.call_timeout_s (slow, not lost: a start again would be slower still). The env workers
-        replace their own (envs.pool)."""
-        rt = self.rt
-        for attempt in range(rt.max_restarts + 1):
-            try:
-                self._start_groups()
-                return
-            except WorkerDiedError as e:
-                lost = str(e).splitlines()[0]  # Ray's account of a death runs to many lines
-                self.stop_groups()
-                if attempt == rt.max_restarts:
-                    raise WorkersLost(
-                        f"{lost}: a worker was lost while the roles started, and runtime.max_restarts="
-                        f"{rt.max_restarts} allows no more restarts; exiting {EXIT_TEMPFAIL} (EX_TEMPFAIL): run "
-                        "the same command again with --resume (a job controller's retry does)"
-                    ) from e
-                print(
-                    f"{lost}: lost while the roles started; starting them again (restart {attempt + 1} of "
-                    f"{rt.max_restarts})",
-                    flush=True,
-                )
+        """Start the groups; a rank lost meanwhile (its process killed, its node gone) costs a start again, as the
+        run's recovery allows (Recovery.start), as a lost rank mid-run costs a restart. The env workers replace
+        their own (envs.pool)."""
+        self.recovery.start(self._start_groups, self.stop_groups)
 
     def _start_groups(self) -> None:
         """The worker groups, their worlds and the weight sync; the groups are in `groups` as they start."""
@@ -234,7 +217,7 @@ class _RayRun:
 
         rt = self.rt
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
-        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": fault_env()}
+        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": FAULTS.env()}
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         with ThreadPoolExecutor(len(self.workers)) as threads:
             starting = [
@@ -258,7 +241,7 @@ class _RayRun:
         # over the trainer ranks and the engines (the rollout opens it), so the engines can change.
         address, layout = trainer.run("join", trainer.run("rendezvous"))
         self.trainer, self.sync = trainer, CollectiveSync(trainer, engines, address, layout)
-        self.rollout = RolloutRole(engines, self.sync, self.pools["rollout"], rt.max_engine_replacements)
+        self.rollout = RolloutRole(engines, self.sync, self.pools["rollout"], self.recovery)
         more = dict(zip(list(self.workers)[2:], others))  # role -> group: critic, ref
         self.critic = (
             CriticRole(more["critic"]) if "critic" in more else None

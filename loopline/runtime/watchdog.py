@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from loopline.checkpoint.faults import pause_point
+from loopline.checkpoint.faults import FAULTS
 
 EXIT_STUCK = 3  # the exit status of a run the watchdog ended
 
@@ -70,7 +70,7 @@ class Watchdog:
         with self._lock:
             self._running.append(running)
         try:
-            pause_point(f"stage:{name}")  # test hook: a stage that hangs
+            FAULTS.pause_point(f"stage:{name}")  # test hook: a stage that hangs
             yield
         finally:
             with self._lock:

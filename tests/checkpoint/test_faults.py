@@ -16,13 +16,13 @@ WARNING = "loopline: warning: LOOPLINE_PAUSE_AT="
 
 @pytest.fixture
 def fresh_warning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(faults, "_warned", False)  # once per process: reset for each test
+    monkeypatch.setattr(faults.FAULTS, "_warned", False)  # once per process: reset for each test
     monkeypatch.delenv(faults.PAUSE_DIR_ENV, raising=False)
 
 
 def test_unset_is_silent(fresh_warning: None, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     monkeypatch.delenv(faults.PAUSE_ENV, raising=False)
-    faults.pause_point("step:sft:1")
+    faults.FAULTS.pause_point("step:sft:1")
     assert capsys.readouterr().err == ""
 
 
@@ -31,7 +31,7 @@ def test_set_warns_once_and_passes_points_it_does_not_name(
 ) -> None:
     monkeypatch.setenv(faults.PAUSE_ENV, "step:grpo:99,saved:sft-000004")
     for point in ("step:sft:1", "stage:score", "step:sft:2"):
-        faults.pause_point(point)  # returns: not a named point
+        faults.FAULTS.pause_point(point)  # returns: not a named point
     err = capsys.readouterr().err
     assert err.count(WARNING) == 1
     assert "step:grpo:99,saved:sft-000004" in err and "forever" in err
