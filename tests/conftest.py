@@ -280,8 +280,15 @@ MODULE_LAYERS = {
 }
 
 
+# The order in which scripts/test's two xdist workers are handed modules (--dist loadfile --no-loadscope-reorder: a
+# module whole on one worker, so that its module fixtures are made once, in the order below): the layers whose
+# modules take longest first, so that none of the long ones starts last. Within a layer, pytest-randomly's order.
+LAYER_ORDER = ("ray", "e2e", "gloo", "sandbox", "cluster", "unit")
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first: dict[str, int] = {}  # module -> the heaviest layer among its tests
     for item in items:
         module = item.path.relative_to(config.rootpath).as_posix()
         named = next((m for m in LAYER_MARKS if item.get_closest_marker(m)), None)  # a module or test's own
@@ -289,7 +296,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
             named = "ray" if ray else MODULE_LAYERS.get(module, "unit")
             item.add_marker(getattr(pytest.mark, named))
-        # scripts/test runs the suite on pytest-xdist workers (--dist loadgroup): the tests on the session's Ray all
-        # on one worker, in turn, as they would run alone; any other module whole on one worker, so that its module
-        # fixtures (a trained run, a built model) are made once
-        item.add_marker(pytest.mark.xdist_group("ray" if named == "ray" else module))
+        first[module] = min(first.get(module, len(LAYER_ORDER)), LAYER_ORDER.index(named))
+    # a stable sort: pytest-randomly's order (it shuffles before this hook) stays within each layer and module
+    items.sort(key=lambda item: first[item.path.relative_to(config.rootpath).as_posix()])
