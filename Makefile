@@ -1,5 +1,5 @@
 # The two commands of the README. Both set everything up first (idempotent).
-.PHONY: run reproduce test test-fast lint mutation
+.PHONY: run reproduce test test-heavy test-fast lint mutation
 
 # ARGS: overrides for the default job, e.g. make run ARGS="seed=1 threads=2"
 run:
@@ -13,6 +13,11 @@ reproduce:
 
 test:
 	scripts/test
+
+# The heaviest runs, which `make test` leaves out to keep to its 15 minutes (benchmarks end to end, multi-kill
+# recovery runs: the `heavy` mark); CI (.ci/run) runs them after `make test`.
+test-heavy:
+	scripts/test -m "heavy and not vllm"
 
 # The edit-test loop: the unit-marked tests only (one process: no Ray, sandbox, spawned ranks or whole runs).
 # A subset of `make test`, never a replacement for it (docs/guide/contributing.md).

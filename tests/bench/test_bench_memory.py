@@ -21,6 +21,7 @@ def _value(out: str, key: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.heavy
 @pytest.mark.e2e  # whole runs (loopline's and TRL's) in processes of their own
 def test_quick_bench_prints_peaks_beside_the_plan(capsys):
     need_module("trl", "the bench runs TRL beside loopline (pip install loopline[parity])")

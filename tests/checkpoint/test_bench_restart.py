@@ -21,6 +21,7 @@ def test_bench_restart_save_part_prints_its_lines(capsys: pytest.CaptureFixture[
     assert float(lines["headline.async_over_blocking_loop_blocked"]) > 0
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_bench_restart_kill_part_heals_the_trainer_from_a_replica_with_spares_or_restarts_every_role(
     ray_cluster, capsys: pytest.CaptureFixture[str]

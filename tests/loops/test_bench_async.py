@@ -23,6 +23,7 @@ TINY = [
 ]  # fmt: skip
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_one_seeds_runs_report_each_mode(ray_cluster, tmp_path: Path) -> None:
     import ray

@@ -267,6 +267,7 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
     assert _same_weights(run, uninterrupted)
 
 
+@pytest.mark.heavy
 def test_killed_reference_then_critic_ranks_restart_their_groups_alone(
     ray_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -333,6 +334,7 @@ def test_sigterm_on_ray_ends_the_step_with_a_checkpoint_and_exits_143(ray_cluste
     assert not repeats(read_ledger(run))
 
 
+@pytest.mark.heavy
 def test_trainer_ranks_lost_mid_step_heal_from_their_replica_and_end_bitwise_as_an_uninterrupted_run(
     ray_cluster, tmp_path_factory: pytest.TempPathFactory, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
