@@ -8,9 +8,9 @@ A run makes one `Recovery` (from runtime config) and hands it to its roles; each
   checkpoint loaded (`may_heal`, then `healed`; the mechanism is runtime.actor.ActorRole's);
 - retry a chunk: a dead engine is replaced in its bundle and its prompts issued again (`replace_engine`; the
   mechanism is runtime.engine.RolloutRole's). An env task's retries belong to its pool (envs.pool: per task).
-Each of the first four has an allowance for the whole run (start-up's and the restarts' counted apart); past
-it a lost process ends the run with WorkersLost (the CLI exits EX_TEMPFAIL, for a job controller to retry) and
-any other failure is raised as it is.
+Each of the four has an allowance for the whole run, kept across its restarts (runtime.max_restarts for the
+first three, each counted apart; runtime.max_engine_replacements); past it a lost process ends the run with
+WorkersLost (the CLI exits EX_TEMPFAIL, for a job controller to retry) and any other failure is raised as it is.
 """
 
 from __future__ import annotations
