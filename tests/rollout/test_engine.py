@@ -11,7 +11,8 @@ from loopline.config import OptimConfig, TaskConfig
 from loopline.data.batches import collate
 from loopline.data.tasks import arithmetic_splits
 from loopline.models.load import build_tiny_model
-from loopline.rollout.engine import SamplingParams, TorchEngine, _filter_logits, sample_tokens
+from loopline.rollout.engine import SamplingParams, TorchEngine
+from loopline.rollout.sampling import filter_logits, sample_tokens
 from loopline.training.policy import PolicyTrainer
 
 PROMPTS_TEXT = ["7+5=", "12+30=", "4+91=", "3+3=", "60+9="]  # 5 to 7 tokens with <bos>: padding varies
@@ -439,7 +440,7 @@ def test_filter_logits_top_k_and_top_p():
     logits = probs.log()
 
     def kept(top_k, top_p):
-        return torch.isfinite(_filter_logits(logits, top_k, top_p))[0].tolist()
+        return torch.isfinite(filter_logits(logits, top_k, top_p))[0].tolist()
 
     # sorted: 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95; drop when it reaches top_p
     assert kept(0, 0.7) == [False, True, False, True]  # 0.5 < 0.7 keeps the 0.3 token
@@ -450,7 +451,7 @@ def test_filter_logits_top_k_and_top_p():
     assert kept(3, 0.7) == [False, True, False, True]  # both filters apply
     assert kept(0, 1.0) == [True] * 4 and kept(4, 1.0) == [True] * 4
     # kept logits are unchanged: the engine renormalises with log_softmax
-    assert torch.equal(_filter_logits(logits, 2, 1.0)[0, [1, 3]], logits[0, [1, 3]])
+    assert torch.equal(filter_logits(logits, 2, 1.0)[0, [1, 3]], logits[0, [1, 3]])
 
 
 def test_sample_tokens_draws_each_token_at_its_probability_and_never_a_filtered_one():
