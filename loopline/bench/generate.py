@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from loopline.bench.args import require_positive
 from loopline.config import TaskConfig
@@ -120,7 +121,31 @@ def _first_token(runs: dict[str, Callable[[], list[int]]], repeats: int) -> None
         print(f"first_token_{who}_ms: {seconds * 1e3:.0f}")
 
 
-def main(argv: list[str]) -> int:
+def _vllm_runs(
+    model_cfg: ModelConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    args: argparse.Namespace,
+) -> dict[str, Callable[[], list[int]]]:
+    """The vLLM engine's timed calls on the same weights (equal length, long tail), warmed up; {} without vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        return {}
+    from loopline.rollout.vllm_engine import VllmEngine
+
+    plain = load_policy(model_cfg, seed=args.seed)[0].eval()  # the same weights
+    theirs_vllm = VllmEngine(plain, tokenizer, seed=args.seed)
+    torch.set_num_threads(args.threads)
+
+    def vllm_run(stop: tuple[str, ...]) -> Callable[[], list[int]]:
+        params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=stop, ignore_eos=True)
+        return lambda: [len(c.token_ids) for c in theirs_vllm.generate(prompts, params, n=args.samples)]
+
+    vllm_run(STOP_DIGITS)()  # warm-up
+    return {"equal_length": vllm_run(()), "long_tail": vllm_run(STOP_DIGITS)}
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    """The bench's options, checked."""
     parser = argparse.ArgumentParser(prog="loopline bench generate", description=__doc__)
     parser.add_argument("--prompts", type=int, default=64, help="prompts per batch")
     parser.add_argument("--samples", type=int, default=8, help="samples per prompt (the GRPO group)")
@@ -145,6 +170,11 @@ def main(argv: list[str]) -> int:
     require_positive(parser, args, "prompts", "samples", "max_new", "max_rows", "repeats", "threads")
     if args.max_rows < args.samples:
         parser.error("--max-rows must hold at least one prompt's --samples")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = _args(argv)
     torch.set_num_threads(args.threads)
 
     model_cfg = _model_config(args)
@@ -187,20 +217,7 @@ def main(argv: list[str]) -> int:
     def theirs_chunk(chunk: list[list[int]]) -> list[int]:
         return _hf_generate(model, tokenizer, chunk, args.samples, args.max_new, stop_ids + eos)
 
-    vllm: dict[str, Callable[[], list[int]]] = {}
-    if importlib.util.find_spec("vllm") is not None:
-        from loopline.rollout.vllm_engine import VllmEngine
-
-        plain = load_policy(model_cfg, seed=args.seed)[0].eval()  # the same weights
-        theirs_vllm = VllmEngine(plain, tokenizer, seed=args.seed)
-        torch.set_num_threads(args.threads)
-
-        def vllm_run(stop: tuple[str, ...]) -> Callable[[], list[int]]:
-            params = SamplingParams(max_new_tokens=args.max_new, temperature=1.0, stop=stop, ignore_eos=True)
-            return lambda: [len(c.token_ids) for c in theirs_vllm.generate(prompts, params, n=args.samples)]
-
-        vllm_run(STOP_DIGITS)()  # warm-up
-        vllm = {"equal_length": vllm_run(()), "long_tail": vllm_run(STOP_DIGITS)}
+    vllm = _vllm_runs(model_cfg, tokenizer, prompts, args)
     print(f"vllm: {'in-process, enforce_eager' if vllm else 'not installed'}")
 
     ours(STOP_DIGITS)()  # warm-up of both paths (first calls allocate)

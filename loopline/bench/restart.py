@@ -425,7 +425,8 @@ def _timed(label: str, fn: Callable[[], T]) -> T:
     return result
 
 
-def main(argv: list[str]) -> int:
+def _args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The bench's options, checked, and the kill cases asked."""
     parser = argparse.ArgumentParser(prog="loopline bench restart", description=__doc__, allow_abbrev=False)
     parser.add_argument(
         "--models", default="builtin", help=f"save bench models, comma list of {sorted(BENCH_MODELS)}"
@@ -462,6 +463,11 @@ def main(argv: list[str]) -> int:
         parser.error("--kill-only and --skip-restart leave nothing to run")
     if args.kill_only:
         args.models = ""
+    return args, cases
+
+
+def main(argv: list[str]) -> int:
+    args, cases = _args(argv)
     torch.set_num_threads(1)  # as the runs (threads=1): the writer thread and the step share the cores
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     print(f"cpus: {os.cpu_count()}")

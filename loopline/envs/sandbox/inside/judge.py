@@ -130,11 +130,11 @@ def _tallied(test: str) -> tuple[object, list[int]]:
     return compile(ast.fix_missing_locations(tree), "<test>", "exec"), tally
 
 
-def _judge_main() -> None:
-    """Judge process: fork the solution process, run the test against it, print the verdict."""
-    # Fork the solution process first, while this process holds nothing secret (the payload and
-    # its nonce are still unread on stdin): the child shares no secret memory with the judge, and
-    # costs no interpreter start-up of its own.
+def _fork_solution() -> tuple[int, int, int]:
+    """Fork the solution process: (its pid, the pipe the judge writes requests to, the one it reads answers from).
+
+    Forked first, while the judge holds nothing secret (the payload and its nonce are still unread on stdin): the
+    child shares no secret memory with the judge, and costs no interpreter start-up of its own."""
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
     solution = os.fork()
@@ -152,6 +152,12 @@ def _judge_main() -> None:
             os._exit(0)  # never return into the judge's code, whatever the solution raised
     os.close(requests_r)
     os.close(answers_w)
+    return solution, requests_w, answers_r
+
+
+def _judge_main() -> None:
+    """Judge process: fork the solution process, run the test against it, print the verdict."""
+    solution, requests_w, answers_r = _fork_solution()  # first: see there
 
     import ctypes
 
