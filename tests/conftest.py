@@ -12,6 +12,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -288,7 +289,7 @@ LAYER_ORDER = ("ray", "e2e", "gloo", "sandbox", "cluster", "unit")
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    first: dict[str, int] = {}  # module -> the heaviest layer among its tests
+    first: dict[Path, int] = {}  # module -> the heaviest layer among its tests
     for item in items:
         module = item.path.relative_to(config.rootpath).as_posix()
         named = next((m for m in LAYER_MARKS if item.get_closest_marker(m)), None)  # a module or test's own
@@ -296,6 +297,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ray = RAY_FIXTURES & set(getattr(item, "fixturenames", ()))
             named = "ray" if ray else MODULE_LAYERS.get(module, "unit")
             item.add_marker(getattr(pytest.mark, named))
-        first[module] = min(first.get(module, len(LAYER_ORDER)), LAYER_ORDER.index(named))
+        first[item.path] = min(first.get(item.path, len(LAYER_ORDER)), LAYER_ORDER.index(named))
     # a stable sort: pytest-randomly's order (it shuffles before this hook) stays within each layer and module
-    items.sort(key=lambda item: first[item.path.relative_to(config.rootpath).as_posix()])
+    items.sort(key=lambda item: first[item.path])

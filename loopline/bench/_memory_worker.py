@@ -110,9 +110,8 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
     # allocates them (moving nothing without weight decay, the bench's); without it a trial misses 8 bytes a parameter
     for param in (p for p in model.parameters() if p.requires_grad):
         param.grad = torch.zeros_like(param)
-    step_in_chunks(
-        trainer.optimizer
-    )  # as a run steps: a warm-up with foreach's whole temporaries would set the peak
+    # as a run steps: a warm-up with foreach's whole temporaries would set the peak
+    step_in_chunks(trainer.optimizer)
     trainer.optimizer.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     stats = trainer.policy_step(batch, kl_coef=0.0)
