@@ -165,7 +165,9 @@ def _attempts(
     try:
         while True:
             try:
-                return ctx, _train(ctx, resume, failed, changes)
+                state = _train(ctx, resume, failed, changes)
+                ctx.checkpoints.wait()  # the last save too: a rank lost under it is recovered as any
+                return ctx, state
             except WorkerError as e:
                 caught = time.perf_counter()
                 ctx.checkpoints.abandon()  # a save in flight may have died with the ranks

@@ -3,9 +3,8 @@ starts, no torch imported), checked against the memory of the node it runs on.
 
 Per rank, the terms (bytes):
 - runtime: the Python process with torch and transformers imported (measured here, RUNTIME_BYTES);
-- params, optimizer: the model's parameters at model.dtype and AdamW's two fp32 moments, held throughout;
-  a trainer's are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps moments of) the adapters
-  only;
+- params, optimizer: the model's parameters at model.dtype and AdamW's two fp32 moments, held throughout; a
+  trainer's are sharded over runtime.trainer_ranks (FSDP2); LoRA trains (and keeps moments of) the adapters only;
 - a trainer's step has two peaks, and a rank is planned at the larger (trainer_terms). Backward's start: compute_copy
   (training.mixed_precision=bf16: the bf16 copy of the fp32 master weights its forwards run on; it also halves
   the activations), the activations forward kept (ModelShape.act_floats_per_token floats a token per decoder
@@ -17,12 +16,11 @@ Per rank, the terms (bytes):
 - logits: one micro-batch's fp32 logits over every position (the head's output; in backward its gradient
   replaces it), and over the response's tokens their log-softmax, its gradient and the slice's gradient:
   rows x (tokens + LOGITS_COPIES x response tokens) x vocab x 4 bytes; chunked log-probs (model.logits_chunk_tokens)
-  hold one chunk of the rows' tokens flattened and its copies; a frozen model's forward keeps two (logits,
-  log-softmax);
+  hold one chunk of the rows' tokens flattened and its copies; a frozen model's forward keeps two (logits, log-softmax);
 - kv_cache: an engine's keys and values for its rows at prompt + completion length, the rows a step or the
   held-out scoring runs at once (vLLM: its reserved cache); packed: a CPU torch engine's reordered copy of its
   linear weights while it generates (rollout.pack_weights);
-- sandbox: a code env worker's sandbox memory cap.
+- sandbox: a code env worker's sandbox memory cap. A trainer rank's spare (ray): runtime (a warm process) or params too.
 A rank's terms are summed. On the local backend the model roles share one process and work in turn (generate,
 then score, then train): the process holds every role's resident terms (params, optimizer) and the working terms
 (the rest) of one role at a time, the largest. Calibrated against measured peaks (docs/guide/memory-plan.md). On a
@@ -430,6 +428,18 @@ def _runtime(role: str, local: bool = True) -> Term:
     return Term("runtime", RUNTIME_BYTES, "fewer processes (colocate roles on one pool)")
 
 
+def _weights(cfg: RunConfig) -> Term:
+    """A whole copy of the policy's weights in model.dtype."""
+    return Term("params", model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype], "model.dtype=bfloat16")
+
+
+def spare_terms(cfg: RunConfig) -> list[Term]:
+    """A trainer rank's spare: a warm process (imports only) or, with trainer_standby, a built rank (its model)."""
+    if not cfg.runtime.trainer_standby:
+        return [Term("runtime", RUNTIME_BYTES, "runtime.trainer_warm=false")]
+    return [Term("runtime", RUNTIME_BYTES, "runtime.trainer_standby=false"), _weights(cfg)]
+
+
 def nodes(cfg: RunConfig, command: str) -> list[Node]:
     """Where the run's ranks live and the memory each place has."""
     rt = cfg.runtime
@@ -445,8 +455,7 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
     devices: list[Node] = []  # GPU memory: one bundle's GPUs per GPU pool
     here = not rt.cluster.address
     # the driver keeps a whole copy of the policy (what a checkpoint's HF weights and a restart start from)
-    copy = Term("params", model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype], "model.dtype=bfloat16")
-    driver = [Rank("driver", 0, [_runtime("driver"), copy])]
+    driver = [Rank("driver", 0, [_runtime("driver"), _weights(cfg)])]
     placed = dict(placement.roles)
     for role in (r for r in roles if r not in placed and r != "reward"):
         placed[role] = placed.get("actor", "actor")  # critic and reference live beside the actor
@@ -459,9 +468,10 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
             if (
                 gpu and role != "env"
             ):  # the model lives in GPU memory; the host stages one copy of the weights
-                weights = model_shape(cfg).params * DTYPE_BYTES[cfg.model.dtype]
-                terms = [_runtime(role, local=False), Term("params", weights, "model.dtype=bfloat16")]
+                terms = [_runtime(role, local=False), _weights(cfg)]
             ranks.extend(Rank(role, i, terms) for i in range(count.get(role, rt.trainer_ranks)))
+            if role == "actor" and (rt.trainer_standby or rt.warm_processes()):
+                ranks.extend(Rank("spare", i, spare_terms(cfg)) for i in range(rt.trainer_ranks))
         declared = pool.resources.get("memory")
         capacity = int(declared * pool.bundles) if declared else None
         out.append(Node(f"pool {pool.name} ({pool.bundles} bundles)", ranks, 0, capacity,
@@ -480,9 +490,8 @@ def nodes(cfg: RunConfig, command: str) -> list[Node]:
     return out + devices
 
 
-CUDA_CONTEXT_BYTES = (
-    512 * MIB
-)  # a process's CUDA context and the caching allocator's first blocks (approximate)
+# a process's CUDA context and the caching allocator's first blocks (approximate)
+CUDA_CONTEXT_BYTES = 512 * MIB
 
 
 def gpu_node(cfg: RunConfig, command: str, pool: PoolConfig, roles: list[str]) -> Node:

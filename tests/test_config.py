@@ -84,6 +84,34 @@ def test_a_trainer_rank_has_one_kind_of_spare():
         load_config(overrides=spares)
 
 
+@pytest.mark.parametrize(
+    "overrides,warm",
+    [
+        ([], False),  # local
+        (["runtime.backend=ray"], False),  # no restarts: nothing would use them
+        (["runtime.backend=ray", "runtime.max_restarts=1"], True),  # a per-role restart builds its ranks there
+        (["runtime.backend=ray", "runtime.max_restarts=1", "runtime.restart_scope=all"], False),
+        (
+            ["runtime.backend=ray", "runtime.max_restarts=1", "runtime.restart_scope=all", "runtime.trainer_ranks=2",
+             "runtime.trainer_replicas=2"],
+            True,
+        ),  # a heal builds the lost rank there
+        (["runtime.backend=ray", "runtime.max_restarts=1", "runtime.trainer_standby=true"], False),  # built spares
+        (["runtime.backend=ray", "runtime.max_restarts=1", "runtime.trainer_warm=false"], False),
+        (["runtime.backend=ray", "runtime.trainer_warm=true"], True),
+        (
+            ["runtime.backend=ray", "runtime.max_restarts=1",
+             "runtime.placement.pools=[{name: gpu, bundles: 1, resources: {CPU: 1, GPU: 1}}, "
+             "{name: cpu, bundles: 2, resources: {CPU: 1}}]",
+             "runtime.placement.roles={actor: gpu, rollout: cpu, env: cpu}"],
+            False,
+        ),  # a spare could not see the pool's GPUs
+    ],
+)  # fmt: skip
+def test_warm_processes_are_on_by_default_where_a_rank_is_replaced_alone(overrides, warm):
+    assert load_config(overrides=overrides).runtime.warm_processes() is warm
+
+
 def test_every_error_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
         load_config(overrides=["grpo.stepz=1", "sft.steps=-1"])

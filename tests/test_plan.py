@@ -111,6 +111,30 @@ def test_an_engine_copy_and_the_ray_driver_s_policy_are_counted_where_they_exist
     assert driver.get("params", 0) == (weights if backend == "ray" else 0)
 
 
+@pytest.mark.parametrize(
+    "extra,spare",
+    [
+        ([], None),  # no restarts: no spares
+        (["runtime.max_restarts=1"], {"runtime"}),  # warm processes (runtime.trainer_warm's default there)
+        (["runtime.max_restarts=1", "runtime.trainer_warm=false"], None),
+        (["runtime.max_restarts=1", "runtime.trainer_standby=true"], {"runtime", "params"}),  # built ranks
+    ],
+)
+def test_a_trainer_rank_s_spare_is_planned_where_the_run_starts_one(extra, spare):
+    from loopline.plan import RUNTIME_BYTES, nodes
+
+    cfg = load_config(None, ["runtime.backend=ray", "runtime.trainer_ranks=2", *extra])
+    spares = [r for n in nodes(cfg, "train")[:1] for r in n.ranks if r.role == "spare"]
+    if spare is None:
+        assert spares == []
+        return
+    assert [r.rank for r in spares] == [0, 1]
+    terms = {t.name: t.nbytes for t in spares[0].terms}
+    assert set(terms) == spare and terms["runtime"] == RUNTIME_BYTES
+    if "params" in terms:
+        assert terms["params"] == model_shape(cfg).params * 4  # a whole float32 copy
+
+
 def test_chunked_logits_hold_one_chunk_of_every_row_s_tokens():
     """model.logits_chunk_tokens: the chunks run over the completion tokens of all rows flattened, so the term is
     one chunk (and its three copies), not a chunk per row; a chunk longer than the micro-batch's tokens is them."""

@@ -16,18 +16,19 @@
    its own; past GRPO step --kill-step, with its trainer ranks (and spares) built, one trainer rank's process
    gets SIGKILL as soon as the next checkpoint is whole. Timed from the kill to the metrics row of the first step
    trained after the recovery (it carries recover_actor_s; then the run is killed), with
-   runtime.restart_scope=role (the trainer group restarts alone), the same with runtime.trainer_standby (spare
-   ranks, built ahead, take the dead ranks' places), with runtime.trainer_warm (warm processes, their imports paid,
-   build the new ranks) and restart_scope=all (every role restarts from the
-   checkpoint), and healed from a live replica (runtime.trainer_replicas=2, with and without spares: no checkpoint
-   loaded, no step trained again), split into: the kill seen (the failure printed; for a heal, where it began),
-   restarted and checkpoint loaded ("recovered in") or healed, and the first step. Each case also reports whether the trainer ranks' and the engine's processes are
-   new, and whether the spares took the ranks' places.
+   runtime.restart_scope=role (the trainer group restarts alone; by default warm processes, their imports paid,
+   build the new ranks), the same without them (cold: runtime.trainer_warm=false, new processes) and with
+   runtime.trainer_standby (spare ranks, built ahead, take the dead ranks' places), restart_scope=all (every role
+   restarts from the checkpoint), and healed from a live replica (runtime.trainer_replicas=2: warm processes,
+   none, or built spares; no checkpoint loaded, no step trained again), split into: the kill seen (the failure
+   printed; for a heal, where it began), restarted and checkpoint loaded ("recovered in") or healed, and the first
+   step. Each case also reports whether the trainer ranks' and the engine's processes are new, and whether the
+   spares took the ranks' places.
 
 Prints `name: value` lines, ending with the headline ratios: the loop's wait for an async save over a
 blocking one, resumed over fresh time to the first train step, then a whole restart's time from a trainer
-rank's death to the next step over a per-role restart's, with spares, with warm processes, over a heal's (spares,
-warm processes, then neither), and (last) over a per-role restart's with neither.
+rank's death to the next step over a per-role restart's with built spares and without warm processes (cold), over
+a heal's (built spares, warm processes, cold), and (last) over a per-role restart's as configured by default.
 """
 
 from __future__ import annotations
@@ -137,16 +138,15 @@ KILL_RAY = [
     "runtime.call_timeout_s=300", "runtime.max_restarts=1",
 ]  # fmt: skip
 KILL_CASES = {  # how the run recovers: the trainer group alone, the same from spares, every role; healed from a replica
-    "role": ["runtime.restart_scope=role"],
+    "role": [
+        "runtime.restart_scope=role"
+    ],  # the default: warm processes (runtime.trainer_warm) build the new ranks
+    "cold": ["runtime.restart_scope=role", "runtime.trainer_warm=false"],  # new processes import torch first
     "standby": ["runtime.restart_scope=role", "runtime.trainer_standby=true"],
-    "warm": [
-        "runtime.restart_scope=role",
-        "runtime.trainer_warm=true",
-    ],  # warm processes: imports paid, no model
     "all": ["runtime.restart_scope=all"],
-    "heal": ["runtime.trainer_replicas=2"],
+    "heal": ["runtime.trainer_replicas=2"],  # warm processes by default, as "role"
+    "heal_cold": ["runtime.trainer_replicas=2", "runtime.trainer_warm=false"],
     "heal_standby": ["runtime.trainer_replicas=2", "runtime.trainer_standby=true"],
-    "heal_warm": ["runtime.trainer_replicas=2", "runtime.trainer_warm=true"],
 }
 KILL_PHASES = ("detect_s", "restart_s", "first_step_s", "time_to_next_step_s")
 KILL_CHECKS = ("trainer_ranks_replaced", "engine_kept", "spares_promoted", "ledger_exactly_once", "healed")
@@ -290,8 +290,9 @@ def _kill_a_trainer_rank(
         wait_for(
             f"at the checkpoint of GRPO step {kill_step}", (checkpoints / f"grpo-{kill_step:06d}").is_dir
         )
-        with_spares = {"runtime.trainer_standby=true", "runtime.trainer_warm=true"} & set(KILL_CASES[case])
-        actors = 4 if with_spares else 2  # ranks and spares (built or warm); the spares start after the ranks
+        actors = (
+            4 if _has_spares(case) else 2
+        )  # ranks and spares (built or warm); the spares start after the ranks
         wait_for("with its trainer ranks (and spares) built", lambda: _built("ray::ActorWorker", actors))
         saved = _newest(checkpoints)
         wait_for("at a new checkpoint", lambda: _newest(checkpoints) != saved)  # kill just after it
@@ -338,6 +339,14 @@ def _kill_a_trainer_rank(
             seconds = [float(w.rstrip("s,)")) for w in found[1].replace("(", " ").split() if w[0].isdigit()]
             result.update(zip(names, seconds))
     return result
+
+
+def _has_spares(case: str) -> bool:
+    """Whether a run of `case` gives its trainer ranks spares (built or warm processes), as its config resolves."""
+    from loopline.config import load_config
+
+    runtime = load_config(overrides=[*KILL_RAY, *KILL_CASES[case]]).runtime
+    return runtime.trainer_standby or runtime.warm_processes()
 
 
 def bench_kill(
@@ -520,10 +529,10 @@ def main(argv: list[str]) -> int:
         )
     if kill is not None and "all" in kill:
         to_step = {case: statistics.median(got["time_to_next_step_s"]) for case, got in kill.items()}
-        for case in ("standby", "warm"):
+        for case in ("standby", "cold"):
             if case in to_step:
                 print(f"headline.whole_over_{case}_restart: {to_step['all'] / to_step[case]:.3f}")
-        for case in ("heal_standby", "heal_warm", "heal"):
+        for case in ("heal_standby", "heal", "heal_cold"):
             if case in to_step:
                 print(f"headline.whole_restart_over_{case}: {to_step['all'] / to_step[case]:.3f}")
         if "role" in to_step:

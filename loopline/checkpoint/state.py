@@ -49,6 +49,7 @@ from loopline.checkpoint.config import CheckpointConfig
 from loopline.checkpoint.dcp import copy_state, read_model_weights
 from loopline.checkpoint.faults import FAULTS
 from loopline.checkpoint.ledger import LEDGER_FILE
+from loopline.distributed.workers import WorkerError
 from loopline.errors import UserError
 
 # Append-only run files that a checkpoint records the length of, and a resume cuts back to that length.
@@ -325,7 +326,8 @@ def truncate_run_files(run_dir: Path, cursors: dict[str, int]) -> None:
 
 class SaveInFlight:
     """The checkpoint being finished in the background (checkpoint.async_save), at most one: its failure is raised
-    by the next wait(), or dropped by abandon() when the ranks writing it were lost (a restart, a heal)."""
+    by the next wait() (a lost rank's WorkerError as it is, for the run's recovery), or dropped by abandon() when
+    the ranks writing it were lost (a restart, a heal)."""
 
     def __init__(self, timeout_s: float) -> None:
         """timeout_s: checkpoint.save_timeout_s, the longest a save's finish waits for the ranks' shards."""
@@ -352,6 +354,8 @@ class SaveInFlight:
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, WorkerError):  # a rank lost under the save: recovered as any call's failure
+                raise error
             raise RuntimeError(f"checkpoint failed: {type(error).__name__}: {error}") from error
 
     def wait(self) -> None:

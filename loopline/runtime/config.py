@@ -125,13 +125,15 @@ class RuntimeConfig(Section):
         "starting processes (the torch import is paid already), then starts new ones. Costs a process and a "
         "model copy per rank.",
     )
-    trainer_warm: bool = Field(
-        False,
+    trainer_warm: bool | None = Field(
+        None,
         description="A warm process for every trainer rank (ray, pools without GPUs): an actor in the rank's bundle "
         "that has imported torch and transformers but built nothing, holding none of its resources; a per-role "
         "restart or a heal builds the rank there instead of starting a process (the imports, most of a new rank's "
         "start-up, are paid), then starts new ones. Costs an idle process per rank, no model copy. "
-        "Not with trainer_standby (whose spares are built ranks).",
+        "Not with trainer_standby (whose spares are built ranks). null (default): on where a rank can be replaced "
+        "alone (backend=ray, max_restarts > 0, and restart_scope=role or trainer_replicas > 1), the actor's "
+        "pool has no GPUs and trainer_standby is off; false saves the idle processes.",
     )
     max_engine_replacements: int = Field(
         3,
@@ -225,11 +227,10 @@ class RuntimeConfig(Section):
             return self
         if self.backend != "ray":
             raise ValueError(f"{field}=true needs backend=ray (spares are Ray actors)")
-        pool = next((p for p in self.pools().pools if p.name == self.pools().roles.get("actor")), None)
-        if pool is not None and pool.resources.get("GPU", 0.0) > 0:
+        if self._actor_has_gpus():
             raise ValueError(
-                f"{field}=true: the actor's pool '{pool.name}' has GPUs, which a spare (holding none of "
-                f"its bundle's resources) cannot see; use {field}=false there"
+                f"{field}=true: the actor's pool '{self.pools().roles.get('actor')}' has GPUs, which a spare "
+                f"(holding none of its bundle's resources) cannot see; use {field}=false there"
             )
         return self
 
@@ -259,6 +260,20 @@ class RuntimeConfig(Section):
                     f"{field}={ranks} but pool '{pool.name}' of role '{role}' has {pool.bundles} bundles"
                 )
         return self
+
+    def warm_processes(self) -> bool:
+        """Whether the trainer ranks get warm processes: trainer_warm as given, or (null) where a rank can be
+        replaced alone, on a pool a spare can use, without built spares."""
+        if self.trainer_warm is not None:
+            return self.trainer_warm
+        if self.backend != "ray" or self.trainer_standby or self._actor_has_gpus():
+            return False
+        return self.max_restarts > 0 and (self.restart_scope == "role" or self.trainer_replicas > 1)
+
+    def _actor_has_gpus(self) -> bool:
+        pools = self.pools()
+        pool = next((p for p in pools.pools if p.name == pools.roles.get("actor")), None)
+        return pool is not None and pool.resources.get("GPU", 0.0) > 0
 
     def _ranks(self) -> dict[str, int]:
         return {"actor": self.trainer_ranks, "rollout": self.engines, "env": self.env_workers}

@@ -228,8 +228,8 @@ class _RayRun:
                     role=role,
                     pool=self.where[role],
                     init_args=args,
-                    standby=role == "actor" and (rt.trainer_standby or rt.trainer_warm),
-                    warm=rt.trainer_warm,
+                    standby=role == "actor" and (rt.trainer_standby or rt.warm_processes()),
+                    warm=rt.warm_processes(),
                     mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
                     **options,
                 )

@@ -311,6 +311,17 @@ def test_a_failed_save_in_flight_is_raised_by_the_next_wait_or_dropped_by_abando
     with pytest.raises(RuntimeError, match="disk full"):
         SaveInFlight(timeout_s=5.0).run(fail)
 
+    # a trainer rank lost under the save: its WorkerError as it is, which the run's recovery catches (a restart
+    # from the last whole checkpoint), not a RuntimeError that would end the run
+    from loopline.distributed.workers import WorkerDiedError
+
+    def lost() -> None:
+        raise WorkerDiedError("actor", 1, "wait_saved", "the rank's actor died")
+
+    saves.start(lost, "checkpoint-e")
+    with pytest.raises(WorkerDiedError, match="role 'actor' rank 1 wait_saved"):
+        saves.wait()
+
 
 def test_hf_weights_are_written_as_safetensors_reads_them_one_tensor_at_a_time(tmp_path) -> None:
     """write_hf_weights writes the safetensors format itself, tensor by tensor: safetensors reads back every
