@@ -306,6 +306,7 @@ def _weights(run: Path) -> dict[str, torch.Tensor]:
     return load_file(run / "checkpoints" / FINAL / "model" / "model.safetensors")
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_async_run_resumes_exactly_trains_each_sample_once_within_the_bound(
     ray_cluster, tmp_path: Path

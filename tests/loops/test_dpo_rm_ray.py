@@ -69,6 +69,7 @@ def test_dpo_on_two_ray_ranks_matches_one_local_rank(ray_cluster, tmp_path):
     _same_update(_initial_policy(), theirs, ours, local)
 
 
+@pytest.mark.heavy
 def test_rm_on_two_ray_ranks_matches_one_local_rank(ray_cluster, tmp_path):
     local, ray = tmp_path / "local", tmp_path / "ray"
     assert main(["rm", *TINY, *RM, f"out_dir={local}"]) == 0

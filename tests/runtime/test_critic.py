@@ -136,6 +136,7 @@ def test_ppo_runs_on_ray_and_checkpoints_the_critic_shards(ppo_run: Path) -> Non
     assert moved > 0
 
 
+@pytest.mark.heavy
 def test_ppo_on_ray_resumes_exactly(ppo_run: Path, tmp_path: Path) -> None:
     resumed = tmp_path / "run"
     shutil.copytree(ppo_run, resumed)

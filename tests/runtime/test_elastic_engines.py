@@ -112,6 +112,7 @@ def _assert_every_sample_trained_once(ctx: RunContext, steps: int) -> None:
     assert all(len(r["samples"]) == size for r in ledger)  # each step trained all its completions
 
 
+@pytest.mark.heavy
 def test_killed_engines_are_replaced_then_engines_join_and_leave_through_loopline_scale(
     ray_cluster, tmp_path: Path, capsys
 ) -> None:

@@ -177,6 +177,7 @@ def test_ray_run_agrees_with_the_local_backend(runs: dict[str, Path]) -> None:
     assert g_ray[1]["entropy"] == pytest.approx(g_local[1]["entropy"], rel=0.05)
 
 
+@pytest.mark.heavy
 def test_a_killed_ray_run_resumes_bitwise_then_reshards_onto_one_rank(
     runs: dict[str, Path], user_env: tuple[str, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

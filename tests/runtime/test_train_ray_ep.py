@@ -79,6 +79,7 @@ def test_expert_parallel_run_trains_the_experts_and_replays_routes(uninterrupted
         assert torch.equal(dcp[name], weight), name
 
 
+@pytest.mark.heavy
 def test_a_killed_expert_parallel_run_resumes_bitwise_then_on_one_rank(
     uninterrupted: Path, tmp_path: Path
 ) -> None:
