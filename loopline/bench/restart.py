@@ -138,9 +138,8 @@ KILL_RAY = [
     "runtime.call_timeout_s=300", "runtime.max_restarts=1",
 ]  # fmt: skip
 KILL_CASES = {  # how the run recovers: the trainer group alone, the same from spares, every role; healed from a replica
-    "role": [
-        "runtime.restart_scope=role"
-    ],  # the default: warm processes (runtime.trainer_warm) build the new ranks
+    # the default: warm processes (runtime.trainer_warm) build the new ranks
+    "role": ["runtime.restart_scope=role"],
     "cold": ["runtime.restart_scope=role", "runtime.trainer_warm=false"],  # new processes import torch first
     "standby": ["runtime.restart_scope=role", "runtime.trainer_standby=true"],
     "all": ["runtime.restart_scope=all"],
@@ -290,9 +289,8 @@ def _kill_a_trainer_rank(
         wait_for(
             f"at the checkpoint of GRPO step {kill_step}", (checkpoints / f"grpo-{kill_step:06d}").is_dir
         )
-        actors = (
-            4 if _has_spares(case) else 2
-        )  # ranks and spares (built or warm); the spares start after the ranks
+        # ranks and spares (built or warm processes); the spares start after the ranks
+        actors = 4 if _has_spares(case) else 2
         wait_for("with its trainer ranks (and spares) built", lambda: _built("ray::ActorWorker", actors))
         saved = _newest(checkpoints)
         wait_for("at a new checkpoint", lambda: _newest(checkpoints) != saved)  # kill just after it
