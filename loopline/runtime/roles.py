@@ -218,6 +218,8 @@ class _RayRun:
         rt = self.rt
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
         options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": FAULTS.env()}
+        # the trainer ranks' spares: warm processes (runtime.trainer_warm as resolved), or built ranks with standby
+        warm = rt.warm_processes()
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         with ThreadPoolExecutor(len(self.workers)) as threads:
             starting = [
@@ -228,8 +230,8 @@ class _RayRun:
                     role=role,
                     pool=self.where[role],
                     init_args=args,
-                    standby=role == "actor" and (rt.trainer_standby or rt.warm_processes()),
-                    warm=rt.warm_processes(),
+                    standby=role == "actor" and (rt.trainer_standby or warm),
+                    warm=warm,
                     mesh=RankMesh(rt.trainer_tp, rt.trainer_pp) if role == "actor" else None,
                     **options,
                 )
