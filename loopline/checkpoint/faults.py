@@ -11,6 +11,8 @@ test can SIGKILL it at exactly that point: mid-save, right after a save, at a gi
 - `policy_step:<rank>:<n>:before` / `:after` (and `sft_step:...`): on trainer rank <rank>, around the n-th optimizer
   step of the phase (once per run: a rank that replaces it does not stop there again), to lose a rank mid-step;
   `send_weights:<rank>:<n>`: as that rank's part of the weight sync after its n-th step begins.
+- `wait_saved:<rank>:<checkpoint>`: on trainer rank <rank>, as the checkpoint's finish waits for its shards (once per
+  run), to lose a rank under a save (the last one included);
 - `init:actor:<rank>` / `init:rollout:<rank>`: in the constructor of that trainer rank or engine (ray), once per run,
   to lose it while the roles start.
 Ray workers get these variables from the driver (`FAULTS.env()`).

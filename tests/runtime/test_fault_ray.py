@@ -285,6 +285,35 @@ def test_a_killed_trainer_rank_replaced_by_its_spare_ends_bitwise_as_an_uninterr
 
 
 @pytest.mark.heavy
+def test_a_rank_lost_under_the_last_checkpoint_restarts_and_ends_bitwise_as_an_uninterrupted_run(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    """Trainer rank 1 is lost as the run's last checkpoint finishes in the background (checkpoint.async_save),
+    after the last step: the run restarts its trainer from the last whole checkpoint, trains the last step again
+    and ends with the weights of a run never interrupted (the save's lost rank once ended the run with a
+    traceback: it was raised as a RuntimeError, and the last save was waited for outside the recovery)."""
+    run, markers = tmp_path / "killed", tmp_path / "markers"
+    point = "wait_saved:1:grpo-000005"
+    marker = markers / f"{point.replace(':', '_')}.paused"
+
+    def kill_at_the_last_save(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + RUN_TIMEOUT_S / 2
+        while not marker.exists() or not marker.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, f"no rank paused at {point}"
+            time.sleep(0.05)
+        assert _grpo_steps(run)[-1] == 5  # the last step logged: only its checkpoint is left
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    env = {"LOOPLINE_PAUSE_AT": point, "LOOPLINE_PAUSE_DIR": str(markers)}
+    status, out, err = _act_at_step_1(run, [], kill_at_the_last_save, env)
+    assert status == 0, out[-3000:] + err[-3000:]
+    assert "resuming from the last checkpoint" in out + err and "recovered in " in out + err
+    assert "Traceback" not in err, err[-3000:]
+    assert not repeats(read_ledger(run))
+    assert _same_weights(run, uninterrupted)
+
+
+@pytest.mark.heavy
 def test_killed_reference_then_critic_ranks_restart_their_groups_alone(
     ray_cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
