@@ -1,18 +1,16 @@
 """What `loopline plan` puts in a GPU bundle for a trainer rank, measured on a GPU (CI has none: run by hand).
 
-Prints the CUDA context this process holds once initialised (free memory before any tensor), then, per case, one
-GRPO policy step of a preset's shape with random weights on the GPU (the optimizer's moments allocated first,
-as in a run's later steps, as `loopline bench memory`'s trials do): the allocator's peak, its reserved peak, and
+Prints the CUDA context this process holds once initialised (free memory before any tensor), then, per case,
+`loopline bench memory`'s trial on the GPU (one GRPO policy step of a preset's shape with random weights, the
+optimizer's moments allocated first, as in a run's later steps): the allocator's peak, its reserved peak, and
 the plan's actor terms for the same config (`plan.gpu_node`'s: the context plus every term but the CPU engine's
-packed copy). Usage: python scripts/gpu_plan_check.py [PRESET:ROWS:LENGTH[:on|off][:bf16] ...] (on: the memory switches; bf16:
-training.mixed_precision=bf16)
+packed copy). Usage: python scripts/gpu_plan_check.py [PRESET:ROWS:LENGTH[:on|off][:bf16] ...] (on: the memory
+switches; bf16: training.mixed_precision=bf16)
 """
 
 from __future__ import annotations
 
-import math
 import sys
-import time
 
 import torch
 
@@ -32,53 +30,25 @@ def overrides(preset: str, rows: int, length: int, switches: bool, bf16: bool) -
 
 
 def step_peak(over: list[str], rows: int, length: int) -> dict[str, float]:
-    """One GRPO policy step on the GPU: seconds, the allocator's peak and reserved peak."""
-    from loopline.config import load_config
-    from loopline.data.batches import RolloutBatch
-    from loopline.models.load import load_policy
-    from loopline.training.optim import step_in_chunks
-    from loopline.training.parallel import apply_activation_checkpointing
-    from loopline.training.policy import PolicyTrainer, grpo_loss
-    from loopline.training.precision import cast_in_forward
+    """`loopline bench memory`'s trial (one GRPO policy step) on the GPU: seconds, allocated and reserved peaks."""
+    from loopline.bench._memory_worker import trial
 
-    cfg = load_config(None, over)
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    model = load_policy(cfg.model, seed=0)[0].to("cuda")
-    cast_in_forward(model, cfg.training.mixed_precision)  # bf16 compute on fp32 masters, as the local actor
-    apply_activation_checkpointing(model, cfg.training.activation_checkpointing)
-    trainer = PolicyTrainer(
-        model, cfg.grpo.optim, 1, None, grpo_loss(cfg.grpo), cfg.grpo.micro_batch_size, cfg.model.packing,
-        cfg.model.share_prompts, cfg.model.logits_chunk_tokens,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 500, (rows, PROMPT_TOKENS + length), generator=g)
-    vocab = model.config.vocab_size
-    batch = RolloutBatch(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        response_mask=torch.ones(rows, length),
-        old_logprobs=torch.full((rows, length), -math.log(vocab)),
-        ref_logprobs=None,
-        advantages=torch.tensor([1.0, -1.0] * (rows // 2) + [1.0] * (rows % 2)),
-        rewards=torch.zeros(rows),
-    ).to(torch.device("cuda"))
-    for param in (p for p in model.parameters() if p.requires_grad):
-        param.grad = torch.zeros_like(param)
-    step_in_chunks(trainer.optimizer)
-    trainer.optimizer.zero_grad(set_to_none=True)
+    job = {
+        "overrides": over,
+        "rows": rows,
+        "length": length,
+        "prompt_tokens": PROMPT_TOKENS,
+        "device": "cuda",
+    }
+    out = trial(job)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    stats = trainer.policy_step(batch, kl_coef=0.0)
-    torch.cuda.synchronize()
-    out = {
-        "seconds": time.perf_counter() - t0,
-        "loss_finite": float(math.isfinite(stats.loss)),
+    return {
+        "seconds": out["seconds"],
+        "loss_finite": float(out["ok"]),
         "peak": torch.cuda.max_memory_allocated(),
         "reserved": torch.cuda.max_memory_reserved(),
     }
-    del trainer, model, batch
-    return out
 
 
 def main(argv: list[str]) -> int:

@@ -71,7 +71,8 @@ def trl_run(job: dict[str, Any]) -> dict[str, Any]:
 def trial(job: dict[str, Any]) -> dict[str, Any]:
     """One GRPO policy step (the run's config: job['overrides']) on job['rows'] rows of job['prompt_tokens'] +
     job['length'] random tokens with fixed old log-probs and advantages: no generation, no reference; the
-    optimizer's state already allocated, as in a run's later steps."""
+    optimizer's state already allocated, as in a run's later steps. On job.get('device', 'cpu') (a GPU for
+    scripts/gpu_plan_check.py)."""
     import torch
 
     from loopline.config import load_config
@@ -85,7 +86,8 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
 
     cfg = load_config(None, job["overrides"])
     setup_process(cfg)  # one thread (the bench's threads=1) and the allocator, as a run's processes
-    model, _ = load_policy(cfg.model, seed=0)
+    device = torch.device(job.get("device", "cpu"))
+    model = load_policy(cfg.model, seed=0)[0].to(device)
     cast_in_forward(model, cfg.training.mixed_precision)  # bf16 compute on fp32 masters, as the local actor
     mode = cfg.training.activation_checkpointing
     apply_activation_checkpointing(model, mode)
@@ -105,7 +107,7 @@ def trial(job: dict[str, Any]) -> dict[str, Any]:
         ref_logprobs=None,
         advantages=torch.tensor([1.0, -1.0] * (rows // 2) + [1.0] * (rows % 2)),  # (B,)
         rewards=torch.zeros(rows),
-    )
+    ).to(device)
     # AdamW's moments exist, as they do through every step of a run but its first: a zero gradient's update
     # allocates them (moving nothing without weight decay, the bench's); without it a trial misses 8 bytes a parameter
     for param in (p for p in model.parameters() if p.requires_grad):

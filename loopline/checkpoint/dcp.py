@@ -233,12 +233,18 @@ def copy_state(value: Any) -> Any:
     return value
 
 
+def checkpoint_of(path: str | Path) -> str:
+    """The checkpoint a rank's DCP path belongs to: <name> of <root>/.tmp-<name>/dcp (the fault points' names)."""
+    return Path(path).parent.name.removeprefix(".tmp-")
+
+
 class ShardWriter:
     """Writes one rank's part of a checkpoint: DCP shards and, optionally, the whole weights as safetensors."""
 
     def __init__(self, timeout_s: float = 600.0) -> None:
         """timeout_s: the longest a save waits for the one before it to be written."""
         self.timeout_s = timeout_s
+        self.checkpoint = ""  # the checkpoint of the last save (checkpoint_of its path)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -259,6 +265,7 @@ class ShardWriter:
         run in the thread).
         """
         self.wait(self.timeout_s)  # at most one save in flight
+        self.checkpoint = checkpoint_of(path)
         if blocking:
             self._write(path, state, group, hf, extra)
             return
@@ -306,7 +313,7 @@ class ShardWriter:
         with _quiet():
             dcp.save(state, checkpoint_id=str(path), process_group=group, no_dist=group is None)
         # test hook: a kill half-way
-        FAULTS.pause_point(f"save:mid:{Path(path).parent.name.removeprefix('.tmp-')}")
+        FAULTS.pause_point(f"save:mid:{checkpoint_of(path)}")
         if hf is not None:
             write_hf_weights(*hf)
         for extra_path, extra_state in extra:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -95,7 +94,6 @@ class ActorWorker:
             None  # the whole model's parameters as the sync planner reads them, once joined
         )
         self.writer = ShardWriter()
-        self.saving = ""  # the checkpoint this rank's writer last took (<name> of its .tmp-<name>/dcp)
         self.checkpoint_group: Any = None  # the trainer ranks' own group for checkpoint I/O, once joined
         self.reward: RewardTrainer | None = (
             None  # `loopline rm`'s reward model on the policy's body, once started
@@ -443,11 +441,11 @@ class ActorWorker:
             # with LoRA, each adapted weight merged only as it is written (MergedWeights), not a merged copy
             weights = MergedWeights(self.model) if has_lora(self.model) else state["model"]
         hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
-        self.saving = Path(path).parent.name.removeprefix(".tmp-")
         self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
 
     def wait_saved(self, timeout_s: float) -> None:
-        FAULTS.pause_point(f"wait_saved:{self.rank}:{self.saving}", once=True)  # test hook: lost under a save
+        # test hook: a rank lost under a save
+        FAULTS.pause_point(f"wait_saved:{self.rank}:{self.writer.checkpoint}", once=True)
         self.writer.wait(timeout_s)
 
     def load_state(self, path: str) -> None:
