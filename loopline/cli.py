@@ -344,10 +344,13 @@ def _run(argv: list[str]) -> int:
         return 0
     if args.command == "plan":
         from loopline import plan
+        from loopline.plan_auto import resolve
 
         config, overrides = _split_config(args)
-        cfg = load_config(config, overrides)
-        print("\n".join(plan.report(cfg, args.command_planned)))
+        resolved = resolve(load_config(config, overrides), args.command_planned)  # as the run would start
+        cfg = resolved.cfg
+        lines = plan.report(cfg, args.command_planned)
+        print("\n".join([lines[0], *([resolved.line] if resolved.line else []), *lines[1:]]))
         plan.check(cfg, args.command_planned)
         return 0
     if args.command in RUN_COMMANDS:

@@ -34,6 +34,7 @@ from loopline.loops.context import (
 from loopline.loops.grpo import train_grpo
 from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
+from loopline.plan_auto import resolve as resolve_auto
 from loopline.runtime.recovery import Recovery
 from loopline.runtime.roles import RESTARTABLE
 from loopline.training.lora import merged_state_dict
@@ -58,6 +59,7 @@ def _run_config(
             raise UserError("--resume continues the run in out_dir, --overwrite deletes it: give one of them")
         fresh_ok = getattr(args, "restart_unsaved", False)
         cfg, changes = resume_config(config, overrides, args.allow_config_change, fresh_ok)
+        cfg = _auto(cfg, command)  # a resumed run's saved config holds its choices: only a fresh one's change
         run_dir = Path(cfg.out_dir)
         metrics = run_dir / "metrics.jsonl"
         newest, _ = newest_whole_checkpoint(run_dir)  # raises, before anything is written, if all are damaged
@@ -73,9 +75,17 @@ def _run_config(
             )
         return cfg, changes
     # paths absolute in the run's saved config: a resume from another directory reads the same files
-    cfg = absolute_paths(load_config(config, overrides), Path.cwd())
+    cfg = _auto(absolute_paths(load_config(config, overrides), Path.cwd()), command)
     prepare_new_run(cfg.out_dir, args.overwrite, command)
     return cfg, {}
+
+
+def _auto(cfg: RunConfig, command: str) -> RunConfig:
+    """The config with its auto settings resolved (loopline.plan_auto), their choice printed in one line."""
+    resolved = resolve_auto(cfg, command)
+    if resolved.line:
+        print(resolved.line, flush=True)
+    return resolved.cfg
 
 
 def _resume(

@@ -34,6 +34,8 @@ from loopline.section import (
     ConfigError,
     Section,
     format_validation_error,
+    given_tree,
+    mark_given,
     merge_trees,
     parse_overrides,
     read_tree,
@@ -222,7 +224,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _ep_fits(self) -> RunConfig:
         ep, mixed = self.runtime.trainer_ep, self.training.mixed_precision
-        if ep > 1 and mixed != "none":  # FSDP2's casts skip the experts it leaves alone
+        if ep > 1 and mixed == "bf16":  # FSDP2's casts skip the experts it leaves alone
             raise ValueError(
                 f"runtime.trainer_ep={ep} with training.mixed_precision={mixed} is not built: set "
                 "runtime.trainer_ep=1"
@@ -231,7 +233,7 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _mixed_precision_fits(self) -> RunConfig:
-        if self.training.mixed_precision == "none":
+        if self.training.mixed_precision != "bf16":  # auto is resolved to what the run allows (plan_auto)
             return self
         if self.model.dtype != "float32":
             raise ValueError(
@@ -304,14 +306,18 @@ def load_config(
 
     base: the config the file and overrides apply to (default: every field's default), e.g. a resumed run's.
     """
-    tree = read_tree(path, overrides)
+    given = read_tree(path, overrides)
     # Start from the defaults, so a section given in part keeps the rest of its own defaults:
     # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
-    tree = merge_trees((base if base is not None else RunConfig()).model_dump(), tree)
+    tree = merge_trees((base if base is not None else RunConfig()).model_dump(), given)
     try:
-        return RunConfig.model_validate(tree)
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, RunConfig)) from None
+    # what the file and overrides (and the base's own input) set, not every field the defaults filled in: the
+    # auto choices (training.memory, training.mixed_precision) never change a field the user set
+    mark_given(cfg, merge_trees(given_tree(base), given) if base is not None else given)
+    return cfg
 
 
 # The fields that name files or directories on this machine: a run's saved config holds them absolute, so that a

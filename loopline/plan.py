@@ -560,13 +560,13 @@ def report(cfg: RunConfig, command: str) -> list[str]:
         f"parameters{active} (hidden {shape.hidden}, {shape.layers} layers{moe}, vocab {shape.vocab}), "
         f"{cfg.model.dtype}, "
         f"activation_checkpointing={activation_checkpointing(cfg)}"
-        + (f", mixed_precision={mixed} (engines {cfg.engine_dtype})" if mixed != "none" else ""),
+        + (f", mixed_precision={mixed} (engines {cfg.engine_dtype})" if mixed == "bf16" else ""),
     ]
     for p in phases(cfg, command, shape):
         lines.append(f"  phase {p.name}: {p.micro_rows} rows x {p.seq} tokens a micro-batch per rank")
     names = ["runtime", "params", "optimizer", "grads", "update", "activations", "logits", "kv_cache", "packed",
              "sandbox"]  # fmt: skip
-    if mixed != "none":  # the bf16 copy the trainer computes on
+    if mixed == "bf16":  # the bf16 copy the trainer computes on
         names.insert(names.index("activations"), "compute_copy")
     for node in nodes(cfg, command):
         lines.append("")

@@ -121,8 +121,10 @@ def check_run(
     _check_bf16(cfg, command)
     if plan:
         from loopline.plan import check
+        from loopline.plan_auto import resolve
 
-        check(resume_config(*resume, True, fresh_ok=True)[0] if resume else cfg, command)
+        planned = resume_config(*resume, True, fresh_ok=True)[0] if resume else cfg
+        check(resolve(planned, command).cfg, command)  # as the run will start: its auto settings resolved
     if command in WRITING_COMMANDS:
         _check_out_dir(cfg.out_dir)
     if command == "eval":
@@ -134,7 +136,7 @@ def _check_bf16(cfg: RunConfig, command: str) -> None:
     is refused; where bf16 is emulated (no avx512_bf16/AMX), the new switches warn that it saves memory, not time."""
     from loopline.doctor import bf16_support
 
-    mixed = cfg.training.mixed_precision != "none"
+    mixed = cfg.training.mixed_precision == "bf16"  # auto asks for bf16 only where the probe found it native
     asked = [
         key
         for key, on in (

@@ -107,6 +107,39 @@ def format_validation_error(err: ValidationError, root: type[BaseModel] | None =
     return "\n".join(lines)
 
 
+def mark_given(model: BaseModel, tree: dict[str, Any]) -> None:
+    """Make each section's `model_fields_set` the keys `tree` gives it (recursively), so that a config validated
+    from the defaults merged with the user's YAML and overrides still knows which fields the user set: what
+    `memory=auto`-style choices must never change. In place."""
+    given = {k for k in tree if k in type(model).model_fields}
+    object.__setattr__(model, "__pydantic_fields_set__", given)
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            sub = tree.get(name)
+            mark_given(value, sub if isinstance(sub, dict) else {})
+
+
+def given_tree(model: BaseModel) -> dict[str, Any]:
+    """The fields of `model` set by its input (model_fields_set), as a nested dict of the values (mark_given's
+    inverse): a base config's own settings, to keep them set under new overrides."""
+    out: dict[str, Any] = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            sub = given_tree(value)
+            if sub or name in model.model_fields_set:
+                out[name] = sub
+        elif name in model.model_fields_set:
+            out[name] = value
+    return out
+
+
+def given_keys(model: BaseModel) -> set[str]:
+    """The dotted keys of every leaf field set by the config's input (YAML, overrides), whatever its value."""
+    return set(flat_values(given_tree(model)))
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree

@@ -42,6 +42,11 @@ LAYERS: list[tuple[str, int, str]] = [
         "memory and FLOPs of a run's ranks from its config (no torch); k8s and the CLI read it",
     ),
     (
+        "loopline.plan_auto",
+        6,
+        "the auto settings (memory switches, bf16) resolved from the plan before a run",
+    ),
+    (
         "loopline.envs",
         6,
         "environments over rollout, registered in envs/specs.py; the env pool on Ray actors",

@@ -363,11 +363,27 @@ class TrainingConfig(Section):
         "every layer (keeps only each layer's input); selective = every other layer (the odd-numbered ones). "
         "Same gradients, less memory, ~1/3 more compute on the checkpointed layers.",
     )
-    mixed_precision: Literal["none", "bf16"] = Field(
-        "none",
+    mixed_precision: Literal["auto", "none", "bf16"] = Field(
+        "auto",
         description="none: compute in model.dtype. bf16: the policy (and its frozen reference) run forwards and "
         "backwards on bfloat16 copies of float32 master weights; the optimizer steps the float32 masters with "
         "float32 AdamW moments, and gradients are accumulated and reduced in float32 (FSDP2's "
         "MixedPrecisionPolicy on Ray ranks, the same casts on the local backend). Needs model.dtype=float32; "
-        "checkpoints keep the float32 masters. Less activation memory, more parameter memory (a bf16 copy).",
+        "checkpoints keep the float32 masters. Less activation memory, more parameter memory (a bf16 copy). "
+        "auto (resolved before a run starts, loopline.plan_auto): bf16 for a model of at least 100M parameters "
+        "(never the built-in one) where this CPU's bf16 matmuls run at least 1.5x faster than float32 (a probe, "
+        "cached per machine: `loopline doctor`) and the run allows it; none elsewhere.",
+    )
+    memory: Literal["auto", "manual"] = Field(
+        "auto",
+        description="auto: before a run starts, the memory plan turns on what the run needs to fit its nodes "
+        "with a margin (model.logits_chunk_tokens, then activation_checkpointing, then token-budget micro-batches) "
+        "and nothing where it fits without them; a field set in the config or an override is never changed, and "
+        "the choice is printed in one line. manual: the fields as they are.",
+    )
+    memory_budget_gib: float = Field(
+        0.0,
+        ge=0.0,
+        description="The memory (GiB) that training.memory=auto plans each node against; 0 = each node's own (this "
+        "machine's MemTotal, a pool's declared memory). The check before a run still uses the node's own.",
     )

@@ -30,7 +30,7 @@ def fsdp_policy(mode: str) -> Any:
     """FSDP2's mixed-precision policy for training.mixed_precision (`mode` "none": compute in the weights' dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if mode == "none":
+    if mode not in COMPUTE_DTYPES:  # none, or an auto no plan resolved (eval, generate): the weights' dtype
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=COMPUTE_DTYPES[mode], reduce_dtype=torch.float32)
 
@@ -58,7 +58,7 @@ def cast_in_forward(model: nn.Module, mode: str) -> nn.Module:
     compute-dtype copies of its floating-point parameters, whose gradients arrive in the parameters' own dtype.
     In place and idempotent; names, state dicts and the optimizer see the float32 parameters. A deep copy (the
     frozen reference) computes the same way."""
-    if mode == "none" or getattr(model, "_loopline_casts", None) is not None:
+    if mode not in COMPUTE_DTYPES or getattr(model, "_loopline_casts", None) is not None:
         return model
     casts = _Casts(COMPUTE_DTYPES[mode])
     model.__dict__["_loopline_casts"] = casts  # marks the model (and travels with a deep copy)
