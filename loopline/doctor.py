@@ -159,6 +159,7 @@ def cpu() -> list[Item]:
             "bf16 matmuls without native support: model.dtype=bfloat16 runs slower than float32",
         ),
         _bf16_item(),
+        _bf16_probe_item(),
         flag("amx_tile", "no AMX tiles: no bf16/int8 matrix units (SGLang's CPU backend needs them)"),
     ]
 
@@ -167,6 +168,25 @@ def _bf16_item() -> Item:
     level, why = bf16_support()
     off = {"native": "", "emulated": why, "none": f"{why}: training.mixed_precision=bf16 is refused"}[level]
     return Item("bf16", level, off)
+
+
+def _bf16_probe_item() -> Item:
+    """The probe training.mixed_precision=auto decides by (loopline.training.bf16_probe), measured here once."""
+    from loopline.plan_auto import BF16_MIN_PARAMS, BF16_MIN_SPEEDUP
+    from loopline.training.bf16_probe import cache_path, probe
+
+    try:
+        p = probe()
+    except (RuntimeError, OSError, ValueError) as e:
+        return Item("bf16 probe", f"failed: {e}", "training.mixed_precision=auto computes in float32")
+    big = f"{BF16_MIN_PARAMS / 1e6:.0f}M+"
+    fast = p["speedup"] >= BF16_MIN_SPEEDUP
+    verdict = f"auto picks bf16 for models of {big} parameters" if fast else "auto keeps float32"
+    return Item(
+        "bf16 probe",
+        f"{p['speedup']:.2f}x float32 ({p['bfloat16_gflops']:.0f} vs {p['float32_gflops']:.0f} GFLOP/s, "
+        f"{p['size']}^3 matmul, one thread; {verdict}; {cache_path()})",
+    )
 
 
 def gpu() -> list[Item]:

@@ -27,13 +27,11 @@ from loopline.config import RunConfig
 from loopline.section import given_keys, given_tree, mark_given, merge_trees
 
 MARGIN = 0.8  # auto wants the plan at most this share of a node's memory
-CHUNK_TOKENS = (
-    512  # model.logits_chunk_tokens auto picks: within 256-1024, where the chunking cost flattens out
-)
+# model.logits_chunk_tokens auto picks: within 256-1024, where the chunking cost flattens out
+CHUNK_TOKENS = 512
 BF16_MIN_PARAMS = 100_000_000  # below this, auto keeps float32: the default job and the tiny test models
-BF16_MIN_SPEEDUP = (
-    1.5  # bf16 matmuls at least this much faster than float32 (the probe) for auto to pick bf16
-)
+# bf16 matmuls at least this much faster than float32 (the probe) for auto to pick bf16
+BF16_MIN_SPEEDUP = 1.5
 
 
 @dataclass(frozen=True)
@@ -161,10 +159,14 @@ def _ladder(cfg: RunConfig, command: str) -> list[dict[str, Any]]:
         if not {f"{p.name}.micro_batch_size", f"{p.name}.max_tokens_per_micro_batch"} & given
         and not getattr(cfg, p.name).max_tokens_per_micro_batch
     ]
-    rows = max((p.micro_rows for p in free), default=1)
-    while rows > 1:  # each phase's micro-batch halved, as a budget of its longest row's tokens
+    if not free:
+        return steps
+    # the phase whose step holds the most: the others' micro-batches do not set the peak
+    top = max(free, key=lambda p: sum(t.nbytes for t in plan.trainer_terms(cfg, shape, p)))
+    rows = top.micro_rows
+    while rows > 1:  # its micro-batch halved, as a budget of its longest row's tokens
         rows //= 2
-        steps.append({f"{p.name}.max_tokens_per_micro_batch": min(rows, p.micro_rows) * p.seq for p in free})
+        steps.append({f"{top.name}.max_tokens_per_micro_batch": rows * top.seq})
     return steps
 
 

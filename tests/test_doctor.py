@@ -83,3 +83,13 @@ def test_ray_starts_and_missing_pieces_say_what_they_turn_off(report) -> None:
     assert missing == set(off) - {"none"}
     for name in off:
         assert off[name] != "none" and len(off[name]) > 20  # says what is off, not just that
+
+
+def test_the_bf16_probe_is_reported_as_cached_for_this_machine(report) -> None:
+    from loopline.training.bf16_probe import cache_path, cached
+
+    line = report["cpu"]["bf16 probe"]
+    probe = cached()  # the doctor measured it (or found it) and cached it under this machine's key
+    assert probe is not None and str(cache_path()) in line
+    assert line.startswith(f"{probe['speedup']:.2f}x float32 (")
+    assert ("auto picks bf16" in line) == (probe["speedup"] >= 1.5)
