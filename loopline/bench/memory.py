@@ -39,6 +39,8 @@ GIB = 2**30
 # compute on fp32 master weights as well: opt-in, since a CPU without native bf16 runs it many times slower.
 MEMORY_SWITCHES = ["training.activation_checkpointing=full", "model.logits_chunk_tokens=512"]
 MIXED_PRECISION = "training.mixed_precision=bf16"
+# --auto: the runs with loopline's defaults, the switches and the precision chosen on this machine (plan_auto)
+AUTO = ["training.memory=auto", "training.mixed_precision=auto"]
 # --quick: the Qwen2 architecture at a toy size (a vocabulary the BPE tokenizer fits), for tests
 TINY = {
     "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -178,6 +180,8 @@ def run_overrides(a: argparse.Namespace, model_dir: Path, data: Path, new_tokens
         f"grpo.sampling.max_new_tokens={new_tokens}", "grpo.sampling.stop=[]", "grpo.kl_coef=0", "grpo.eval_every=0",
         "grpo.stop_at_accuracy=null", "checkpoint_every=0", "threads=1", "progress=false", "tensorboard=false",
         f"env.name=python:{WORKER}:reward",
+        # the switches as the bench sets them, not as auto would choose them on this machine
+        "training.memory=manual", "training.mixed_precision=none",
     ]  # fmt: skip
     return base + switches
 
@@ -186,8 +190,9 @@ def plan_bytes(overrides: list[str], actor_only: bool = False) -> int:
     """`loopline plan`'s estimate: the first node's total (the whole run), or one actor rank with its process."""
     from loopline import plan
     from loopline.config import load_config
+    from loopline.plan_auto import resolve
 
-    cfg = load_config(None, overrides)
+    cfg = resolve(load_config(None, overrides), "train").cfg  # as the run resolves its auto settings
     if actor_only:
         return plan.RUNTIME_BYTES + sum(t.nbytes for t in plan.role_terms(cfg, "actor", "train"))
     return plan.nodes(cfg, "train")[0].nbytes
@@ -207,7 +212,8 @@ def run_loopline(
 ) -> tuple[int, float]:
     """One `loopline train` run: its tree's peak beside the plan's estimate, and its step time; (0, 0) if it failed."""
     out = tmp / f"run-{backend}"
-    overrides = run_overrides(a, model_dir, data, a.new_tokens, (a.prompts, a.samples), MEMORY_SWITCHES)
+    switches = AUTO if a.auto else MEMORY_SWITCHES
+    overrides = run_overrides(a, model_dir, data, a.new_tokens, (a.prompts, a.samples), switches)
     if backend == "ray":
         overrides += ["runtime.backend=ray", "runtime.trainer_ranks=2"]
     overrides.append(f"out_dir={out}")
@@ -307,6 +313,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-lengths", action="store_true", help="skip the length trials")
     parser.add_argument("--mixed-precision", action="store_true",
                         help=f"a third ladder: the switches and {MIXED_PRECISION} (slow on a CPU without bf16)")  # fmt: skip
+    parser.add_argument("--auto", action="store_true",
+                        help="the runs with the defaults (training.memory and mixed_precision auto), not the switches")  # fmt: skip
     parser.add_argument("--limit-gib", type=float, default=12.0, help="RLIMIT_AS of each length trial")
     parser.add_argument("--run-limit-gib", type=float, default=0.0,
                         help="RLIMIT_AS of each process of the local and TRL runs (0: none)")  # fmt: skip
