@@ -3,6 +3,7 @@
     docs/reference/config.md   every config field (dotted name, type, default, description) from RunConfig
     docs/reference/cli.md      every command and flag from the argparse parsers of `loopline`
     docs/reference/metrics.md  every metrics.jsonl key from loopline.metrics.keys
+    docs/reference/envs.md     the env API (what users subclass and call) from its docstrings: ENV_API
 
     python scripts/gen_docs.py           write them
     python scripts/gen_docs.py --check   exit 1 naming the pages that differ from what the code gives
@@ -264,10 +265,154 @@ def metrics_page() -> str:
     return "".join(out)
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The env API
+# ---------------------------------------------------------------------------------------------------------
+
+# (title, the module whose docstring opens the section or "", the objects documented, as "module:name")
+ENV_API: list[tuple[str, str, list[str]]] = [
+    (
+        "The protocol",
+        "loopline.envs.base",
+        ["loopline.envs.base:Env", "loopline.envs.base:StepResult", "loopline.data.rows:PromptRow"],
+    ),
+    (
+        "What counts as correct",
+        "",
+        [
+            "loopline.envs.base:MAX_REWARD",
+            "loopline.envs.base:max_reward",
+            "loopline.envs.base:counts_correct",
+        ],
+    ),
+    ("A reward function instead of an env", "loopline.envs.reward_fn", []),
+    (
+        "Tools",
+        "loopline.envs.tools",
+        [
+            "loopline.envs.tools:ToolEnv",
+            "loopline.envs.tools:Toolbox",
+            "loopline.envs.tools:Tool",
+            "loopline.envs.tools:ToolOutcome",
+            "loopline.envs.tools:describe_tools",
+            "loopline.envs.tools:tool_schema",
+            "loopline.envs.tasks:tool_call_text",
+            "loopline.envs.tools:calculator",
+            "loopline.rollout.tool_calls:ToolsConfig",
+        ],
+    ),
+    (
+        "Answer helpers",
+        "",
+        [
+            "loopline.envs.tasks:answer_match",
+            "loopline.data.tasks:exact_match",
+            "loopline.envs.math_equal:math_reward",
+            "loopline.envs.base:VerifierEnv",
+        ],
+    ),
+    ("Transcripts: demonstrations for multi-turn SFT", "loopline.data.transcripts", []),
+]
+
+
+def md_text(doc: str) -> str:
+    """A docstring as Markdown: `<`, `>` and `*` escaped outside code spans (tags such as <answer> are text)."""
+    parts = doc.split("`")
+    for i in range(0, len(parts), 2):  # even parts are outside code spans
+        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+    return "`".join(parts)
+
+
+def signature_text(obj: Any, name: str) -> str:
+    """`name(args) -> result` as the code declares it, annotations as written (a class: its constructor's; a
+    method: without self; a Protocol: its bases)."""
+    import inspect
+
+    if inspect.isclass(obj) and getattr(obj, "_is_protocol", False):
+        return f"{name}(Protocol)"
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return name
+    params = []
+    for param in sig.parameters.values():
+        if param.name in ("self", "cls"):
+            continue
+        text = "*" if param.kind is param.VAR_POSITIONAL else "**" if param.kind is param.VAR_KEYWORD else ""
+        text += param.name
+        if param.annotation is not param.empty:
+            text += f": {_annotation(param.annotation)}"
+        if param.default is not param.empty:
+            default = getattr(param.default, "__name__", None) or repr(param.default)  # a function: its name
+            text += f" = {default}"
+        params.append(text)
+    result = ""
+    if sig.return_annotation is not sig.empty and not inspect.isclass(obj):
+        result = f" -> {_annotation(sig.return_annotation)}"
+    return f"{name}({', '.join(params)}){result}"
+
+
+def _annotation(annotation: Any) -> str:
+    return annotation if isinstance(annotation, str) else type_name(annotation)
+
+
+def object_doc(target: str) -> list[str]:
+    """One object's entry: its name and signature, its docstring, and for a class its public methods'."""
+    import inspect
+
+    module_name, _, name = target.partition(":")
+    obj = getattr(importlib.import_module(module_name), name)
+    out = [f"\n### `{name}`\n\n"]
+    if not callable(obj):
+        out.append(f"`{name} = {obj!r}` (`{module_name}`)\n")
+        return out
+    kind = "class" if inspect.isclass(obj) else "def"
+    out.append(f"```python\n{kind} {signature_text(obj, name)}\n```\n\n`{module_name}`\n\n")
+    out.append(md_text(inspect.getdoc(obj) or "") + "\n")
+    if inspect.isclass(obj):
+        for method, value in vars(obj).items():
+            if (
+                method.startswith("_")
+                or not callable(getattr(obj, method))
+                or not getattr(value, "__doc__", None)
+            ):
+                continue
+            function = value.__func__ if isinstance(value, classmethod | staticmethod) else value
+            out.append(f"\n`{signature_text(function, f'{name}.{method}')}`\n\n")
+            out.append(md_text(inspect.getdoc(function) or "") + "\n")
+    return out
+
+
+def envs_page() -> str:
+    out = [
+        "# Environment API reference\n\n",
+        HEADER,
+        "What an env of your own subclasses and calls: the `Env` protocol and its `StepResult`, what counts as "
+        "correct, a reward function in place of an env, tools, and the answer helpers. Each entry is the code's "
+        "own docstring. The [environments guide](../guide/environments.md) walks from a one-function reward to a "
+        "multi-turn tool env with demonstrations.\n",
+    ]
+    for title, module_name, targets in ENV_API:
+        out.append(f"\n## {title}\n")
+        if module_name:
+            doc = importlib.import_module(module_name).__doc__ or ""
+            out.append(f"\n`{module_name}`\n\n{md_text(inspect_clean(doc))}\n")
+        for target in targets:
+            out.extend(object_doc(target))
+    return "".join(out)
+
+
+def inspect_clean(doc: str) -> str:
+    import inspect
+
+    return inspect.cleandoc(doc)
+
+
 PAGES = {
     "docs/reference/config.md": config_page,
     "docs/reference/cli.md": cli_page,
     "docs/reference/metrics.md": metrics_page,
+    "docs/reference/envs.md": envs_page,
 }
 
 

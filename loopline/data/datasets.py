@@ -12,6 +12,7 @@ from typing import Any
 
 from loopline.data.config import DataConfig
 from loopline.data.rows import PromptRow
+from loopline.data.transcripts import first_user, transcript_problem
 from loopline.errors import UserError
 
 
@@ -183,8 +184,16 @@ def _to_row(
                 "(`loopline sft` trains on chat rows that end with an assistant message)",
                 "no_answer",
             )
+        # SFT alone (no answer needed) learns the assistant's messages, or the answer when there are none
+        problem = transcript_problem(messages, need_assistant=not need_answer and str(answer) == "")
+        if problem:
+            raise _BadRow(f"{where}: field '{cfg.messages_field}': {problem}")
         extra = _extra(raw, fields, where, has, optional)
-        return PromptRow(index=index, prompt="", answer=str(answer), messages=tuple(messages), extra=extra)
+        # a transcript's prompt is its first user message: what an env's reset reads (sample.prompt)
+        prompt = first_user(messages) if any(m["role"] == "assistant" for m in messages) else ""
+        return PromptRow(
+            index=index, prompt=prompt, answer=str(answer), messages=tuple(messages), extra=extra
+        )
     prompt = raw.get(cfg.prompt_field)
     if not isinstance(prompt, str) or not prompt:
         hint = "" if cfg.prompt_field in raw else _field_hint("data.prompt_field", PROMPT_NAMES, raw)
@@ -211,7 +220,7 @@ MAX_CHARS_PER_TOKEN = 64
 
 def _over_limit(row: PromptRow, limits: LengthLimits) -> str:
     """Why `row` is over the limits ("" when it is not)."""
-    prompt_chars = len(row.prompt) + sum(len(m["content"]) for m in row.messages)
+    prompt_chars = sum(len(m["content"]) for m in row.messages) if row.messages else len(row.prompt)
     seq_chars = prompt_chars + len(row.completion) + len(row.answer)
     if prompt_chars > MAX_CHARS_PER_TOKEN * limits.max_prompt_tokens:
         return (

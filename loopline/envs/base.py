@@ -28,7 +28,15 @@ from loopline.data.tasks import exact_match
 
 @dataclass(frozen=True)
 class StepResult:
-    """What the env answers to one action."""
+    """What the env answers to one action.
+
+    observation: the text the model sees next (tokenized and masked out of the loss; "" when done).
+    reward: this turn's reward, a finite number; an episode's return is the sum of its turns' rewards
+    (env.returns=final: the last one's).
+    done: whether the episode is over; a single-turn env is done after its one step.
+    info: numbers to average into the metrics (`episode_<key>` in RL, `eval_<key>` in eval), summed over the
+    episode's steps; `info["correct"]` (nonzero: correct) on the last step is the env's own verdict for accuracy.
+    """
 
     observation: str  # text shown to the model next ("" when done)
     reward: float  # reward for this turn
@@ -39,18 +47,29 @@ class StepResult:
 
 
 class Env(Protocol):
-    """One episode of a task: reset with a sample, then step with each model action until done."""
+    """One episode of a task: reset with a sample, then step with each model action until done.
+
+    Write a class with these two methods (no base class needed) and a factory that returns a fresh one:
+    `env.name=python:FILE.py:FACTORY`. The loop calls the factory once per episode on an env worker, never in the
+    controller, and replays a multi-turn episode's actions on a fresh env every turn: the same actions must get
+    the same answers (no clock, no chance). Optional: a `max_reward` attribute, the full marks an episode must
+    reach to count as correct (1.0 without one; `max_reward()`, `counts_correct()`).
+    """
 
     async def reset(self, sample: PromptRow) -> str:
-        """Start an episode on `sample`; returns the first observation (the prompt text)."""
+        """Start an episode on `sample` (its prompt, answer and the fields the env reads: `sample.get(name)`);
+        returns the first observation, which the model is prompted with."""
         ...
 
     async def step(self, action: str) -> StepResult:
-        """Apply the model's action text (one turn, decoded); returns the next observation and reward."""
+        """Apply the model's action text (one turn, decoded, ended by a stop string or EOS); returns the next
+        observation, the turn's reward and whether the episode is over."""
         ...
 
 
-Verifier = Callable[[str, str], float]  # (response text, reference answer) -> reward
+Verifier = Callable[
+    [str, str], float
+]  # (response text, reference answer) -> reward: answer_match, exact_match
 MAX_REWARD = 1.0  # full marks: the return an episode must reach to be correct, unless its env says otherwise
 
 

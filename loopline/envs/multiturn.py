@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
+from loopline.data.transcripts import transcript_turns
 from loopline.envs.base import Env, StepResult
 from loopline.rollout.engine import Engine, SamplingParams
 from loopline.rollout.trajectory import Trajectory
@@ -338,6 +339,24 @@ def demonstrations(
     finally:
         if isinstance(steps, LocalEnvs):
             steps.close()
+
+
+def transcript_trajectory(row: PromptRow, fmt: TurnFormat, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
+    """The episode a transcript row records (data.transcripts), as the rollout would have built it: the first
+    observation through `fmt.prompt_ids`, each assistant message's text as one model turn (mask 1), each observation
+    through `fmt.observation_ids` (mask 0). The last model turn ends with EOS, so the model learns to stop; the
+    log-probs are left at 0."""
+    episode = transcript_turns(row.messages)
+    traj = Trajectory(row, fmt.prompt_ids(episode.first))
+    for action, observation in episode.turns:
+        ids = list(tokenizer(action, add_special_tokens=False)["input_ids"])
+        if observation is None and tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
+        traj.add_model_turn(ids, [0.0] * len(ids))
+        if observation is not None:
+            traj.add_observation(fmt.observation_ids(observation, ids))
+    traj.finish = "done"
+    return traj
 
 
 # ---------------------------------------------------------------------------------------------

@@ -73,7 +73,8 @@ def calculator_validation(cfg: CalculatorConfig, seed: int) -> list[PromptRow]:
 
 
 def answer_match(text: str, answer: str) -> float:
-    """1.0 if the text's <answer>...</answer> equals the reference (spaces ignored), else 0.0."""
+    """1.0 if the text's first <answer>...</answer> equals the reference (surrounding spaces ignored), else 0.0:
+    the verifier of ToolEnv's final answer (a `Verifier`, (text, answer) -> reward)."""
     found = ANSWER.search(text)
     return 1.0 if found is not None and found.group(1).strip() == answer.strip() else 0.0
 

@@ -172,7 +172,12 @@ class ToolOutcome:
 
 
 class Toolbox:
-    """A set of tools that runs parsed calls; every failure becomes an error outcome."""
+    """A set of tools that runs parsed calls; every failure becomes an error outcome.
+
+    tools: plain functions (sync, run in a thread, or async) with annotated parameters and a docstring, or
+    `Tool`s; each is described by `tool_schema`. cfg: the call and result tags, calls per turn, result length
+    and timeout (rollout.tool_calls.ToolsConfig).
+    """
 
     def __init__(self, tools: list[Tool | Callable[..., Any]], cfg: ToolsConfig | None = None) -> None:
         self.cfg = cfg or ToolsConfig()
@@ -340,6 +345,12 @@ class ToolEnv:
     A turn with any call tag in it (well-formed or not) is a tool turn: its calls run, their results
     (or errors) are the observation, and it earns 0 (or `call_bonus`, see below); only a turn without
     calls is scored, by `verify(turn text, reference answer)`, and ends the episode.
+
+    toolbox: the tools (`Toolbox([fn, ...])`). verify: `(text, answer) -> reward`, e.g. `answer_match`.
+    instructions: text put before every prompt (e.g. `describe_tools(toolbox)`). call_bonus: a format reward,
+    paid once per episode. Info per step: `tool_calls`, `tool_calls_ok`, `tool_error_<kind>` (ERROR_KINDS);
+    on the answer `answered` and `correct` (the answer's full marks, 1.0). Subclass it to give tools the
+    episode's row (reset, then the tool reads it: examples/unit_env.py).
     """
 
     def __init__(

@@ -21,6 +21,7 @@ from loopline.checkpoint.state import Checkpointer, SaveInFlight
 from loopline.config import ConfigError, RunConfig, save_config
 from loopline.data.datasets import LengthLimits, PromptRow, load_splits
 from loopline.data.tasks import arithmetic_validation
+from loopline.data.transcripts import is_transcript
 from loopline.envs.base import MAX_REWARD
 from loopline.envs.episodes import builtin_rows, env_factory
 from loopline.envs.multiturn import (
@@ -31,6 +32,7 @@ from loopline.envs.multiturn import (
     WorkerEnvs,
     rollout_metrics,
     run_rollout,
+    transcript_trajectory,
 )
 from loopline.errors import UserError
 from loopline.loops.no_signal import NoSignalWatch
@@ -195,8 +197,13 @@ def length_limits(cfg: RunConfig, model: PreTrainedModel, tokenizer: PreTrainedT
             f"{positions} positions: lower it, or set data.max_prompt_tokens"
         )
     use_chat_template = cfg.model.use_chat_template
+    multi_turn = cfg.env.multi_turn and not cfg.env.agent_program
+    fmt = _turn_format(cfg, tokenizer)
 
     def count(row: PromptRow) -> tuple[int, int]:
+        if row.messages and is_transcript(row.messages, multi_turn):  # the whole episode, as SFT trains it
+            traj = transcript_trajectory(row, fmt, tokenizer)
+            return len(traj.prompt_ids), len(traj.prompt_ids) + len(traj.tokens)
         prompt = len(encode_prompt(tokenizer, row, use_chat_template))
         # the SFT target, as loops.sft.sft_pair builds it (plus its EOS)
         if row.messages and row.messages[-1]["role"] == "assistant":
@@ -255,9 +262,13 @@ def sync_engine(ctx: RunContext, version: int) -> None:
 
 def turn_format(ctx: RunContext) -> TurnFormat:
     """How episodes' observations become tokens: the chat template when asked for and available, else plain text."""
-    if ctx.cfg.model.use_chat_template and getattr(ctx.tokenizer, "chat_template", None):
-        return ChatFormat(ctx.tokenizer)
-    return PlainFormat(ctx.tokenizer)
+    return _turn_format(ctx.cfg, ctx.tokenizer)
+
+
+def _turn_format(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> TurnFormat:
+    if cfg.model.use_chat_template and getattr(tokenizer, "chat_template", None):
+        return ChatFormat(tokenizer)
+    return PlainFormat(tokenizer)
 
 
 def episodes(

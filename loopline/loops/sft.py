@@ -1,5 +1,7 @@
 """Supervised warm start: prompt-masked next-token loss on (prompt, completion) pairs, or for a multi-turn env on
-demonstration episodes run through the env (its observations are real, and masked as in RL)."""
+demonstration episodes run through the env (its observations are real, and masked as in RL), and on transcripts:
+chat rows that record whole episodes (data.transcripts), tokenized as the rollout builds an episode, the loss on the
+assistant's tokens only."""
 
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ from loopline.checkpoint.state import CheckpointParts, RunState
 from loopline.data.batches import TokenBatch, collate
 from loopline.data.datasets import PromptRow
 from loopline.data.sampler import Sampler
+from loopline.data.transcripts import is_transcript, transcript_turns
 from loopline.envs.episodes import env_demonstration
-from loopline.envs.multiturn import WorkerEnvs, demonstrations, to_batch
+from loopline.envs.multiturn import TurnFormat, WorkerEnvs, demonstrations, to_batch, transcript_trajectory
+from loopline.errors import UserError
 from loopline.loops.context import RunContext, encode_prompt, evaluate, sync_engine, turn_format
+from loopline.rollout.trajectory import Trajectory
 
 
 def sft_pair(ctx: RunContext, row: PromptRow) -> tuple[list[int], list[int]]:
@@ -45,17 +50,61 @@ def demonstration_actions(ctx: RunContext, row: PromptRow, rng: random.Random) -
 
 
 def sft_batch(ctx: RunContext, rows: list[PromptRow], step: int) -> TokenBatch:
-    """The batch of one SFT step: (prompt, target + EOS) pairs, or demonstration episodes stepped on the env workers
-    (multi-turn envs: 1 on the model's tokens, 0 on the env's observations)."""
-    if (
-        not ctx.cfg.env.multi_turn or ctx.cfg.env.agent_program
-    ):  # an agent program learns from the rows' pairs
+    """The batch of one SFT step: (prompt, target + EOS) pairs; in a multi-turn env, demonstration episodes stepped on
+    the env workers (1 on the model's tokens, 0 on the env's observations); and transcript rows (data.transcripts)
+    as the episodes they record, tokenized as the rollout builds them."""
+    env = ctx.cfg.env
+    multi_turn = env.multi_turn and not env.agent_program  # an agent program learns from the rows' pairs
+    tok, fmt = ctx.tokenizer, turn_format(ctx)
+    transcripts = {
+        i: transcript_trajectory(row, fmt, tok)
+        for i, row in enumerate(rows)
+        if row.messages and is_transcript(row.messages, multi_turn)
+    }
+    if not multi_turn and not transcripts:
         pairs = [sft_pair(ctx, row) for row in rows]
-        return collate([p for p, _ in pairs], [t for _, t in pairs], ctx.tokenizer.pad_token_id)
-    rng = random.Random(f"demonstrations-{ctx.cfg.seed}-{step}")  # a resumed run draws the same
-    actions = [demonstration_actions(ctx, row, rng) for row in rows]
-    trajs = demonstrations(WorkerEnvs(ctx.scorer), rows, actions, turn_format(ctx), ctx.tokenizer)
-    return to_batch(trajs, ctx.tokenizer.pad_token_id)[0]
+        return collate([p for p, _ in pairs], [t for _, t in pairs], tok.pad_token_id)
+    others = [row for i, row in enumerate(rows) if i not in transcripts]
+    if multi_turn:
+        _same_first_observations(
+            ctx, fmt, [rows[i] for i in transcripts], [transcripts[i] for i in transcripts]
+        )
+        rng = random.Random(f"demonstrations-{ctx.cfg.seed}-{step}")  # a resumed run draws the same
+        actions = [demonstration_actions(ctx, row, rng) for row in others]
+        made = demonstrations(WorkerEnvs(ctx.scorer), others, actions, fmt, tok) if others else []
+    else:
+        made = [_pair_trajectory(row, *sft_pair(ctx, row)) for row in others]
+    made.reverse()
+    trajs = [transcripts[i] if i in transcripts else made.pop() for i in range(len(rows))]
+    return to_batch(trajs, tok.pad_token_id)[0]
+
+
+def _pair_trajectory(row: PromptRow, prompt: list[int], target: list[int]) -> Trajectory:
+    """A (prompt, target) pair as a one-turn episode, to share a batch with transcripts."""
+    traj = Trajectory(row, prompt)
+    traj.add_model_turn(target, [0.0] * len(target))
+    return traj
+
+
+def _same_first_observations(
+    ctx: RunContext, fmt: TurnFormat, rows: list[PromptRow], trajs: list[Trajectory]
+) -> None:
+    """Refuse a transcript whose prompt is not the env's: trained on, it would teach the model an episode's start
+    that the env never shows (a rollout's prompt is the env's first observation)."""
+    if not rows:
+        return
+    for row, traj, shown in zip(rows, trajs, WorkerEnvs(ctx.scorer).reset(rows), strict=True):
+        if traj.prompt_ids != fmt.prompt_ids(shown):
+            first = transcript_turns(row.messages).first
+            raise UserError(
+                f"SFT row {row.index} (0-based, data.train_path): the transcript's first observation (its system "
+                f"and user messages, joined) is {_clip(first)}, but env '{ctx.cfg.env.name}' starts that row's "
+                f"episode with {_clip(shown)}: a transcript must start as the env's episode does"
+            )
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 def train_sft(ctx: RunContext, state: RunState, resume: CheckpointParts | None = None) -> RunState:

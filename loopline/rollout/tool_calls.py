@@ -14,13 +14,14 @@ from typing import Any
 
 from pydantic import Field
 
+from loopline.data.transcripts import CALL_OPEN
 from loopline.section import Section
 
 
 class ToolsConfig(Section):
     """How tool calls are written and run."""
 
-    call_open: str = Field("<tool_call>", description="Tag that opens a tool call in the model's text.")
+    call_open: str = Field(CALL_OPEN, description="Tag that opens a tool call in the model's text.")
     call_close: str = Field("</tool_call>", description="Tag that closes a tool call.")
     result_open: str = Field(
         "<tool_result>", description="Tag that opens a tool's result in the observation."

@@ -68,7 +68,8 @@ def test_chat_rows_keep_messages_and_answer(tmp_path):
     path = _write_jsonl(tmp_path / "chat.jsonl", chat)
     # SFT: the assistant turn is the target, no answer needed
     rows, _ = load_rows(path, DataConfig(source="jsonl"), need_answer=False)
-    assert rows[0].messages == tuple(chat[0]["messages"]) and rows[0].prompt == ""
+    # a row with an assistant message records an episode: its prompt is its first user message (envs read it)
+    assert rows[0].messages == tuple(chat[0]["messages"]) and rows[0].prompt == "2+2="
     # the reference answer of a chat prompt is what RL scores against: it must not be dropped
     assert rows[1].answer == "6"
     # for RL a chat row without an answer is refused: "" would pay 1.0 for any blank first line

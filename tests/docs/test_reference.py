@@ -42,3 +42,21 @@ def test_every_config_field_is_on_the_page() -> None:
         key = line.split(" = ", 1)[0]
         # a list or a map of sections shows as name[] or name.<name>, its items' fields below it
         assert any(f"| `{key}{suffix}` |" in page for suffix in ("", "[]", ".<name>")), key
+
+
+def test_the_env_api_page_is_generated_from_the_docstrings(tmp_path: Path) -> None:
+    module = gen_docs()
+    page = tmp_path / "docs/reference/envs.md"
+    page.parent.mkdir(parents=True)
+    page.write_text(module.envs_page())
+    text = page.read_text()
+    from loopline.envs.base import StepResult
+
+    # what a user subclasses and calls is on it, with the code's own docstrings
+    for name in ("Env", "StepResult", "ToolEnv", "Toolbox", "answer_match", "max_reward", "counts_correct"):
+        assert f"### `{name}`" in text, name
+    first = (StepResult.__doc__ or "").strip().splitlines()[0]
+    assert first in text and "reward(prompt, completion, **row_fields)" in text
+    # a docstring changed in the code and not on the page: the page is stale
+    page.write_text(text.replace(first, first + " (edited)"))
+    assert "docs/reference/envs.md" in module.stale(tmp_path)
