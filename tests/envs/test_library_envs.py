@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from loopline.config import load_config
+from loopline.data.rows import PromptRow
 from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import EnvError, Histories, builtin_rows, env_factory, score_chunk, step_chunk
 from loopline.envs.library import require
@@ -133,6 +134,8 @@ def test_a_verifiers_single_turn_env_brings_its_rows_and_its_rubric_scores(files
     # reward = 1.0 * exact + 0.5 * one_line; correct = reward >= verifiers' pass_threshold (0.5)
     assert [v.reward for v in verdicts] == [1.5, 1.0, 0.5, 0.0]
     assert [v.correct for v in verdicts] == [True, True, True, False]
+    # a file's row (no verifiers input of its own): its prompt, as the user message, and its answer
+    assert score_chunk(env, (["3"], [PromptRow(0, "1+2=", answer="3")])) == [(1.5, True)]
 
 
 def test_a_verifiers_tool_env_runs_its_turns_as_verifiers_does(files: tuple[Path, Path]) -> None:
