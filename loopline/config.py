@@ -177,6 +177,11 @@ class RunConfig(Section):
                 "task's rows lack: give it a file dataset that has them (data.source=jsonl data.train_path=... "
                 "data.eval_path=...)"
             )
+        if self.env.own_rows and self.data.source != "builtin":
+            raise ValueError(
+                f"env.name={self.env.name} makes its own episodes (reset seeds, env.openenv): it takes "
+                f"data.source=builtin, not {self.data.source}"
+            )
         if self.grpo.max_staleness and self.runtime.backend != "ray":
             raise ValueError(
                 f"grpo.max_staleness={self.grpo.max_staleness} overlaps generation and training on separate "

@@ -41,6 +41,9 @@ class EnvSpec:
     long_builtin_prompts: bool = (
         False  # its built-in rows are not 'a+b=' short (the memory plan's length bound)
     )
+    own_rows: bool = (
+        False  # its rows are its own episodes (an OpenEnv env's reset seeds): data.source=builtin only
+    )
 
 
 _VERIFIER = "loopline.envs.episodes:verifier_env"
@@ -90,8 +93,33 @@ ENVS: dict[str, EnvSpec] = {
     ),
 }
 USER_ENV = re.compile(r"^python:(?P<module>[^:]+):(?P<factory>[A-Za-z_][A-Za-z0-9_]*)$")
-# The file in python:FILE.py:FACTORY (a dotted module name is imported from the installed packages instead)
-ENV_FILE = r"^python:(?P<path>[^:]+\.py):[A-Za-z_][A-Za-z0-9_]*$"
+# An env of a library users already have, through its adapter: LIBRARY:MODULE[:NAME] (envs/verifiers_env.py,
+# envs/openenv_env.py); MODULE is a dotted module name or a .py file, as for python:
+LIBRARY_ENV = re.compile(
+    r"^(?P<library>verifiers|openenv):(?P<module>[^:]+)(?::(?P<name>[A-Za-z_][A-Za-z0-9_]*))?$"
+)
+# library -> its adapter, a spec like a built-in's (its factory parses env.name; its rows are the env's own)
+LIBRARIES: dict[str, EnvSpec] = {
+    "verifiers": EnvSpec(
+        "an environment of the verifiers library (pip install 'loopline[envs]'): NAME (default load_environment) "
+        "returns a vf.Environment; its dataset is the rows, its rubric the reward, its env_response the "
+        "observations (docs/guide/environments.md)",
+        "loopline.envs.verifiers_env:verifiers_env",
+        builtin_rows="loopline.envs.verifiers_env:verifiers_rows",
+        stop=("</tool_call>",),  # a model turn that calls a tool ends with its call (a ToolEnv's)
+    ),
+    "openenv": EnvSpec(
+        "an OpenEnv environment class, in process (pip install 'loopline[envs]'): NAME (default: the module's one "
+        "Environment subclass) makes a fresh one per episode, reset with a seed per row (env.openenv)",
+        "loopline.envs.openenv_env:openenv_env",
+        builtin_rows="loopline.envs.openenv_env:openenv_rows",
+        reads_answer=False,  # its own observations' rewards
+        own_rows=True,
+    ),
+}
+# The file in python:FILE.py:FACTORY or LIBRARY:FILE.py[:NAME] (a dotted module name is imported from the installed
+# packages instead)
+ENV_FILE = r"^(?:python|verifiers|openenv):(?P<path>[^:]+\.py)(?::[A-Za-z_][A-Za-z0-9_]*)?$"
 
 
 def _enough(task: CalculatorConfig | CodeTaskConfig, space: int, hint: str) -> None:
@@ -179,6 +207,18 @@ class CodeTaskConfig(Section):
         return self
 
 
+class OpenEnvConfig(Section):
+    """env.name=openenv:...: the episodes of an OpenEnv environment are its resets, one seed per row (its reset's
+    observation is the prompt), so that a replayed episode is the same episode."""
+
+    num_train: int = Field(1000, gt=0, description="Training episodes: seeds 0 .. num_train-1.")
+    num_eval: int = Field(
+        64,
+        gt=0,
+        description="Held-out episodes: seeds 1000000 .. 1000000+num_eval-1, disjoint from training.",
+    )
+
+
 class EnvConfig(Section):
     """The environment of the RL loop: one episode per completion, stepped on the env workers (runtime.env_workers:
     processes on the local backend, Ray actors in the env pool's bundles on ray), never in the controller."""
@@ -189,7 +229,9 @@ class EnvConfig(Section):
         "MODULE is a dotted module name or a path to a .py file (stored absolute) and NAME is a factory (NAME() "
         "returns a fresh envs.base.Env, one per episode) or a reward function NAME(prompt, completion, "
         "**row_fields) -> float (a single-turn env; envs.reward_fn). loopline.api writes python:FILE.pkl:reward for "
-        "a reward function it pickles by value (a lambda, a notebook's).",
+        "a reward function it pickles by value (a lambda, a notebook's). Or an environment of a library: "
+        "verifiers:MODULE[:NAME] (NAME defaults to load_environment) or openenv:MODULE[:NAME] (an Environment class), "
+        "run through loopline's adapter (docs/guide/environments.md).",
     )
 
     code_reward: Literal["all", "fraction"] = Field(
@@ -254,11 +296,16 @@ class EnvConfig(Section):
         default_factory=CodeTaskConfig,
         description="env.name=code with data.source=builtin: the generated problems (one-line functions).",
     )
+    openenv: OpenEnvConfig = Field(
+        default_factory=OpenEnvConfig,
+        description="env.name=openenv:...: how many episodes (reset seeds) each split has.",
+    )
 
     @property
     def spec(self) -> EnvSpec | None:
-        """The built-in env's spec; None for python:MODULE:FACTORY."""
-        return ENVS.get(self.name)
+        """The built-in env's spec, or its library's adapter (LIBRARY:MODULE[:NAME]); None for python:MODULE:FACTORY."""
+        library = LIBRARY_ENV.match(self.name)
+        return LIBRARIES[library["library"]] if library else ENVS.get(self.name)
 
     @property
     def turns(self) -> int:
@@ -315,6 +362,11 @@ class EnvConfig(Section):
         return spec.row_fields if spec and spec.builtin_rows else ()
 
     @property
+    def own_rows(self) -> bool:
+        """Whether the env's rows can only be its own (data.source=builtin): an OpenEnv env's episodes are seeds."""
+        return self.spec is not None and self.spec.own_rows
+
+    @property
     def reads_answer(self) -> bool:
         """Whether the env scores against the row's answer (the code env runs the row's tests instead)."""
         return self.spec is None or self.spec.reads_answer
@@ -332,13 +384,15 @@ class EnvConfig(Section):
     def _known(cls, name: str) -> str:
         if name in ENVS:
             return name
-        user = USER_ENV.match(name)
+        user = USER_ENV.match(name) or LIBRARY_ENV.match(name)
         if user and user["module"].endswith(
             ".py"
         ):  # a file: absolute, so env workers (any cwd) and resumes find it
-            return f"python:{Path(user['module']).resolve()}:{user['factory']}"
+            start, end = user.span("module")
+            return f"{name[:start]}{Path(user['module']).resolve()}{name[end:]}"
         if user:
             return name
         raise ValueError(
-            f"unknown env {name!r}: use one of {', '.join(ENVS)}, or python:MODULE:FACTORY for your own"
+            f"unknown env {name!r}: use one of {', '.join(ENVS)}, python:MODULE:FACTORY for your own, or "
+            "verifiers:MODULE[:NAME] / openenv:MODULE[:NAME] for an environment of those libraries"
         )

@@ -112,7 +112,7 @@ def builtin_rows(env: EnvConfig, seed: int) -> tuple[list[PromptRow], list[Promp
     return _named(env.spec.builtin_rows)(env, seed)
 
 
-def _load_module(spec: str, name: str):  # -> types.ModuleType
+def load_module(spec: str, name: str):  # -> types.ModuleType
     """A dotted module name, a path to a .py file (imported once per process under a name of its own), or a .pkl of a
     reward function pickled by value (loopline.api: a lambda, a notebook's function), served as the name `reward`."""
     if spec.endswith(".pkl"):
@@ -156,7 +156,7 @@ def _factory(env_json: str) -> EnvFactory:
     if match is None:
         raise EnvError(f"unknown env {name!r}")
     try:
-        module = _load_module(match["module"], name)
+        module = load_module(match["module"], name)
     except EnvError:
         raise
     except Exception as e:

@@ -226,9 +226,14 @@ def _tail(text: str, limit: int) -> str:
 
 def describe_tools(toolbox: Toolbox) -> str:
     """A system-prompt paragraph listing the tools' schemas and how to call them."""
-    cfg = toolbox.cfg
+    return tools_paragraph([s["function"] for s in toolbox.schemas()], toolbox.cfg)
+
+
+def tools_paragraph(functions: list[dict[str, Any]], cfg: ToolsConfig) -> str:
+    """The paragraph of describe_tools for function schemas ({name, description, parameters}) from anywhere (a
+    library's tool definitions: envs.verifiers_env)."""
     lines = ["You can call these tools:"]
-    lines += [json.dumps(s["function"]) for s in toolbox.schemas()]
+    lines += [json.dumps(f) for f in functions]
     lines.append(
         f'To call one, write {cfg.call_open}{{"name": <tool name>, "arguments": {{...}}}}{cfg.call_close}; '
         f"its result comes back as {cfg.result_open}...{cfg.result_close}."
