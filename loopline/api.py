@@ -134,10 +134,10 @@ def _by_reference(fn: Callable[..., float]) -> str | None:
 def _pickled(fn: Callable[..., float]) -> bytes:
     """`fn` by value (its code and the globals it uses: cloudpickle), or a UserError naming it and what in it cannot
     be pickled, before anything is written."""
-    import cloudpickle
+    from loopline.envs.frames import pickled_by_value
 
     try:
-        return cloudpickle.dumps(fn)
+        return pickled_by_value(fn)
     except Exception as e:
         why = (str(e).strip().splitlines() or [""])[0]
         name = getattr(fn, "__qualname__", None) or repr(fn)

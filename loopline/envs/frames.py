@@ -8,23 +8,45 @@ in the user's files (file, line, function, source line), most recent call last, 
 from __future__ import annotations
 
 import linecache
+import marshal
 import os
 import sysconfig
 import traceback
+import types
 from pathlib import Path
 from types import TracebackType
-
-import loopline
 
 MAX_FRAMES = 5  # the innermost ones: where it raised, and what called it
 
 _NOT_USERS = tuple(
     str(Path(p).resolve()) + os.sep
     for p in {
-        os.path.dirname(os.path.abspath(loopline.__file__)),
+        str(Path(__file__).resolve().parents[1]),  # the loopline package
         *(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")),
     }
 )
+
+
+def pickled_by_value(obj: object) -> bytes:
+    """`obj` pickled with cloudpickle (a function or class of the user's script or notebook by value: its code and
+    the globals it uses), keeping its code's file names, which cloudpickle blanks (<dynamic-code>), so that an error
+    in a worker can name the user's file and line. Raises what cloudpickle raises for what it cannot pickle."""
+    import io
+    from collections import ChainMap
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        # marshal keeps every field of a code object; a worker runs the same Python as this process
+        dispatch_table = ChainMap({types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table)
+
+    with io.BytesIO() as file:
+        Pickler(file).dump(obj)
+        return file.getvalue()
+
+
+def _code_reduce(code: types.CodeType) -> tuple[object, tuple[bytes]]:
+    return marshal.loads, (marshal.dumps(code),)
 
 
 def is_users(filename: str) -> bool:

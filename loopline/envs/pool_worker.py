@@ -16,6 +16,7 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+from loopline.envs.frames import pickled_by_value
 from loopline.envs.pool_parts import _call
 from loopline.errors import ENV_WORKER_VAR
 
@@ -33,9 +34,7 @@ def command(fd: int) -> list[str]:
 def payload(fn: object) -> bytes:
     """What a worker loads first: the parent's sys.path and the task function, pickled by value where it cannot be
     imported by name (cloudpickle). Raises what cloudpickle raises for an object that cannot be pickled."""
-    import cloudpickle
-
-    return pickle.dumps((list(sys.path), cloudpickle.dumps(fn)))  # the path first: fn may name modules on it
+    return pickle.dumps((list(sys.path), pickled_by_value(fn)))  # the path first: fn may name modules on it
 
 
 def main(fd: int) -> None:
