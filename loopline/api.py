@@ -8,11 +8,10 @@ scores with it on the env workers, trains, and hands back its metrics, checkpoin
     def reward(prompt: str, completion: str, answer: str, **row) -> float:
         return 1.0 if completion.split("\\n")[0].strip() == answer else 0.0
 
-    if __name__ == "__main__":  # env workers are processes that import this file: guard the run
-        result = loopline.train(
-            {"out_dir": "runs/mine", "sft": {"steps": 200}, "grpo": {"steps": 20}}, reward_fn=reward, overwrite=True
-        )
-        print(result.metrics["eval_accuracy"], result.checkpoints[-1])
+    result = loopline.train(
+        {"out_dir": "runs/mine", "sft": {"steps": 200}, "grpo": {"steps": 20}}, reward_fn=reward, overwrite=True
+    )
+    print(result.metrics["eval_accuracy"], result.checkpoints[-1])
 
 `config` is whatever the CLI takes, in any form: a `RunConfig` (the same typed sections: `loopline.RunConfig(
 grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path; `overrides` are the CLI's dotted
@@ -20,11 +19,14 @@ grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path
 so a run made here is a run directory like any other (`loopline train --resume out_dir=...` continues it). Bad
 input raises ValueError (loopline.errors.UserError, loopline.config.ConfigError) with the CLI's message.
 
-`reward_fn` runs on the env workers (spawned processes, or Ray actors). A module-level function of a .py file or an
-importable module goes by reference: the run records it as `env.name=python:FILE:NAME` and the workers import it (a
-script's own functions are loaded from its file, so the script's run must sit under `if __name__ == "__main__":`).
-Any other function (a lambda, a closure, a notebook cell's) goes by value: pickled with cloudpickle into
-out_dir/reward_fn-<hash>.pkl, which env.name then names.
+`reward_fn` (or an env factory: a callable of no arguments, an env class) runs on the env workers (clean processes
+that never import the user's script, or Ray actors). A module-level function of an importable module goes by
+reference: the run records it as `env.name=python:FILE:NAME` (or MODULE:NAME) and the workers import it. Any other
+function (the script's own, a lambda, a closure, a notebook cell's) goes by value: pickled with cloudpickle into
+out_dir/reward_fn-<hash>.pkl, which env.name then names; what cannot be pickled is refused in one line before
+anything is written. So a script needs no `if __name__ == "__main__":` guard; a run started inside an env worker
+is refused (errors.refuse_in_env_worker), and only the process that owns out_dir may overwrite it
+(checkpoint.run_dir.owning).
 """
 
 from __future__ import annotations
