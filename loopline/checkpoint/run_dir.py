@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -83,18 +84,24 @@ def owning(run_dir: str | Path) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        owner = os.read(fd, 64).decode(errors="replace").strip() or "?"
+        pid, _, host = os.read(fd, 256).decode(errors="replace").strip().partition(" ")
         os.close(fd)
+        if host and host != socket.gethostname():
+            # a shared volume (a Kubernetes pod restarted elsewhere): its lock may outlive a dead holder until the
+            # server's lease ends, and a refusal here would end a job that a retry must resume
+            print(f"loopline: warning: out_dir {run_dir} is locked from host {host} (pid {pid}); going on")
+            yield
+            return
         raise UserError(
-            f"out_dir {run_dir} belongs to a run that is still going (pid {owner}): let it end or stop it, or "
-            "choose another out_dir"
+            f"out_dir {run_dir} belongs to a run that is still going (pid {pid or '?'}): let it end or stop it, "
+            "or choose another out_dir"
         ) from None
     except OSError:  # no locks here (some network filesystems)
         os.close(fd)
         yield
         return
     os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
     _OWNED[key] = fd
     try:
         yield
