@@ -8,11 +8,10 @@ scores with it on the env workers, trains, and hands back its metrics, checkpoin
     def reward(prompt: str, completion: str, answer: str, **row) -> float:
         return 1.0 if completion.split("\\n")[0].strip() == answer else 0.0
 
-    if __name__ == "__main__":  # env workers are processes that import this file: guard the run
-        result = loopline.train(
-            {"out_dir": "runs/mine", "sft": {"steps": 200}, "grpo": {"steps": 20}}, reward_fn=reward, overwrite=True
-        )
-        print(result.metrics["eval_accuracy"], result.checkpoints[-1])
+    result = loopline.train(
+        {"out_dir": "runs/mine", "sft": {"steps": 200}, "grpo": {"steps": 20}}, reward_fn=reward, overwrite=True
+    )
+    print(result.metrics["eval_accuracy"], result.checkpoints[-1])
 
 `config` is whatever the CLI takes, in any form: a `RunConfig` (the same typed sections: `loopline.RunConfig(
 grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path; `overrides` are the CLI's dotted
@@ -20,11 +19,14 @@ grpo=loopline.config.GRPOConfig(steps=20))`), a dict of sections, or a YAML path
 so a run made here is a run directory like any other (`loopline train --resume out_dir=...` continues it). Bad
 input raises ValueError (loopline.errors.UserError, loopline.config.ConfigError) with the CLI's message.
 
-`reward_fn` runs on the env workers (spawned processes, or Ray actors). A module-level function of a .py file or an
-importable module goes by reference: the run records it as `env.name=python:FILE:NAME` and the workers import it (a
-script's own functions are loaded from its file, so the script's run must sit under `if __name__ == "__main__":`).
-Any other function (a lambda, a closure, a notebook cell's) goes by value: pickled with cloudpickle into
-out_dir/reward_fn-<hash>.pkl, which env.name then names.
+`reward_fn` (or an env factory: a callable of no arguments, an env class) runs on the env workers (clean processes
+that never import the user's script, or Ray actors). A module-level function of an importable module goes by
+reference: the run records it as `env.name=python:FILE:NAME` (or MODULE:NAME) and the workers import it. Any other
+function (the script's own, a lambda, a closure, a notebook cell's) goes by value: pickled with cloudpickle into
+out_dir/reward_fn-<hash>.pkl, which env.name then names; what cannot be pickled is refused in one line before
+anything is written. So a script needs no `if __name__ == "__main__":` guard; a run started inside an env worker
+is refused (errors.refuse_in_env_worker), and only the process that owns out_dir may overwrite it
+(checkpoint.run_dir.owning).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from typing import Any
 import yaml
 
 from loopline.config import RunConfig, load_config, save_config
-from loopline.errors import UserError
+from loopline.errors import UserError, refuse_in_env_worker
 
 ConfigLike = RunConfig | dict[str, Any] | str | Path | None
 
@@ -115,7 +117,9 @@ def _by_reference(fn: Callable[..., float]) -> str | None:
     module_name = getattr(fn, "__module__", None) or ""
     module = sys.modules.get(module_name)
     if (
-        not name.isidentifier()
+        module_name
+        in ("__main__", "__mp_main__")  # the script being run: importing it again would run it again
+        or not name.isidentifier()
         or getattr(module, name, None) is not fn
         or not getattr(module, "__file__", None)
     ):
@@ -129,13 +133,42 @@ def _by_reference(fn: Callable[..., float]) -> str | None:
     return f"python:{Path(inspect.getfile(module)).resolve()}:{name}"  # type: ignore[arg-type]
 
 
+def _pickled(fn: Callable[..., float]) -> bytes:
+    """`fn` by value (its code and the globals it uses: cloudpickle), or a UserError naming it and what in it cannot
+    be pickled, before anything is written."""
+    from loopline.envs.frames import pickled_by_value
+
+    try:
+        return pickled_by_value(fn)
+    except Exception as e:
+        why = (str(e).strip().splitlines() or [""])[0]
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        where = getattr(getattr(fn, "__code__", None), "co_filename", None)
+        at = f" ({where}:{fn.__code__.co_firstlineno})" if where else ""  # type: ignore[attr-defined]
+        raise UserError(
+            f"reward_fn {name}{at} cannot be sent to the env workers: cloudpickle cannot pickle it "
+            f"({type(e).__name__}: {why}); make what it uses (an open file, a lock, a connection) inside the "
+            "function, or define it in a module the workers can import"
+        ) from e
+
+
+def _words(overrides: Sequence[str] | None) -> list[str]:
+    """The overrides as the CLI's words: None is none; one string is refused (it would be split into letters)."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        raise UserError(f"overrides: a list of key=value words, not one string (got {overrides!r})")
+    return [str(o) for o in overrides]
+
+
 @contextmanager
 def _call(
-    config: ConfigLike, overrides: Sequence[str], reward_fn: Callable[..., float] | None
+    config: ConfigLike, overrides: Sequence[str] | None, reward_fn: Callable[..., float] | None
 ) -> Iterator[_Call]:
     """The command's (config file, overrides): a RunConfig or a dict is written to a temporary YAML file for the
     command's own loader; reward_fn becomes an env.name override (by reference, or pickled: see _Call)."""
-    words = [str(o) for o in overrides]
+    refuse_in_env_worker("loopline's Python API")
+    words = _words(overrides)
     pickled = None
     if reward_fn is not None:
         if not callable(reward_fn):
@@ -146,9 +179,7 @@ def _call(
         if spec is not None:
             words.append(f"env.name={json.dumps(spec)}")  # a quoted YAML string
         else:
-            import cloudpickle  # by value: the function's code and the globals it uses
-
-            pickled = cloudpickle.dumps(reward_fn)
+            pickled = _pickled(reward_fn)
     with tempfile.TemporaryDirectory(prefix="loopline-api-") as tmp:
         path = Path(tmp) / "config.yaml"
         if isinstance(config, RunConfig):
@@ -196,7 +227,7 @@ def _result(command: str, run_dir: Path, status: int) -> RunResult:
 def _run(
     command: str,
     config: ConfigLike,
-    overrides: Sequence[str],
+    overrides: Sequence[str] | None,
     reward_fn: Callable[..., float] | None,
     **options: Any,
 ) -> RunResult:
@@ -220,7 +251,7 @@ def _run(
 
 def train(
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
     resume: bool = False,
@@ -243,7 +274,7 @@ def train(
 
 def sft(
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
     resume: bool = False,
@@ -265,7 +296,7 @@ def sft(
 
 def dpo(
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
     resume: bool = False,
@@ -286,7 +317,7 @@ def dpo(
 
 def rm(
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
     overwrite: bool = False,
@@ -296,21 +327,22 @@ def rm(
 
 
 def _model_first(
-    model: str | Path | None, config: ConfigLike, overrides: Sequence[str]
+    model: str | Path | None, config: ConfigLike, overrides: Sequence[str] | None
 ) -> tuple[ConfigLike, list[str]]:
     """`model` with no config is the CLI's `loopline eval DIR` (a run's or checkpoint's config.yaml is the base
     config); with a config, it is model.path on top."""
+    words = _words(overrides)
     if model is None:
-        return config, list(overrides)
+        return config, words
     if config is None:
-        return str(model), list(overrides)
-    return config, [*overrides, f"model.path={json.dumps(str(model))}"]
+        return str(model), words
+    return config, [*words, f"model.path={json.dumps(str(model))}"]
 
 
 def evaluate(
     model: str | Path | None = None,
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
 ) -> dict[str, float]:
@@ -331,7 +363,7 @@ def generate(
     prompts: Sequence[str],
     model: str | Path | None = None,
     config: ConfigLike = None,
-    overrides: Sequence[str] = (),
+    overrides: Sequence[str] | None = (),
     *,
     n: int = 1,
     temperature: float | None = None,

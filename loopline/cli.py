@@ -394,7 +394,9 @@ def _run(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; user errors (bad config, path, file, row) are one line on stderr and exit status 2,
     workers lost past runtime.max_restarts one line and exit status 75 (EX_TEMPFAIL: worth retrying), each with
-    the traceback only under --debug. Other exceptions are bugs and keep their traceback."""
+    the traceback only under --debug (an env worker's included). An error in the user's reward or env names
+    their file and line below its line (envs.frames). SIGINT before a run handles it: exit status 130, no
+    traceback. Other exceptions are bugs and keep their traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -418,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"loopline: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before a run's own handler is on (loops.stop: while torch imports, the config is read, the roles
+        # start) or in a command without one: stopped, as the shell reports a process SIGINT killed, no traceback
+        if debug:
+            traceback.print_exc()
+        print("\nloopline: SIGINT: stopped (before the run's first step, if this was a run)", file=sys.stderr)
+        return 130
     except (
         WorkersLost
     ) as e:  # workers lost past runtime.max_restarts: a retry (a job controller's) may succeed

@@ -12,7 +12,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from loopline.checkpoint.run_dir import RESUMED_PHASES, prepare_new_run, record_config, resume_config
+from loopline.checkpoint.run_dir import (
+    RESUMED_PHASES,
+    owning,
+    prepare_new_run,
+    record_config,
+    resume_config,
+)
 from loopline.checkpoint.state import (
     CheckpointParts,
     RunState,
@@ -22,7 +28,7 @@ from loopline.checkpoint.state import (
 )
 from loopline.config import RunConfig, absolute_paths, load_config
 from loopline.distributed.workers import WorkerError
-from loopline.errors import UserError
+from loopline.errors import UserError, refuse_in_env_worker
 from loopline.loops.context import (
     RunContext,
     build_context,
@@ -75,9 +81,22 @@ def _run_config(
             )
         return cfg, changes
     # paths absolute in the run's saved config: a resume from another directory reads the same files
-    cfg = _auto(absolute_paths(load_config(config, overrides), Path.cwd()), command)
-    prepare_new_run(cfg.out_dir, args.overwrite, command)
-    return cfg, {}
+    return _auto(absolute_paths(load_config(config, overrides), Path.cwd()), command), {}
+
+
+@contextlib.contextmanager
+def _owned_run(
+    config: str | None, overrides: list[str], args: argparse.Namespace, command: str
+) -> Iterator[tuple[RunConfig, dict[str, tuple]]]:
+    """_run_config's (config, changes), while this process owns the run directory (checkpoint.run_dir.owning): a
+    new run's --overwrite deletes the old run from here, the owner, once. Never inside an env worker: there a run
+    is a script starting itself again as the worker loads it."""
+    refuse_in_env_worker(f"`loopline {command}`")
+    cfg, changes = _run_config(config, overrides, args, command)
+    with owning(cfg.out_dir):
+        if not getattr(args, "resume", False):
+            prepare_new_run(cfg.out_dir, args.overwrite, command)
+        yield cfg, changes
 
 
 def _auto(cfg: RunConfig, command: str) -> RunConfig:
@@ -131,34 +150,36 @@ def train(config: str | None, overrides: list[str], args: argparse.Namespace) ->
     (recover_<role>_s on the next metrics row). SIGINT/SIGTERM: the step in progress ends, its checkpoint is
     written, and the exit status is 130/143 (loops.stop).
     """
-    cfg, changes = _run_config(config, overrides, args, "train")
-    t0 = time.perf_counter()
-    stop = StopFlag()
-    with stop.handling():
-        try:
-            ctx, state = _attempts(cfg, args.resume, changes, stop)
-        except Interrupted as e:
-            return _stopped(e, cfg.out_dir, "train")
-    before = _accuracy_at(ctx, "grpo", 0)
-    after = _accuracy_at(ctx, "grpo", state.step)
+    with _owned_run(config, overrides, args, "train") as (cfg, changes):
+        t0 = time.perf_counter()
+        stop = StopFlag()
+        with stop.handling():
+            try:
+                ctx, state = _attempts(cfg, args.resume, changes, stop)
+            except Interrupted as e:
+                return _stopped(e, cfg.out_dir, "train")
+        before = _accuracy_at(ctx, "grpo", 0)
+        after = _accuracy_at(ctx, "grpo", state.step)
 
-    from loopline.metrics.plot import plot_run
+        from loopline.metrics.plot import plot_run
 
-    plots = plot_run(ctx.run_dir)
-    minutes = (time.perf_counter() - t0) / 60
-    # accuracy: the env's exact answers (envs.base.counts_correct); the mean reward beside it (partial credit)
-    print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
-    print(f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}")
-    # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
-    for line in ctx.no_signal.report(cfg, before):
-        print(line)  # a run that learned nothing says so, and why it likely did not
-    if state.done:
+        plots = plot_run(ctx.run_dir)
+        minutes = (time.perf_counter() - t0) / 60
+        # accuracy: the env's exact answers (envs.base.counts_correct); the mean reward beside it (partial credit)
+        print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
         print(
-            f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
-            f"{state.step} of at most {cfg.grpo.steps} (validation {state.val_accuracy:.1%})"
+            f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}"
         )
-    print(f"run directory: {ctx.run_dir}  (curves: {plots[0].name}, wall time {minutes:.1f} min)")
-    return 0
+        # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
+        for line in ctx.no_signal.report(cfg, before):
+            print(line)  # a run that learned nothing says so, and why it likely did not
+        if state.done:
+            print(
+                f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
+                f"{state.step} of at most {cfg.grpo.steps} (validation {state.val_accuracy:.1%})"
+            )
+        print(f"run directory: {ctx.run_dir}  (curves: {plots[0].name}, wall time {minutes:.1f} min)")
+        return 0
 
 
 def _attempts(
@@ -298,15 +319,15 @@ def _sft(cfg: RunConfig, stop: StopFlag, resume: bool, changes: dict[str, tuple]
 
 def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """SFT only; the result is out_dir/model. --resume, SIGINT/SIGTERM: as for `train`."""
-    cfg, changes = _run_config(config, overrides, args, "sft")
-    stop = StopFlag()
-    with stop.handling():
-        try:
-            _sft(cfg, stop, args.resume, changes)
-        except Interrupted as e:
-            return _stopped(e, cfg.out_dir, "sft")
-    print(f"saved {Path(cfg.out_dir) / 'model'}")
-    return 0
+    with _owned_run(config, overrides, args, "sft") as (cfg, changes):
+        stop = StopFlag()
+        with stop.handling():
+            try:
+                _sft(cfg, stop, args.resume, changes)
+            except Interrupted as e:
+                return _stopped(e, cfg.out_dir, "sft")
+        print(f"saved {Path(cfg.out_dir) / 'model'}")
+        return 0
 
 
 @contextlib.contextmanager
@@ -414,40 +435,43 @@ def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> i
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    cfg, changes = _run_config(
-        config, overrides, args, "dpo"
-    )  # preflight.check_run checked what dpo needs of it
-    stop = StopFlag()
-    with stop.handling():
-        ctx = build_context(cfg, stop=stop)
-        try:
-            if args.resume:
-                state, resume = _resume(ctx, changes, "dpo")
-            else:
-                _start_fresh(ctx)
-                record_config(ctx.run_dir, "start")
-                state, resume = RunState(), None
-            if state.phase == "sft":
-                _warm_start(ctx, state, resume)
-                state, resume = RunState(phase="dpo"), None
-            pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
-            steps = train_dpo(ctx, *pairs, state, resume)
-            policy = ctx.actor.policy()  # the trained weights in this process (ray: gathered from the ranks)
-            policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
-            ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
-        except Interrupted as e:
-            return _stopped(e, cfg.out_dir, "dpo")
-        finally:
-            ctx.close()
-    for key, what in (
-        ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
-        ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),
-        ("eval_accuracy", "held-out task accuracy"),
-    ):
-        before, after = _accuracy_at(ctx, "dpo", 0, key), _accuracy_at(ctx, "dpo", steps, key)
-        print(f"{what}: before DPO {_pct(before)}, after DPO {_pct(after)}")
-    print(f"saved {ctx.run_dir / 'model'}")
-    return 0
+    with _owned_run(config, overrides, args, "dpo") as (
+        cfg,
+        changes,
+    ):  # preflight.check_run checked what dpo needs of it
+        stop = StopFlag()
+        with stop.handling():
+            ctx = build_context(cfg, stop=stop)
+            try:
+                if args.resume:
+                    state, resume = _resume(ctx, changes, "dpo")
+                else:
+                    _start_fresh(ctx)
+                    record_config(ctx.run_dir, "start")
+                    state, resume = RunState(), None
+                if state.phase == "sft":
+                    _warm_start(ctx, state, resume)
+                    state, resume = RunState(phase="dpo"), None
+                pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
+                steps = train_dpo(ctx, *pairs, state, resume)
+                policy = (
+                    ctx.actor.policy()
+                )  # the trained weights in this process (ray: gathered from the ranks)
+                policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
+                ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+            except Interrupted as e:
+                return _stopped(e, cfg.out_dir, "dpo")
+            finally:
+                ctx.close()
+        for key, what in (
+            ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
+            ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),
+            ("eval_accuracy", "held-out task accuracy"),
+        ):
+            before, after = _accuracy_at(ctx, "dpo", 0, key), _accuracy_at(ctx, "dpo", steps, key)
+            print(f"{what}: before DPO {_pct(before)}, after DPO {_pct(after)}")
+        print(f"saved {ctx.run_dir / 'model'}")
+        return 0
 
 
 def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
@@ -455,20 +479,25 @@ def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> in
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_rm
 
-    cfg, _ = _run_config(config, overrides, args, "rm")  # preflight.check_run checked what rm needs of it
-    ctx = build_context(cfg)
-    try:
-        _start_fresh(ctx)
-        record_config(ctx.run_dir, "start")
-        _warm_start(ctx)
-        train_pairs, eval_pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
-        model = train_rm(ctx, train_pairs, eval_pairs)
-        model.save(ctx.run_dir / "reward_model")
-        ctx.tokenizer.save_pretrained(ctx.run_dir / "reward_model")
-    finally:
-        ctx.close()
-    before = _accuracy_at(ctx, "rm", 0, "eval_pair_accuracy")
-    after = _accuracy_at(ctx, "rm", cfg.rm.steps, "eval_pair_accuracy")
-    print(f"held-out pairwise accuracy: before {_pct(before)}, after {_pct(after)}")
-    print(f"saved {ctx.run_dir / 'reward_model'}")
-    return 0
+    with _owned_run(config, overrides, args, "rm") as (
+        cfg,
+        _,
+    ):  # preflight.check_run checked what rm needs of it
+        ctx = build_context(cfg)
+        try:
+            _start_fresh(ctx)
+            record_config(ctx.run_dir, "start")
+            _warm_start(ctx)
+            train_pairs, eval_pairs = load_pair_splits(
+                cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed
+            )
+            model = train_rm(ctx, train_pairs, eval_pairs)
+            model.save(ctx.run_dir / "reward_model")
+            ctx.tokenizer.save_pretrained(ctx.run_dir / "reward_model")
+        finally:
+            ctx.close()
+        before = _accuracy_at(ctx, "rm", 0, "eval_pair_accuracy")
+        after = _accuracy_at(ctx, "rm", cfg.rm.steps, "eval_pair_accuracy")
+        print(f"held-out pairwise accuracy: before {_pct(before)}, after {_pct(after)}")
+        print(f"saved {ctx.run_dir / 'reward_model'}")
+        return 0

@@ -18,3 +18,22 @@ class WorkersLost(RuntimeError):
     """Worker processes were lost (killed, their node gone) more often than runtime.max_restarts recovers: neither
     a bug nor the user's input. The CLI prints the message as one line and exits with EXIT_TEMPFAIL, which a job
     controller's retry (loopline k8s: the RayJob's backoffLimit) turns into a fresh attempt that resumes."""
+
+
+# Set in every env worker (local process or Ray actor) to the pid of the process it works for: user code that the
+# worker loads and that starts a run at import (a script without `if __name__ == "__main__":`) is refused there.
+ENV_WORKER_VAR = "LOOPLINE_ENV_WORKER"
+
+
+def refuse_in_env_worker(what: str) -> None:
+    """Raise UserError when this process is an env worker: a run started here would be a second run of the same
+    script (its out_dir the first one's, deleted by overwrite=True); `what` names the call."""
+    import os
+
+    owner = os.environ.get(ENV_WORKER_VAR)
+    if owner:
+        raise UserError(
+            f"{what} was called inside an env worker (pid {os.getpid()}, working for pid {owner}) while it loaded "
+            "your code: the file that defines your reward function or env also starts a run when imported; start "
+            'the run under `if __name__ == "__main__":`'
+        )

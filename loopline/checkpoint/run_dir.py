@@ -17,10 +17,14 @@ No torch here: these checks run before any model is built.
 from __future__ import annotations
 
 import difflib
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,9 @@ RUN_ENTRIES = (
     "config.yaml", HISTORY_FILE, "metrics.jsonl", "ledger.jsonl", "checkpoints", "tensorboard", "curves.png",
     "model", "reward_model", "scale_request.json", "wandb_run.json", "wandb",
 )  # fmt: skip
+# Held locked by the process that owns the run (owning()); not a run file: --overwrite leaves it.
+LOCK_FILE = ".loopline.lock"
+_OWNED: dict[str, int] = {}  # the run directories this process owns -> the descriptor holding the lock
 # Their presence makes a directory a run's: a new run there would mix with or destroy it.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
@@ -62,8 +69,50 @@ def holds_run(run_dir: str | Path) -> list[str]:
     return [name for name in RUN_MARKERS if (Path(run_dir) / name).exists()]
 
 
+@contextmanager
+def owning(run_dir: str | Path) -> Iterator[None]:
+    """This process owns the run in `run_dir` while the block runs: it holds an exclusive lock on
+    run_dir/LOCK_FILE, and only the owner may delete the run (--overwrite) or write it. A run already owned by
+    another live process (the same out_dir started, resumed or overwritten twice at once) is refused with a
+    UserError before anything is deleted. Re-entrant within a process; a filesystem without locks goes unguarded."""
+    key = str(Path(run_dir).resolve())
+    if key in _OWNED:
+        yield
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid, _, host = os.read(fd, 256).decode(errors="replace").strip().partition(" ")
+        os.close(fd)
+        if host and host != socket.gethostname():
+            # a shared volume (a Kubernetes pod restarted elsewhere): its lock may outlive a dead holder until the
+            # server's lease ends, and a refusal here would end a job that a retry must resume
+            print(f"loopline: warning: out_dir {run_dir} is locked from host {host} (pid {pid}); going on")
+            yield
+            return
+        raise UserError(
+            f"out_dir {run_dir} belongs to a run that is still going (pid {pid or '?'}): let it end or stop it, "
+            "or choose another out_dir"
+        ) from None
+    except OSError:  # no locks here (some network filesystems)
+        os.close(fd)
+        yield
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+    _OWNED[key] = fd
+    try:
+        yield
+    finally:
+        del _OWNED[key]
+        os.close(fd)  # releases the lock
+
+
 def prepare_new_run(run_dir: str | Path, overwrite: bool, command: str = "train") -> None:
-    """Before a new run in `run_dir`: refuse one that holds a run, or (overwrite) delete that run's files."""
+    """Before a new run in `run_dir`: refuse one that holds a run, or (overwrite) delete that run's files. Only the
+    run's owner (owning()) may call it."""
     run_dir = Path(run_dir)
     found = holds_run(run_dir)
     if not found:

@@ -24,8 +24,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import multiprocessing
+import os
 import signal
+import socket
+import subprocess
 import threading
 import time
 from collections import deque
@@ -34,18 +36,20 @@ from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from typing import Any, Generic, TypeVar
 
+from loopline.envs import pool_worker
 from loopline.envs.pool_parts import (
     MAX_START_FAILURES,
     EnvPoolConfig,
+    Failure,
     Outcome,
     RayBundles,
     WorkerInfo,
     _Backend,
-    _call,
     _Event,
     _Task,
     _Worker,
 )
+from loopline.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -212,11 +216,20 @@ class WorkerPool(Generic[T, R]):
             elif reply is not None and task is not None and reply[0] == task.token:
                 token, ok, value = reply
                 worker.task = None
-                error = None if ok else value
-                value = value if ok else None
+                failure = None if ok else value if isinstance(value, Failure) else Failure(str(value))
                 recovered = time.monotonic() - task.lost_at if task.lost_at else 0.0
                 finished.append(
-                    Outcome(task.sample_id, value, error, task.attempt, worker.name, task.failures, recovered)
+                    Outcome(
+                        task.sample_id,
+                        value if ok else None,
+                        None if failure is None else failure.error,
+                        task.attempt,
+                        worker.name,
+                        task.failures,
+                        recovered,
+                        "" if failure is None else failure.where,
+                        "" if failure is None else failure.trace,
+                    )
                 )
             # else: a stale reply, for a task already given up on
         return finished
@@ -289,68 +302,51 @@ class WorkerPool(Generic[T, R]):
 # ---------------------------------------------------------------------------------------------
 
 
-def _local_worker_main(conn: Connection, fn: Callable[[Any], Any]) -> None:
-    """Body of a local worker process: answer (token, item) messages until told to stop.
-
-    Ctrl-C in a terminal sends SIGINT to the whole process group, workers included: they ignore it (each printed a
-    KeyboardInterrupt traceback and died), since the run's process handles it, finishes the step (whose scoring
-    needs the workers) and then stops them."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(
-        signal.SIG_UNBLOCK, {signal.SIGINT}
-    )  # blocked since start(): a pending one is dropped
-    try:
-        conn.send(_READY)
-    except OSError:  # the pool closed before this worker was up (a short run, a run that failed early)
-        return
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):  # the pool's process is gone
-            return
-        if message is None:
-            return
-        token, item = message
-        reply = _call(fn, token, item)
-        try:
-            conn.send(reply)
-        except OSError:  # the pool's process is gone
-            return
-        except Exception as e:  # e.g. an unpicklable result
-            conn.send((token, False, f"result could not be sent back: {type(e).__name__}: {e}"))
-
-
-_READY = "ready"  # a local worker's first message
+def _send_quietly(conn: Connection, data: bytes) -> None:
+    """Send `data`; a worker that died at once (or was stopped) is seen by poll(), not here."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send_bytes(data)
 
 
 @dataclass
 class _LocalHandle:
-    process: multiprocessing.process.BaseProcess
+    process: subprocess.Popen
     conn: Connection
+    sentinel: int | None  # a pidfd, readable once the process has ended (None where the OS has none)
 
 
 class _LocalBackend:
-    """Workers are spawned processes (spawn, not fork: the host may run threads)."""
+    """Workers are fresh interpreters running loopline.envs.pool_worker (not the user's `__main__`; not fork: the
+    host may run threads), fed `fn` by value over a socket."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
-        self.fn = fn
-        self.ctx = multiprocessing.get_context("spawn")
+        try:
+            self.payload = pool_worker.payload(fn)
+        except Exception as e:
+            raise UserError(
+                f"the env workers' task {fn!r} cannot be pickled to send to them: {type(e).__name__}: {e}"
+            ) from e
 
     def start(self, name: str) -> _Worker:
-        ours, theirs = self.ctx.Pipe()
-        process = self.ctx.Process(target=_local_worker_main, args=(theirs, self.fn), name=name, daemon=True)
+        ours, theirs = socket.socketpair()
         # the child starts with SIGINT blocked (a signal mask survives fork and exec) until its main ignores it: a
         # Ctrl-C while it imports is no KeyboardInterrupt traceback either. Only this thread's mask, for a moment.
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
-            process.start()
+            process = subprocess.Popen(pool_worker.command(theirs.fileno()), pass_fds=(theirs.fileno(),))
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        theirs.close()
-        return _Worker(name, _LocalHandle(process, ours))
+            theirs.close()
+        conn = Connection(ours.detach())
+        # from a thread: a payload larger than the socket's buffer waits for the worker to start reading it
+        threading.Thread(target=_send_quietly, args=(conn, self.payload), daemon=True).start()
+        sentinel = None
+        with contextlib.suppress(AttributeError, OSError):  # os.pidfd_open: Linux 5.3, Python 3.9
+            sentinel = os.pidfd_open(process.pid)
+        return _Worker(name, _LocalHandle(process, conn, sentinel))
 
     def submit(self, worker: _Worker, task: _Task) -> None:
-        # A dead worker cannot take the task; poll() sees its sentinel and the task is retried.
+        # A dead worker cannot take the task; poll() sees its end and the task is retried.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             worker.handle.conn.send((task.token, task.item))
 
@@ -358,7 +354,8 @@ class _LocalBackend:
         by_object: dict[Any, _Worker] = {}
         for w in workers:
             by_object[w.handle.conn] = w
-            by_object[w.handle.process.sentinel] = w
+            if w.handle.sentinel is not None:
+                by_object[w.handle.sentinel] = w
         events: dict[str, _Event] = {}
         for ready in wait(list(by_object), timeout):
             worker = by_object[ready]
@@ -372,7 +369,7 @@ class _LocalBackend:
                 message = None
             if message is None:
                 events[worker.name] = (worker, "dead", None)
-            elif message == _READY:
+            elif message == pool_worker.READY:
                 events[worker.name] = (worker, "ready", None)
             else:
                 events[worker.name] = (worker, "reply", message)
@@ -382,21 +379,28 @@ class _LocalBackend:
         return worker.handle.process.pid
 
     def alive(self, worker: _Worker) -> bool:
-        return worker.handle.process.is_alive()
+        return worker.handle.process.poll() is None
 
     def kill(self, worker: _Worker) -> None:
         worker.handle.process.kill()
-        worker.handle.process.join()
-        worker.handle.conn.close()
+        worker.handle.process.wait()
+        self._close(worker)
 
     def stop(self, worker: _Worker) -> None:
         with contextlib.suppress(OSError):
             worker.handle.conn.send(None)
-        worker.handle.process.join(timeout=10)
-        if worker.handle.process.is_alive():
+        try:
+            worker.handle.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
             worker.handle.process.kill()
-            worker.handle.process.join()
+            worker.handle.process.wait()
+        self._close(worker)
+
+    def _close(self, worker: _Worker) -> None:
         worker.handle.conn.close()
+        if worker.handle.sentinel is not None:
+            os.close(worker.handle.sentinel)
+            worker.handle.sentinel = None
 
     def close(self) -> None:
         pass

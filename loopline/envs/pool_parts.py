@@ -42,6 +42,8 @@ class Outcome(Generic[R]):
     worker: str  # name of the worker that produced it ("" if none did)
     failures: tuple[str, ...] = ()  # why each earlier attempt was lost, oldest first
     recovered_s: float = 0.0  # from the loss of its first attempt to this outcome (0 when none was lost)
+    where: str = ""  # fn raised: where in the user's code (envs.frames.user_frames), "" when nowhere
+    trace: str = ""  # fn raised: its whole traceback in the worker
 
     @property
     def ok(self) -> bool:
@@ -91,7 +93,7 @@ class _Worker:
     retiring: bool = False
 
 
-# (token, ok, value or error text) as sent back by a worker
+# (token, ok, value, or a Failure or error text) as sent back by a worker
 _Reply = tuple[tuple[Hashable, int], bool, Any]
 # What poll() reports about a worker: it became ready, it answered (with the reply), or it died.
 _Event = tuple[_Worker, Literal["ready", "reply", "dead"], _Reply | None]
@@ -112,12 +114,24 @@ class _Backend(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Failure:
+    """What a worker sends back for a task that raised: the error in one line, where in the user's code it was
+    raised (envs.frames.user_frames; "" when nowhere) and the whole traceback (for --debug)."""
+
+    error: str
+    where: str = ""
+    trace: str = ""
+
+
 def _call(fn: Callable[[Any], Any], token: tuple[Hashable, int], item: Any) -> _Reply:
-    """Run one task inside a worker; exceptions become error text."""
+    """Run one task inside a worker; an exception becomes a Failure."""
     try:
         return (token, True, fn(item))
     except Exception as e:
-        return (token, False, f"{type(e).__name__}: {e}")
+        from loopline.envs.frames import full_traceback, user_frames
+
+        return (token, False, Failure(f"{type(e).__name__}: {e}", user_frames(e), full_traceback(e)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from loopline.distributed.ray_actors import ActorGone, ActorRaised, finished, get, kill, start_actor
 from loopline.envs.pool_parts import EnvPoolConfig, RayBundles, _call, _Event, _Reply, _Task, _Worker
+from loopline.errors import ENV_WORKER_VAR
 
 logger = logging.getLogger("loopline.envs.pool")
 
@@ -51,7 +52,11 @@ class RayBackend:
         # Reuse the Ray of this process if there is one; else join ray_address or start a local one.
         self.started_ray = start_ray(ClusterConfig(address=config.ray_address))
         # Workers must import loopline (fn is pickled by reference) even when it is not installed.
-        self.env_vars = {"PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        # And they are env workers: a run that user code they load would start there is refused.
+        self.env_vars = {
+            "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+            ENV_WORKER_VAR: str(os.getpid()),
+        }
         # In a bundle the bundle reserves the resources; a worker only needs to run on its node.
         self.resources = {"CPU": 0.0} if bundles else {**config.ray_resources, "CPU": config.ray_num_cpus}
         self.bundles = bundles

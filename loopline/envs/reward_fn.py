@@ -3,8 +3,8 @@
 `env.name=python:MODULE:NAME` names either a factory (no arguments; returns a fresh envs.base.Env per episode) or a
 reward function (it takes the prompt and the completion). A reward function is wrapped in `RewardFnEnv`: a
 single-turn episode that shows the prompt and scores the one response with it. It runs where every env runs, on
-the env workers (spawned processes on the local backend, Ray actors on ray), imported there by name, so it must be
-a module-level function of a module or .py file that those processes can import.
+the env workers (clean processes on the local backend, Ray actors on ray), imported there by name (a module-level
+function of a module or .py file) or unpickled from the .pkl loopline.api wrote (a function sent by value).
 
 Row fields passed as keyword arguments: `answer` and the row's extra fields (env.fields, and those the env
 reads, e.g. the code task's `test`); a function with `**kwargs` gets them all, one without gets those it names.

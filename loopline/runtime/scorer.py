@@ -22,6 +22,7 @@ from loopline.distributed.workers import WorkerError
 from loopline.envs.base import StepResult
 from loopline.envs.config import EnvConfig
 from loopline.envs.episodes import AgentRuns, Chunk, EnvError, Histories, chunk_time_limit, run_task
+from loopline.envs.frames import WorkerTraceback
 
 if TYPE_CHECKING:
     from loopline.distributed.placement import Pool
@@ -142,7 +143,10 @@ class ScorerRole:
             first = outcomes[failed[0]]
             last = min(failed[0] + size, n) - 1
             if first.worker:  # a worker ran the chunk and the env raised or misbehaved: the env's to fix
-                raise EnvError(f"completions {failed[0]}..{last}{more} got no score: {first.error}")
+                where = f"\n{first.where}" if first.where else ""  # the user's frames (envs.frames)
+                raise EnvError(
+                    f"completions {failed[0]}..{last}{more} got no score: {first.error}{where}"
+                ) from WorkerTraceback(first.trace)
             raise ScoringError(f"completions {failed[0]}..{last}{more} got no score: {first.error}")
         return [value for i in sorted(outcomes) for value in outcomes[i].value]
 
