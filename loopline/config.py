@@ -33,6 +33,7 @@ from loopline.runtime.config import RuntimeConfig
 from loopline.section import (
     ConfigError,
     Section,
+    flat_values,
     format_validation_error,
     merge_trees,
     parse_overrides,
@@ -305,13 +306,14 @@ def load_config(
     base: the config the file and overrides apply to (default: every field's default), e.g. a resumed run's.
     """
     tree = read_tree(path, overrides)
+    given = set(flat_values(tree))
     # Start from the defaults, so a section given in part keeps the rest of its own defaults:
     # sft.optim.lr=... must not reset sft.optim.schedule to OptimConfig's generic one.
     tree = merge_trees((base if base is not None else RunConfig()).model_dump(), tree)
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, RunConfig)) from None
+        raise ConfigError(format_validation_error(e, RunConfig, given)) from None
 
 
 # The fields that name files or directories on this machine: a run's saved config holds them absolute, so that a

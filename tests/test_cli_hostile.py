@@ -240,7 +240,7 @@ def test_export_onto_a_file_fails_clearly(run, tmp_path):
         (["train", "data.source=parquet"], ["data.train_path is required"]),
         (["dpo", "preference.source=jsonl", "preference.train_path=nope.jsonl"], ["preference.train_path"]),
         (["train", "reward.source=model", "reward.model_path=rm"], ["reward.model_path", "'rm'"]),
-        (["train", "reward.source=model"], ["bad config: config key 'reward'", "model_path"]),
+        (["train", "reward.source=model"], ["bad config: config key 'reward.source'", "model_path"]),
         (["eval", "adir"], ["adir", "not a model, checkpoint or run directory"]),
         (["eval", "runs/nope"], ["model, checkpoint or run directory 'runs/nope' does not exist"]),
         (
