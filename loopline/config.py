@@ -33,6 +33,7 @@ from loopline.runtime.config import RuntimeConfig
 from loopline.section import (
     ConfigError,
     Section,
+    flat_values,
     format_validation_error,
     given_tree,
     mark_given,
@@ -318,7 +319,7 @@ def load_config(
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, RunConfig)) from None
+        raise ConfigError(format_validation_error(e, RunConfig, set(flat_values(given)))) from None
     # what the file and overrides (and the base's own input) set, not every field the defaults filled in: the
     # auto choices (training.memory, training.mixed_precision) never change a field the user set
     mark_given(cfg, merge_trees(given_tree(base), given) if base is not None else given)

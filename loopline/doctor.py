@@ -289,12 +289,31 @@ def logging_items() -> list[Item]:
             "tensorboard", "tensorboard", "TensorBoard logs (metrics.jsonl and curves.png are still written)"
         ),
         _package("wandb", "wandb", "metrics.wandb=true (refused at start): pip install 'loopline[wandb]'"),
-        _package(
-            "kubernetes",
-            "kubernetes",
-            "`loopline k8s submit/status/logs` (render works): pip install 'loopline[k8s]'",
-        ),
+        _k8s_extra(),
     ]
+
+
+# The k8s extra (pyproject.toml), as (module, distribution).
+K8S_EXTRA = (
+    ("kubernetes", "kubernetes"),
+    ("kubernetes_validate", "kubernetes-validate"),
+    ("jsonschema", "jsonschema"),
+)
+K8S_OFF = (
+    "`loopline k8s`, render and stage too (they check the objects against KubeRay's and Kubernetes' schemas: "
+    "jsonschema, kubernetes-validate; submit, status and logs reach the cluster: kubernetes): "
+    "pip install 'loopline[k8s]'"
+)
+
+
+def _k8s_extra() -> Item:
+    """Every package of the k8s extra: `loopline k8s render` needs the schema checkers as much as submit needs
+    the client."""
+    found = {dist: _package(name, dist, "").value for name, dist in K8S_EXTRA}
+    missing = [dist for dist, value in found.items() if value == "not installed"]
+    if missing:
+        return Item("k8s extra", f"not installed: {', '.join(missing)}", K8S_OFF)
+    return Item("k8s extra", ", ".join(f"{dist} {value}" for dist, value in found.items()))
 
 
 SECTIONS = (

@@ -271,18 +271,18 @@ def trainer_terms(cfg: RunConfig, shape: ModelShape, phase: Phase) -> list[Term]
 
 def engine_terms(cfg: RunConfig, shape: ModelShape, phase: Phase | None) -> list[Term]:
     """An engine's memory: its own copy of the weights (none when it shares the local actor's) and the KV cache of
-    the rows it runs at once, in its dtype (rollout.dtype)."""
-    width = DTYPE_BYTES[cfg.engine_dtype]
-    rows = phase.generated_rows if phase else 0
-    rows = cfg.runtime.engine_max_rows or math.ceil(rows / cfg.runtime.engines)
-    rows = max(rows, eval_prompts(cfg))
-    seq = (
-        phase.seq
-        if phase
-        else min(prompt_tokens(cfg, shape) + cfg.eval.sampling.max_new_tokens, shape.max_positions)
-    )
-    kv = rows * seq * shape.layers * 2 * shape.kv_heads * shape.head_dim * width
-    shrink = f"runtime.engine_max_rows (rows an engine runs at once){length_hint(cfg)}"
+    the rows it runs at once (a step's, or the held-out prompts it scores at once, whichever holds more tokens; at
+    most runtime.engine_max_rows each), in its dtype (rollout.dtype). The advice names what sizes the larger."""
+    width, cap, engines = DTYPE_BYTES[cfg.engine_dtype], cfg.runtime.engine_max_rows, cfg.runtime.engines
+    step = math.ceil(phase.generated_rows / engines) if phase else 0
+    held_out = math.ceil(eval_prompts(cfg) / engines)
+    eval_seq = min(prompt_tokens(cfg, shape) + cfg.eval.sampling.max_new_tokens, shape.max_positions)
+    rows_max = "runtime.engine_max_rows (rows an engine runs at once)"
+    held = f"eval.batch_size (held-out prompts generated at once) or {rows_max}"
+    tokens, shrink = max((min(step, cap or step) * (phase.seq if phase else 0), rows_max),
+                         (min(held_out, cap or held_out) * eval_seq, held), key=lambda ts: ts[0])  # fmt: skip
+    kv = tokens * shape.layers * 2 * shape.kv_heads * shape.head_dim * width
+    shrink += length_hint(cfg)
     if cfg.rollout.engine == "vllm":  # vLLM on CPU reserves a KV cache of its own size, whatever the rows
         kv, shrink = cfg.rollout.vllm.cpu_kv_cache_gib * GIB, "rollout.vllm.cpu_kv_cache_gib"
     # a local engine on the actor's own parameters (rollout.share_weights) holds no weights of its own

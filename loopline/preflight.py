@@ -204,7 +204,13 @@ def _check_eval_set(cfg: RunConfig) -> None:
 
 def _model_dir_first(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
     """`loopline eval DIR`: DIR is the model (a model, checkpoint or run directory); a run's or checkpoint's
-    config.yaml is the base config (its data, eval and model settings), later overrides on top."""
+    config.yaml is the base config (its data, eval and model settings), later overrides on top. A missing path
+    that is not named like a YAML file is taken for a missing directory, and said so."""
+    if config is not None and not Path(config).exists() and Path(config).suffix not in (".yaml", ".yml"):
+        raise UserError(
+            f"model, checkpoint or run directory '{config}' does not exist (a config file is named *.yaml; "
+            "model.path=DIR names the model too)"
+        )
     if config is None or not Path(config).is_dir():
         return config, overrides
     path = Path(config)

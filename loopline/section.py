@@ -82,13 +82,16 @@ def nearest_keys(root: type[BaseModel], key: str) -> list[str]:
     return difflib.get_close_matches(key, leaves, n=3, cutoff=0.8)
 
 
-def format_validation_error(err: ValidationError, root: type[BaseModel] | None = None) -> str:
+def format_validation_error(
+    err: ValidationError, root: type[BaseModel] | None = None, given: set[str] | frozenset[str] = frozenset()
+) -> str:
     """A pydantic error as one line per bad key ('unknown config key ...', 'config key ...: why'),
     so that every command built on a config Section reports bad input alike. root: the section class
-    validated, to name the nearest valid key of a misspelt one."""
+    validated, to name the nearest valid key of a misspelt one and the field a check across fields names;
+    given: the dotted keys the user set (a file's, the overrides'), named first among those."""
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "<root>"
+        key = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
         if e["type"] == "extra_forbidden":
             near = nearest_keys(root, key) if root is not None else []
@@ -100,10 +103,15 @@ def format_validation_error(err: ValidationError, root: type[BaseModel] | None =
             lines.append(
                 f"config key '{key}': {e['msg']} (got {got!r}): write a list as {key}=[{word}] or {key}=[{word},b]"
             )
+        elif isinstance(got, dict):
+            # a section's own check across its fields: its input is the whole section, its message names the
+            # fields; the error is put on the field it names (the one the user set, if any), not on the section
+            error = (e.get("ctx") or {}).get("error")
+            why = str(error) if isinstance(error, ValueError) else e["msg"]
+            key = (_named_field(root, e["loc"], why, given) if root is not None else None) or key
+            lines.append(f"config key '{key}': {why}" if key else why)
         else:
-            # a section's own check names its fields in the message; its input is the whole section
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
-            lines.append(f"config key '{key}': {e['msg']}{shown}")
+            lines.append(f"config key '{key or '<root>'}': {e['msg']} (got {got!r})")
     return "\n".join(lines)
 
 
@@ -138,6 +146,23 @@ def given_tree(model: BaseModel) -> dict[str, Any]:
 def given_keys(model: BaseModel) -> set[str]:
     """The dotted keys of every leaf field set by the config's input (YAML, overrides), whatever its value."""
     return set(flat_values(given_tree(model)))
+
+
+def _named_field(
+    root: type[BaseModel], loc: tuple[Any, ...], message: str, given: set[str] | frozenset[str]
+) -> str | None:
+    """The dotted key of the first field a section check's `message` names (relative to the section at `loc`, or
+    from the root), preferring one in `given`; None when it names none (or `loc` is inside a list or map)."""
+    if any(not isinstance(part, str) for part in loc) or _section_at(root, tuple(loc)) is None:
+        return None
+    leaves, prefix = set(leaf_keys(root)), "".join(f"{part}." for part in loc)
+    named = []
+    for word in re.findall(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*", message):
+        for candidate in (prefix + word, word):
+            if candidate in leaves and candidate not in named:
+                named.append(candidate)
+                break
+    return next((k for k in named if k in given), named[0] if named else None)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

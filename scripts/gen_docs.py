@@ -64,14 +64,19 @@ def type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation).replace("typing.", ""))
 
 
-def default_text(field: Any) -> str:
-    """The field's default as YAML-ish JSON (null, true, "text", [..]); a section's is shown by its fields."""
-    if field.default is not PydanticUndefined:
-        value = field.default
-    elif field.default_factory is not None:
-        value = field.default_factory()
-    else:
-        return "(required)"
+_UNSET = object()
+
+
+def default_text(field: Any, value: Any = _UNSET) -> str:
+    """The default as YAML-ish JSON (null, true, "text", [..]): `value` (what the run's config holds) when given,
+    else the field's own default; a section's is shown by its fields."""
+    if value is _UNSET:
+        if field.default is not PydanticUndefined:
+            value = field.default
+        elif field.default_factory is not None:
+            value = field.default_factory()
+        else:
+            return "(required)"
     return json.dumps(
         value, default=lambda v: v.model_dump(mode="json") if isinstance(v, BaseModel) else str(v)
     )
@@ -88,24 +93,35 @@ def section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def config_rows(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, str, str, str]]:
-    """(dotted name, type, default, description) of every leaf field below `model`, in declaration order."""
+def config_rows(
+    model: type[BaseModel], prefix: str = "", instance: BaseModel | None = None
+) -> Iterator[tuple[str, str, str, str]]:
+    """(dotted name, type, default, description) of every leaf field below `model`, in declaration order.
+
+    The defaults are `instance`'s values where one is given (RunConfig(): a section composed into it may override
+    its class's defaults, e.g. sft.optim.lr), else the class's own (the items of a list or map of sections, an
+    optional section: what a new item or a section once set gets)."""
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
+        value = getattr(instance, name) if instance is not None else _UNSET
         inner = section_model(field.annotation)
+        row = (type_name(field.annotation), default_text(field, value), field.description or "")
         if inner is not None:
             origin = typing.get_origin(field.annotation)
             if origin in (list, tuple):
-                key += "[]"
-                yield key, type_name(field.annotation), default_text(field), field.description or ""
+                yield key + "[]", *row
+                yield from config_rows(inner, key + "[].")
             elif origin is dict:
-                key += ".<name>"
-                yield key, type_name(field.annotation), default_text(field), field.description or ""
+                yield key + ".<name>", *row
+                yield from config_rows(inner, key + ".<name>.")
             elif origin in (typing.Union, types.UnionType):  # an optional section: unset by default
-                yield key, type_name(field.annotation), default_text(field), field.description or ""
-            yield from config_rows(inner, key + ".")
+                yield key, *row
+                held = value if isinstance(value, BaseModel) else None
+                yield from config_rows(inner, key + ".", held)
+            else:
+                yield from config_rows(inner, key + ".", value if isinstance(value, BaseModel) else None)
         else:
-            yield key, type_name(field.annotation), default_text(field), field.description or ""
+            yield key, *row
 
 
 def config_page() -> str:
@@ -118,7 +134,7 @@ def config_page() -> str:
         "(`loopline train grpo.steps=10`). `loopline config [CFG] [k=v ...]` prints the resolved values. A field "
         "holding a list or a map of sections shows the items' fields as `name[].field` or `name.<name>.field`.\n",
     ]
-    rows = list(config_rows(RunConfig))
+    rows = list(config_rows(RunConfig, instance=RunConfig()))
     sections: dict[str, list[tuple[str, str, str, str]]] = {}
     for row in rows:
         top = row[0].split(".")[0] if "." in row[0] else "(top level)"

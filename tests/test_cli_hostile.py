@@ -240,8 +240,14 @@ def test_export_onto_a_file_fails_clearly(run, tmp_path):
         (["train", "data.source=parquet"], ["data.train_path is required"]),
         (["dpo", "preference.source=jsonl", "preference.train_path=nope.jsonl"], ["preference.train_path"]),
         (["train", "reward.source=model", "reward.model_path=rm"], ["reward.model_path", "'rm'"]),
-        (["train", "reward.source=model"], ["bad config: config key 'reward'", "model_path"]),
+        (["train", "reward.source=model"], ["bad config: config key 'reward.source'", "model_path"]),
         (["eval", "adir"], ["adir", "not a model, checkpoint or run directory"]),
+        (["eval", "runs/nope"], ["model, checkpoint or run directory 'runs/nope' does not exist"]),
+        (
+            ["generate", "nope", "--prompt", "1+2="],
+            ["model, checkpoint or run directory 'nope' does not exist"],
+        ),
+        (["eval", "nope.yaml"], ["config file 'nope.yaml' does not exist"]),
         (["plot", "adir"], ["adir", "metrics.jsonl"]),
         (["bench", "nope"], ["unknown benchmark 'nope'", "sandbox", "sync", "restart"]),
         # this venv has no vLLM (its tests run in .venv-vllm): named before any work, with how to install it

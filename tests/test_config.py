@@ -29,27 +29,44 @@ def test_unknown_key_names_the_dotted_key(override, key):
         ("grpo.loss_agg=sum", "grpo.loss_agg", "seq_mean"),
         ("sft.steps=abc", "sft.steps", "integer"),
         ("grpo.sampling.top_p=1.5", "grpo.sampling.top_p", "less than or equal to 1"),
-        ("model.tiny.num_heads=3", "model.tiny", "divisible by num_heads"),
-        ("runtime.trainer_tp=2", "runtime", "trainer_ranks=1 must be divisible by trainer_tp=2"),
-        ("data.task.min_digits=4", "data.task", "min_digits"),
+        ("model.tiny.num_heads=3", "model.tiny.num_heads", "divisible by num_heads"),
+        ("runtime.trainer_tp=2", "runtime.trainer_tp", "trainer_ranks=1 must be divisible by trainer_tp=2"),
+        ("data.task.min_digits=4", "data.task.min_digits", "min_digits"),
         ("seed.x=1", "seed", "integer"),
         (
             "runtime.engine_max_rows=4",
-            "<root>",
+            "runtime.engine_max_rows",
             "runtime.engine_max_rows (4) must hold one prompt's grpo.group_size",
         ),
         ("runtime.engine_max_rows=-1", "runtime.engine_max_rows", "greater than or equal to 0"),
         ("model.packing=maybe", "model.packing", "valid boolean"),
         ("runtime.restart_scope=rank", "runtime.restart_scope", "'role' or 'all'"),
-        ("runtime.trainer_standby=true", "runtime", "trainer_standby=true needs backend=ray"),
-        ("runtime.trainer_warm=true", "runtime", "trainer_warm=true needs backend=ray"),
+        ("runtime.trainer_standby=true", "runtime.trainer_standby", "trainer_standby=true needs backend=ray"),
+        ("runtime.trainer_warm=true", "runtime.trainer_warm", "trainer_warm=true needs backend=ray"),
     ],
 )
 def test_bad_value_names_the_key_and_the_rule(override, key, hint):
+    """A check across fields (a section's, or RunConfig's across sections) names the field it is about, the one
+    the user set among those its message names, never the section or '<root>' alone."""
     with pytest.raises(ConfigError) as err:
         load_config(overrides=[override])
-    assert f"config key '{key}'" in str(err.value)
+    assert f"config key '{key}':" in str(err.value)
     assert hint in str(err.value)
+    assert "<root>" not in str(err.value) and "Value error" not in str(err.value)
+
+
+def test_a_cross_field_error_names_the_field_the_user_set(tmp_path):
+    """The same check named by what was set, in a file or as an override: hidden_size (the first field its message
+    names) when it was set, num_heads when that was."""
+    (tmp_path / "heads.yaml").write_text("model:\n  tiny:\n    num_heads: 3\n")
+    with pytest.raises(ConfigError, match=r"^config key 'model.tiny.num_heads': hidden_size \(128\)"):
+        load_config(tmp_path / "heads.yaml")
+    with pytest.raises(ConfigError, match=r"^config key 'model.tiny.hidden_size': hidden_size \(130\)"):
+        load_config(overrides=["model.tiny.hidden_size=130"])
+    with pytest.raises(
+        ConfigError, match=r"^config key 'runtime.engine_max_rows': runtime.engine_max_rows \(4\)"
+    ):
+        load_config(overrides=["grpo.group_size=8", "runtime.engine_max_rows=4"])
 
 
 @pytest.mark.parametrize(

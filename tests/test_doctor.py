@@ -93,3 +93,24 @@ def test_the_bf16_probe_is_reported_as_cached_for_this_machine(report) -> None:
     assert probe is not None and str(cache_path()) in line
     assert line.startswith(f"{probe['speedup']:.2f}x float32 (")
     assert ("auto picks bf16" in line) == (probe["speedup"] >= 1.5)
+
+
+def test_without_the_k8s_extra_doctor_and_render_agree() -> None:
+    """`loopline k8s render` checks its objects against the schemas (jsonschema, kubernetes-validate): without the
+    k8s extra it stops with the install line, and doctor lists render among what is off, not as working."""
+    hide = "import sys\nfor m in ('kubernetes', 'kubernetes_validate', 'jsonschema'): sys.modules[m] = None\n"
+    probe = hide + (
+        "from loopline.doctor import logging_items\n"
+        "item = logging_items()[-1]\n"
+        "print(item.name, '|', item.value, '|', item.off)\n"
+        "from loopline.cli import main\n"
+        "sys.exit(main(['k8s', 'render']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=os.environ
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "needs the k8s extra" in out.stderr and "pip install 'loopline[k8s]'" in out.stderr
+    name, value, off = out.stdout.strip().splitlines()[-1].split(" | ")
+    assert name == "k8s extra" and value == "not installed: kubernetes, kubernetes-validate, jsonschema"
+    assert "render" in off and "render works" not in off and "pip install 'loopline[k8s]'" in off

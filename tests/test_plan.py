@@ -487,3 +487,45 @@ def test_a_gpu_pool_plans_one_bundle_s_gpu_memory_and_checks_it_when_declared():
         r for n in nodes(vllm, "train") if "GPU memory" in n.name for r in n.ranks if r.role == "rollout"
     )
     assert engine.nbytes == CUDA_CONTEXT_BYTES + 40 * GIB  # vLLM reserves half the GPU, weights and cache
+
+
+def _engine_pool(*more: str) -> list[str]:
+    """A 1.5B shape whose engine has a 24 GiB GPU of its own, 512 new tokens in training."""
+    pools = (
+        "runtime.placement.pools=[{name: gpu, bundles: 1, resources: {CPU: 4, GPU: 1}, gpu_memory_gib: 400}, "
+        "{name: eng, bundles: 1, resources: {CPU: 4, GPU: 1}, gpu_memory_gib: 24}, "
+        "{name: e, bundles: 1, resources: {CPU: 1}}]"
+    )
+    return ["model.preset=qwen2.5-1.5b", "model.init=random", "runtime.backend=ray", pools,
+            "runtime.cluster.address=10.0.0.1:6379", "runtime.placement.roles={actor: gpu, rollout: eng, env: e}",
+            "grpo.sampling.max_new_tokens=512", *more]  # fmt: skip
+
+
+def test_the_advice_names_the_setting_that_sizes_the_engine_s_cache():
+    """The KV cache is the larger of a step's rows and the held-out prompts scored at once (eval.batch_size, 1000 by
+    default), each at most runtime.engine_max_rows: a plan that does not fit names the one that sized it, and
+    following that advice makes it fit."""
+    from loopline.errors import UserError
+    from loopline.plan import check
+
+    def advice(*more: str) -> str:
+        with pytest.raises(UserError, match=r"the largest term is rollout's kv_cache") as got:
+            check(load_config(None, _engine_pool(*more)), "train")
+        return str(got.value).split("to shrink it, ", 1)[1]
+
+    # 1000 held-out prompts x (9 + 512) tokens: more than the step's 64 x 8 rows of as many
+    held_out = advice("eval.sampling.max_new_tokens=512")
+    assert held_out.startswith("eval.batch_size (held-out prompts generated at once)"), held_out
+    check(load_config(None, _engine_pool("eval.sampling.max_new_tokens=512", "eval.batch_size=64")), "train")
+    check(
+        load_config(None, _engine_pool("eval.sampling.max_new_tokens=512", "runtime.engine_max_rows=64")),
+        "train",
+    )
+    # the step's rows (2048 prompts x 8 samples) outgrow the held-out prompts: the engine's rows are named
+    step = advice("eval.sampling.max_new_tokens=512", "grpo.prompts_per_step=2048")
+    assert step.startswith("runtime.engine_max_rows (rows an engine runs at once)"), step
+    assert "eval.batch_size" not in step
+    cfg = load_config(None, _engine_pool("eval.batch_size=8"))
+    (_, grpo) = phases(cfg, "train", model_shape(cfg))
+    # the step's rows x tokens x layers x (k, v) x kv heads x head dim x fp32
+    assert _terms(cfg, "rollout")["kv_cache"] == 64 * 8 * grpo.seq * 28 * 2 * 2 * 128 * 4

@@ -142,6 +142,39 @@ def _metrics(rows: list[dict[str, Any]] | None) -> list[str]:
     return lines if len(lines) > 2 else ["none logged before this checkpoint"]
 
 
+# The classes a tokenizer built by loopline (the built-in byte one, the BPE of a random-weight preset) is saved as.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _loading(model_dir: Path, name: str) -> list[str]:
+    """How to load the model and the tokenizer saved beside it, as the run encoded (models.tokenizer.load_tokenizer:
+    AutoTokenizer rebuilds a qwen2/qwen3 model's own tokenizer class from a generic one's vocabulary)."""
+    config = model_dir / "tokenizer_config.json"
+    saved = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    generic = saved in GENERIC_TOKENIZERS
+    cls = "PreTrainedTokenizerFast" if generic else "AutoTokenizer"
+    lines = [
+        "## Load it",
+        "",
+        "```python",
+        f"from transformers import AutoModelForCausalLM, {cls}",
+        "",
+        f'model = AutoModelForCausalLM.from_pretrained("{name}")',
+        f'tokenizer = {cls}.from_pretrained("{name}")  # the tokenizer saved beside the weights',
+        "```",
+        "",
+    ]
+    if generic:
+        lines += [
+            "Load the tokenizer as it was saved (its class, `PreTrainedTokenizerFast`), not with "
+            "`AutoTokenizer.from_pretrained`: for a model type with a tokenizer class of its own (qwen2, qwen3) "
+            "that rebuilds that class from the vocabulary, with one token more and another encoding than the run "
+            "trained with. `loopline.models.tokenizer.load_tokenizer` loads it as the line above does.",
+            "",
+        ]
+    return lines
+
+
 def model_card(ckpt: Path, name: str) -> str:
     """The card of the policy exported from checkpoint `ckpt` (a checkpoint directory), titled `name`."""
     state = json.loads((ckpt / "state.json").read_text()) if (ckpt / "state.json").is_file() else {}
@@ -152,12 +185,12 @@ def model_card(ckpt: Path, name: str) -> str:
         f"# {name}",
         "",
         f"A causal language model trained with loopline and exported from checkpoint "
-        f"`{ckpt.name}` (phase {phase}, step {step}). Load it with `transformers.AutoModelForCausalLM."
-        f"from_pretrained` and `AutoTokenizer.from_pretrained` on this directory.",
+        f"`{ckpt.name}` (phase {phase}, step {step}).",
         "",
         f"- trained with loopline {_trained_with(ckpt)}",
         f"- exported by loopline {version()}",
         "",
+        *_loading(ckpt / "model", name),
     ]
     if cfg is None:
         lines += ["The checkpoint holds no config.yaml: base model, data and settings unknown.", ""]

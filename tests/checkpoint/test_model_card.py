@@ -72,3 +72,27 @@ def test_a_checkpoint_without_its_run_says_unknown(run: Path, tmp_path: Path) ->
     assert "- trained with loopline unknown" in card
     assert "unknown: the run's metrics.jsonl was not found beside the checkpoint" in card
     assert "group_size=4" in card  # the checkpoint's own copy of the config still says how it was trained
+
+
+def test_the_card_s_loading_code_gives_the_tokenizer_the_run_trained_with(
+    run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The card's Python block, run as written beside the export, loads the model and the tokenizer the run
+    encoded with: the model's vocabulary size and the same ids (AutoTokenizer would rebuild a Qwen2Tokenizer
+    from the built-in byte tokenizer's vocabulary, one token larger)."""
+    from loopline.models.tokenizer import load_tokenizer
+
+    card = _card(run, run, tmp_path / "exported")
+    code = re.search(r"## Load it\n\n```python\n(.*?)```", card, re.DOTALL)
+    assert code is not None, card
+    assert "AutoTokenizer" not in code.group(1) and "AutoTokenizer" not in card.replace(
+        "not with `AutoTokenizer.from_pretrained`", ""
+    )
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(code.group(1), scope)
+    tokenizer, model = scope["tokenizer"], scope["model"]
+    assert len(tokenizer) == model.config.vocab_size == 259
+    trained = load_tokenizer(run / "checkpoints" / "grpo-000002" / "model")
+    text = "12+345=357 and some text"
+    assert tokenizer.encode(text) == trained.encode(text)

@@ -4,8 +4,13 @@ a config field, a parser or metrics/keys.py without `python scripts/gen_docs.py`
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
+import typing
 from pathlib import Path
 from types import ModuleType
+
+from pydantic import BaseModel
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,3 +65,64 @@ def test_the_env_api_page_is_generated_from_the_docstrings(tmp_path: Path) -> No
     # a docstring changed in the code and not on the page: the page is stale
     page.write_text(text.replace(first, first + " (edited)"))
     assert "docs/reference/envs.md" in module.stale(tmp_path)
+
+
+def _item_model(annotation: object) -> type[BaseModel]:
+    """The section class inside a list, dict or optional annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        try:
+            return _item_model(arg)
+        except LookupError:
+            continue
+    raise LookupError(annotation)
+
+
+def _default_of(key: str) -> object:
+    """The JSON value the dotted page key has in RunConfig() (an item of a list or map of sections, or a field of
+    an unset optional section: the default a new item or a newly set section gets)."""
+    from loopline.config import RunConfig
+
+    obj: object = RunConfig()
+    model: type[BaseModel] = RunConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part == "<name>":
+            continue
+        name = part.removesuffix("[]")
+        field = model.model_fields[name]
+        if obj is not None:
+            value = getattr(obj, name)
+        elif field.default_factory is not None:
+            value = field.default_factory()
+        else:
+            value = field.default
+        last = i == len(parts) - 1 or (i == len(parts) - 2 and parts[-1] == "<name>")
+        if last:
+            return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        if part.endswith("[]") or parts[i + 1] == "<name>":
+            obj = None  # the fields of an item: a new item's defaults
+        else:
+            obj = value if isinstance(value, BaseModel) else None
+        model = _item_model(field.annotation)
+    raise AssertionError(key)
+
+
+def test_every_documented_default_is_the_one_a_run_gets() -> None:
+    """Each default on the config page is RunConfig()'s value, field by field: a section composed into RunConfig
+    with its own defaults (sft.optim.lr=2e-3, not OptimConfig's 3e-4) shows those, as `loopline config` does."""
+    from pydantic import TypeAdapter
+
+    dump = TypeAdapter(object).dump_python
+    page = (ROOT / "docs/reference/config.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \| `(?:[^`]*)` \| `((?:[^`]|``)*)` \|", page, re.MULTILINE)
+    assert len(rows) == page.count("\n| `"), "a field row of the page was not read"
+    wrong = []
+    for key, shown in rows:
+        if shown == "(required)":
+            continue
+        want = " ".join(json.dumps(dump(_default_of(key), mode="json")).split()).replace("|", "\\|")
+        if shown != want:
+            wrong.append(f"{key}: page {shown}, RunConfig() {want}")
+    assert not wrong, "\n".join(wrong)
