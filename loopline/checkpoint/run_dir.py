@@ -79,6 +79,7 @@ def owning(run_dir: str | Path) -> Iterator[None]:
     if key in _OWNED:
         yield
         return
+    created = not Path(run_dir).exists()
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -107,6 +108,11 @@ def owning(run_dir: str | Path) -> Iterator[None]:
         yield
     finally:
         del _OWNED[key]
+        # a run that wrote nothing (refused at its checks) leaves nothing, not even its lock
+        if [p.name for p in Path(run_dir).iterdir()] == [LOCK_FILE]:
+            (Path(run_dir) / LOCK_FILE).unlink()
+            if created:
+                Path(run_dir).rmdir()
         os.close(fd)  # releases the lock
 
 
