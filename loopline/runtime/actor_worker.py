@@ -270,9 +270,11 @@ class ActorWorker:
         return stats
 
     @contextmanager
-    def _fault_points(self, method: str) -> Iterator[None]:
-        """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it."""
-        point = f"{method}:{self.rank}:{_started(self.trainer).updates + 1}"
+    def _fault_points(self, method: str, done: int | None = None) -> Iterator[None]:
+        """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it.
+        done: the steps of the phase made so far (default: the policy trainer's)."""
+        done = _started(self.trainer).updates if done is None else done
+        point = f"{method}:{self.rank}:{done + 1}"
         FAULTS.pause_point(f"{point}:before", once=True)
         yield
         FAULTS.pause_point(f"{point}:after", once=True)
@@ -336,7 +338,8 @@ class ActorWorker:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
         _not_pipelined(self.stages, "DPO")
         trainer = cast(PolicyTrainer, _started(self.trainer))
-        stats = trainer.dpo_step(pairs.to(self.device), cfg)
+        with self._fault_points("dpo_step"):
+            stats = trainer.dpo_step(pairs.to(self.device), cfg)
         self.last_stats = (trainer.updates, stats)
         return stats
 
@@ -371,7 +374,9 @@ class ActorWorker:
     @dispatch(split="rows", gather="first")  # the reward model's: no policy step
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One Bradley-Terry step of the reward model on this rank's pairs."""
-        return _reward(self.reward).step(pairs.to(self.device))
+        reward = _reward(self.reward)
+        with self._fault_points("reward_step", reward.scheduler.last_epoch):  # its steps so far (resumed too)
+            return reward.step(pairs.to(self.device))
 
     @dispatch(split="any_rows", gather="concat")
     def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
