@@ -320,10 +320,20 @@ def rm(
     overrides: Sequence[str] | None = (),
     *,
     reward_fn: Callable[..., float] | None = None,
+    resume: bool = False,
     overwrite: bool = False,
+    allow_config_change: bool = False,
 ) -> RunResult:
     """`loopline rm`: SFT warm start then a Bradley-Terry reward model; it is `result.model` (out_dir/reward_model)."""
-    return _run("rm", config, overrides, reward_fn, resume=False, overwrite=overwrite)
+    return _run(
+        "rm",
+        config,
+        overrides,
+        reward_fn,
+        resume=resume,
+        overwrite=overwrite,
+        allow_config_change=allow_config_change,
+    )
 
 
 def _model_first(

@@ -146,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("rm", help="SFT warm start then a Bradley-Terry reward model on preference pairs")
     _add_config_args(p)
+    _add_resume_args(p)
     _add_overwrite_arg(p)
     _add_plan_check_arg(p)
 

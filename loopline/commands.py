@@ -9,8 +9,9 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from loopline.checkpoint.run_dir import (
     RESUMED_PHASES,
@@ -27,7 +28,6 @@ from loopline.checkpoint.state import (
     newest_whole_checkpoint,
 )
 from loopline.config import RunConfig, absolute_paths, load_config
-from loopline.distributed.workers import WorkerError
 from loopline.errors import UserError, refuse_in_env_worker
 from loopline.loops.context import (
     RunContext,
@@ -42,8 +42,10 @@ from loopline.loops.sft import train_sft
 from loopline.loops.stop import Interrupted, StopFlag
 from loopline.plan_auto import resolve as resolve_auto
 from loopline.runtime.recovery import Recovery
-from loopline.runtime.roles import RESTARTABLE
+from loopline.runtime.supervisor import Attempt, Supervisor
 from loopline.training.lora import merged_state_dict
+
+T = TypeVar("T")
 
 
 def _start_fresh(ctx: RunContext) -> None:
@@ -56,8 +58,10 @@ def _start_fresh(ctx: RunContext) -> None:
 def _run_config(
     config: str | None, overrides: list[str], args: argparse.Namespace, command: str
 ) -> tuple[RunConfig, dict[str, tuple]]:
-    """The run's config and, resumed, what differs from the one saved in out_dir (checkpoint.run_dir): a resume
-    needs something to resume from, a new run an out_dir that holds no run (or --overwrite)."""
+    """The run's config (its auto settings resolved) and, resumed, what differs from the one saved in out_dir
+    (checkpoint.run_dir): a resume needs something to resume from. Never inside an env worker: there a run is a
+    script starting itself again as the worker loads it."""
+    refuse_in_env_worker(f"`loopline {command}`")
     if getattr(args, "restart_unsaved", False) and not args.resume:
         raise UserError("--restart-unsaved goes with --resume (what to do when there is nothing to resume)")
     if getattr(args, "resume", False):
@@ -82,21 +86,6 @@ def _run_config(
         return cfg, changes
     # paths absolute in the run's saved config: a resume from another directory reads the same files
     return _auto(absolute_paths(load_config(config, overrides), Path.cwd()), command), {}
-
-
-@contextlib.contextmanager
-def _owned_run(
-    config: str | None, overrides: list[str], args: argparse.Namespace, command: str
-) -> Iterator[tuple[RunConfig, dict[str, tuple]]]:
-    """_run_config's (config, changes), while this process owns the run directory (checkpoint.run_dir.owning): a
-    new run's --overwrite deletes the old run from here, the owner, once. Never inside an env worker: there a run
-    is a script starting itself again as the worker loads it."""
-    refuse_in_env_worker(f"`loopline {command}`")
-    cfg, changes = _run_config(config, overrides, args, command)
-    with owning(cfg.out_dir):
-        if not getattr(args, "resume", False):
-            prepare_new_run(cfg.out_dir, args.overwrite, command)
-        yield cfg, changes
 
 
 def _auto(cfg: RunConfig, command: str) -> RunConfig:
@@ -141,124 +130,99 @@ def _stopped(e: Interrupted, run_dir: str, command: str) -> int:
     return e.exit_code
 
 
+def _supervised(
+    command: str,
+    cfg: RunConfig,
+    args: argparse.Namespace,
+    changes: dict[str, tuple],
+    body: Callable[[RunContext, Attempt], T],
+    need_answer: bool = True,
+) -> tuple[RunContext, T] | int:
+    """Run `body` under the run's Supervisor (runtime.supervisor: restarts after lost workers, one line and exit 75
+    past runtime.max_restarts) and the SIGINT/SIGTERM flag, while this process owns out_dir
+    (checkpoint.run_dir.owning: a new run's --overwrite deletes the old run from here, the owner, once); the last
+    run context and the body's result, or the exit status (130/143) when a signal stopped it at a step's end."""
+    with owning(cfg.out_dir):
+        if not args.resume:
+            prepare_new_run(cfg.out_dir, args.overwrite, command)
+        return _run_supervised(command, cfg, args.resume, changes, body, need_answer)
+
+
+def _run_supervised(
+    command: str,
+    cfg: RunConfig,
+    resume: bool,
+    changes: dict[str, tuple],
+    body: Callable[[RunContext, Attempt], T],
+    need_answer: bool,
+) -> tuple[RunContext, T] | int:
+    """_supervised's run, once out_dir is this process's."""
+    stop = StopFlag()
+
+    def build(recovery: Recovery) -> RunContext:
+        return build_context(cfg, need_answer=need_answer, stop=stop, recovery=recovery)
+
+    supervisor = Supervisor(cfg.runtime, command, cfg.out_dir, build, cfg.seed)
+    with stop.handling():
+        try:
+            return supervisor.run(body, resume, changes)
+        except Interrupted as e:
+            return _stopped(e, cfg.out_dir, command)
+
+
+def _begin(ctx: RunContext, attempt: Attempt, command: str) -> tuple[RunState, CheckpointParts | None]:
+    """An attempt's start: from the newest checkpoint (a --resume, or a restart after a failure: its recovery
+    time logged), or a fresh run."""
+    if attempt.resume:
+        state, parts = _resume(ctx, attempt.changes, command)
+        attempt.recovered(ctx.logger.note)
+        return state, parts
+    _start_fresh(ctx)
+    record_config(ctx.run_dir, "start")
+    return RunState(), None
+
+
 def train(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
     """SFT warm start then GRPO; prints held-out accuracy before and after RL.
 
     A failed call on a worker group (ray: a rank that died, a collective broken by one, a call past its
     timeout) restarts from the newest checkpoint, at most runtime.max_restarts times, the failed role alone or
-    every role (runtime.restart_scope); the time from the failure to the resumed run is printed and logged
-    (recover_<role>_s on the next metrics row). SIGINT/SIGTERM: the step in progress ends, its checkpoint is
-    written, and the exit status is 130/143 (loops.stop).
+    every role (runtime.restart_scope: runtime.supervisor); the time from the failure to the resumed run is
+    printed and logged (recover_<role>_s on the next metrics row). SIGINT/SIGTERM: the step in progress ends, its
+    checkpoint is written, and the exit status is 130/143 (loops.stop). sft, dpo and rm do the same.
     """
-    with _owned_run(config, overrides, args, "train") as (cfg, changes):
-        t0 = time.perf_counter()
-        stop = StopFlag()
-        with stop.handling():
-            try:
-                ctx, state = _attempts(cfg, args.resume, changes, stop)
-            except Interrupted as e:
-                return _stopped(e, cfg.out_dir, "train")
-        before = _accuracy_at(ctx, "grpo", 0)
-        after = _accuracy_at(ctx, "grpo", state.step)
+    cfg, changes = _run_config(config, overrides, args, "train")
+    t0 = time.perf_counter()
+    done = _supervised("train", cfg, args, changes, _train)
+    if isinstance(done, int):
+        return done
+    ctx, state = done
+    before = _accuracy_at(ctx, "grpo", 0)
+    after = _accuracy_at(ctx, "grpo", state.step)
 
-        from loopline.metrics.plot import plot_run
+    from loopline.metrics.plot import plot_run
 
-        plots = plot_run(ctx.run_dir)
-        minutes = (time.perf_counter() - t0) / 60
-        # accuracy: the env's exact answers (envs.base.counts_correct); the mean reward beside it (partial credit)
-        print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
+    plots = plot_run(ctx.run_dir)
+    minutes = (time.perf_counter() - t0) / 60
+    # accuracy: the env's exact answers (envs.base.counts_correct); the mean reward beside it (partial credit)
+    print(f"held-out accuracy after SFT (before RL): {_pct(before)}{_mean_reward(ctx, 'grpo', 0)}")
+    print(f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}")
+    # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
+    for line in ctx.no_signal.report(cfg, before):
+        print(line)  # a run that learned nothing says so, and why it likely did not
+    if state.done:
         print(
-            f"held-out accuracy after RL:              {_pct(after)}{_mean_reward(ctx, 'grpo', state.step)}"
+            f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
+            f"{state.step} of at most {cfg.grpo.steps} (validation {state.val_accuracy:.1%})"
         )
-        # grpo.stop_at_accuracy: then the RL steps it took, not the accuracy, are what varies from run to run
-        for line in ctx.no_signal.report(cfg, before):
-            print(line)  # a run that learned nothing says so, and why it likely did not
-        if state.done:
-            print(
-                f"RL reached grpo.stop_at_accuracy={cfg.grpo.stop_at_accuracy:.0%} on the validation split at step "
-                f"{state.step} of at most {cfg.grpo.steps} (validation {state.val_accuracy:.1%})"
-            )
-        print(f"run directory: {ctx.run_dir}  (curves: {plots[0].name}, wall time {minutes:.1f} min)")
-        return 0
+    print(f"run directory: {ctx.run_dir}  (curves: {plots[0].name}, wall time {minutes:.1f} min)")
+    return 0
 
 
-def _attempts(
-    cfg: RunConfig, resume: bool, changes: dict[str, tuple] | None, stop: StopFlag
-) -> tuple[RunContext, RunState]:
-    """`train` until it ends, restarting after a worker failure from the last checkpoint as the run's Recovery
-    allows: the failed role's group alone when its scope is a role (ray: the other roles, engines and env workers
-    keep running), else every role; the last context and the final state."""
-    failed: tuple[float, str] | None = None  # when the last failure was caught, and its role
-    recovery = Recovery(cfg.runtime, f"continue with `loopline train --resume out_dir={cfg.out_dir}`")
-    ctx = build_context(cfg, stop=stop, recovery=recovery)
-    # ray: the engines' generators as they start, for a restart of one group alone (below)
-    engine_rng = ctx.rollout.rng_states() if ctx.restart_group is not None else []
-    try:
-        while True:
-            try:
-                state = _train(ctx, resume, failed, changes)
-                ctx.checkpoints.wait()  # the last save too: a rank lost under it is recovered as any
-                return ctx, state
-            except WorkerError as e:
-                caught = time.perf_counter()
-                ctx.checkpoints.abandon()  # a save in flight may have died with the ranks
-                restart = recovery.restart(e)  # raises when no restart is left
-                resume, failed, changes = True, (caught, e.role), None
-                print(e, flush=True)  # now: the restart takes seconds
-                limit = recovery.restarts.limit
-                restartable = RESTARTABLE if ctx.restart_group is not None else ()
-                if recovery.scope(e, restartable) == "role" and _restart_group(ctx, e):
-                    # the engines ran on: their generators go back to their start, as new engines' would be (a
-                    # GRPO checkpoint then restores its own; one of SFT holds none, and GRPO starts from these)
-                    ctx.rollout.set_rng_states(engine_rng, reseed=cfg.seed)
-                    group = "trainer" if e.role == "actor" else e.role
-                    print(
-                        f"restarted the {group} group; resuming from the last checkpoint (restart "
-                        f"{restart} of {limit}; the other roles, engines and env workers kept running)"
-                    )
-                    continue
-                print(f"restarting the roles from the last checkpoint (restart {restart} of {limit})")
-                t0 = time.perf_counter()
-                ctx.close()  # also stops the Ray workers (and a Ray this run started)
-                t1 = time.perf_counter()
-                ctx = build_context(cfg, stop=stop, recovery=recovery)
-                print(
-                    f"roles stopped in {t1 - t0:.2f}s, started in {time.perf_counter() - t1:.2f}s", flush=True
-                )
-    finally:
-        ctx.close()
-
-
-def _restart_group(ctx: RunContext, failure: WorkerError) -> bool:
-    """Replace the failed role's ranks alone (ray); False when that fails (then every role restarts)."""
-    assert ctx.restart_group is not None  # Recovery.scope said "role"
-    try:
-        ctx.restart_group(failure.role)
-    except WorkerError as e:
-        print(f"restarting the {failure.role} group failed ({e}): restarting every role")
-        return False
-    return True
-
-
-def _train(
-    ctx: RunContext, resume: bool, failed: tuple[float, str] | None, changes: dict[str, tuple] | None
-) -> RunState:
-    """One attempt of `train` on the roles of `ctx`, fresh or from the newest checkpoint; the final state.
-    failed: (time.perf_counter() when it was caught, role) of the failure this attempt recovers from;
-    changes: what a --resume changed in the saved config (None: a restart after a worker failure)."""
-    if resume:
-        state, resume = _resume(ctx, changes)
-        if failed is not None:
-            seconds, role = time.perf_counter() - failed[0], failed[1]
-            print(
-                f"recovered in {seconds:.1f}s from a failure of role '{role}' (restarted, checkpoint loaded)"
-            )
-            ctx.logger.note({f"recover_{role}_s": seconds})  # on the row of the first step trained after it
-    else:
-        _start_fresh(ctx)
-        record_config(ctx.run_dir, "start")
-        state, resume = RunState(), None
-
+def _train(ctx: RunContext, attempt: Attempt) -> RunState:
+    """What `train` runs (one attempt, on the roles of `ctx`): SFT then GRPO, fresh or from the newest
+    checkpoint; the final state."""
+    state, resume = _begin(ctx, attempt, "train")
     if state.phase == "sft":
         sync_engine(ctx, version=0)
         if state.step == 0 and resume is None:
@@ -296,38 +260,27 @@ def _pct(x: float | None) -> str:
     return "n/a (no held-out set)" if x is None else f"{100 * x:.1f}%"
 
 
-def _sft(cfg: RunConfig, stop: StopFlag, resume: bool, changes: dict[str, tuple]) -> None:
-    # SFT learns completions and assistant turns; no RL scoring
-    ctx = build_context(cfg, need_answer=False, stop=stop)
-    try:
-        if resume:
-            state, parts = _resume(ctx, changes, "sft")
-        else:
-            _start_fresh(ctx)
-            record_config(ctx.run_dir, "start")
-            state, parts = RunState(), None
-        sync_engine(ctx, version=0)
-        if parts is None:
-            ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
-        train_sft(ctx, state, parts)
-        model, _ = ctx.actor.state()
-        model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(model))  # LoRA folded in
-        ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
-    finally:
-        ctx.close()  # a checkpoint in flight is whole before a stop prints its path
+def _sft(ctx: RunContext, attempt: Attempt) -> None:
+    """What `sft` runs (one attempt): SFT fresh or from the newest checkpoint, then out_dir/model written."""
+    state, parts = _begin(ctx, attempt, "sft")
+    sync_engine(ctx, version=0)
+    if parts is None:
+        ctx.logger.log({"phase": "sft", "step": 0, **evaluate(ctx)})
+    train_sft(ctx, state, parts)
+    model, _ = ctx.actor.state()
+    model.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(model))  # LoRA folded in
+    ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
 
 
 def sft(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT only; the result is out_dir/model. --resume, SIGINT/SIGTERM: as for `train`."""
-    with _owned_run(config, overrides, args, "sft") as (cfg, changes):
-        stop = StopFlag()
-        with stop.handling():
-            try:
-                _sft(cfg, stop, args.resume, changes)
-            except Interrupted as e:
-                return _stopped(e, cfg.out_dir, "sft")
-        print(f"saved {Path(cfg.out_dir) / 'model'}")
-        return 0
+    """SFT only; the result is out_dir/model. --resume, lost workers, SIGINT/SIGTERM: as for `train`."""
+    cfg, changes = _run_config(config, overrides, args, "sft")
+    # SFT learns completions and assistant turns; no RL scoring
+    done = _supervised("sft", cfg, args, changes, _sft, need_answer=False)
+    if isinstance(done, int):
+        return done
+    print(f"saved {Path(cfg.out_dir) / 'model'}")
+    return 0
 
 
 @contextlib.contextmanager
@@ -429,75 +382,71 @@ def _warm_start(
         train_sft(ctx, state or RunState(), resume)
 
 
-def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT warm start then DPO on preference pairs; the result is out_dir/model. --resume continues from the newest
-    checkpoint (of the warm start or of DPO); SIGINT/SIGTERM: as for `train`."""
+def _dpo(ctx: RunContext, attempt: Attempt) -> int:
+    """What `dpo` runs (one attempt): the SFT warm start and DPO, fresh or from the newest checkpoint of either,
+    then out_dir/model written; the DPO steps run."""
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_dpo
 
-    with _owned_run(config, overrides, args, "dpo") as (
-        cfg,
-        changes,
-    ):  # preflight.check_run checked what dpo needs of it
-        stop = StopFlag()
-        with stop.handling():
-            ctx = build_context(cfg, stop=stop)
-            try:
-                if args.resume:
-                    state, resume = _resume(ctx, changes, "dpo")
-                else:
-                    _start_fresh(ctx)
-                    record_config(ctx.run_dir, "start")
-                    state, resume = RunState(), None
-                if state.phase == "sft":
-                    _warm_start(ctx, state, resume)
-                    state, resume = RunState(phase="dpo"), None
-                pairs = load_pair_splits(cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed)
-                steps = train_dpo(ctx, *pairs, state, resume)
-                policy = (
-                    ctx.actor.policy()
-                )  # the trained weights in this process (ray: gathered from the ranks)
-                policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
-                ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
-            except Interrupted as e:
-                return _stopped(e, cfg.out_dir, "dpo")
-            finally:
-                ctx.close()
-        for key, what in (
-            ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
-            ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),
-            ("eval_accuracy", "held-out task accuracy"),
-        ):
-            before, after = _accuracy_at(ctx, "dpo", 0, key), _accuracy_at(ctx, "dpo", steps, key)
-            print(f"{what}: before DPO {_pct(before)}, after DPO {_pct(after)}")
-        print(f"saved {ctx.run_dir / 'model'}")
-        return 0
+    state, resume = _begin(ctx, attempt, "dpo")
+    if state.phase == "sft":
+        _warm_start(ctx, state, resume)
+        state, resume = RunState(phase="dpo"), None
+    pairs = load_pair_splits(ctx.cfg.preference, ctx.train_rows, ctx.eval_rows, ctx.cfg.seed)
+    steps = train_dpo(ctx, *pairs, state, resume)
+    policy = ctx.actor.policy()  # the trained weights in this process (ray: gathered from the ranks)
+    policy.save_pretrained(ctx.run_dir / "model", state_dict=merged_state_dict(policy))
+    ctx.tokenizer.save_pretrained(ctx.run_dir / "model")
+    return steps
 
 
-def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
-    """SFT warm start then a Bradley-Terry reward model on pairs; the result is out_dir/reward_model."""
+def dpo(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """SFT warm start then DPO on preference pairs; the result is out_dir/model. --resume continues from the newest
+    checkpoint (of the warm start or of DPO); lost workers, SIGINT/SIGTERM: as for `train`."""
+    cfg, changes = _run_config(config, overrides, args, "dpo")  # preflight.check_run checked what dpo needs
+    done = _supervised("dpo", cfg, args, changes, _dpo)
+    if isinstance(done, int):
+        return done
+    ctx, steps = done
+    for key, what in (
+        ("eval_logp_accuracy", "held-out pairs the policy prefers, log p(chosen) > log p(rejected)"),
+        ("eval_pref_accuracy", "held-out implicit-reward preference accuracy"),
+        ("eval_accuracy", "held-out task accuracy"),
+    ):
+        before, after = _accuracy_at(ctx, "dpo", 0, key), _accuracy_at(ctx, "dpo", steps, key)
+        print(f"{what}: before DPO {_pct(before)}, after DPO {_pct(after)}")
+    print(f"saved {ctx.run_dir / 'model'}")
+    return 0
+
+
+def _rm(ctx: RunContext, attempt: Attempt) -> None:
+    """What `rm` runs (one attempt): the SFT warm start and the reward model, fresh or from the newest
+    checkpoint of either, then out_dir/reward_model written."""
     from loopline.data.preference import load_pair_splits
     from loopline.loops.preference import train_rm
 
-    with _owned_run(config, overrides, args, "rm") as (
-        cfg,
-        _,
-    ):  # preflight.check_run checked what rm needs of it
-        ctx = build_context(cfg)
-        try:
-            _start_fresh(ctx)
-            record_config(ctx.run_dir, "start")
-            _warm_start(ctx)
-            train_pairs, eval_pairs = load_pair_splits(
-                cfg.preference, ctx.train_rows, ctx.eval_rows, cfg.seed
-            )
-            model = train_rm(ctx, train_pairs, eval_pairs)
-            model.save(ctx.run_dir / "reward_model")
-            ctx.tokenizer.save_pretrained(ctx.run_dir / "reward_model")
-        finally:
-            ctx.close()
-        before = _accuracy_at(ctx, "rm", 0, "eval_pair_accuracy")
-        after = _accuracy_at(ctx, "rm", cfg.rm.steps, "eval_pair_accuracy")
-        print(f"held-out pairwise accuracy: before {_pct(before)}, after {_pct(after)}")
-        print(f"saved {ctx.run_dir / 'reward_model'}")
-        return 0
+    state, resume = _begin(ctx, attempt, "rm")
+    if state.phase == "sft":
+        _warm_start(ctx, state, resume)
+        state, resume = RunState(phase="rm"), None
+    train_pairs, eval_pairs = load_pair_splits(
+        ctx.cfg.preference, ctx.train_rows, ctx.eval_rows, ctx.cfg.seed
+    )
+    model = train_rm(ctx, train_pairs, eval_pairs, state, resume)
+    model.save(ctx.run_dir / "reward_model")
+    ctx.tokenizer.save_pretrained(ctx.run_dir / "reward_model")
+
+
+def rm(config: str | None, overrides: list[str], args: argparse.Namespace) -> int:
+    """SFT warm start then a Bradley-Terry reward model on pairs; the result is out_dir/reward_model. --resume,
+    lost workers, SIGINT/SIGTERM: as for `train`."""
+    cfg, changes = _run_config(config, overrides, args, "rm")  # preflight.check_run checked what rm needs
+    done = _supervised("rm", cfg, args, changes, _rm)
+    if isinstance(done, int):
+        return done
+    ctx, _ = done
+    before = _accuracy_at(ctx, "rm", 0, "eval_pair_accuracy")
+    after = _accuracy_at(ctx, "rm", cfg.rm.steps, "eval_pair_accuracy")
+    print(f"held-out pairwise accuracy: before {_pct(before)}, after {_pct(after)}")
+    print(f"saved {ctx.run_dir / 'reward_model'}")
+    return 0

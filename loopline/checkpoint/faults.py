@@ -8,8 +8,8 @@ test can SIGKILL it at exactly that point: mid-save, right after a save, at a gi
 - `saved:<checkpoint>`: the checkpoint renamed into place and `latest` updated;
 - `step:<phase>:<step>`: the metrics row of that step logged, before its checkpoint;
 - `stage:<stage>`: at the start of a loop stage (e.g. `stage:score`), to test the watchdog;
-- `policy_step:<rank>:<n>:before` / `:after` (and `sft_step:...`): on trainer rank <rank>, around the n-th optimizer
-  step of the phase (once per run: a rank that replaces it does not stop there again), to lose a rank mid-step;
+- `policy_step:<rank>:<n>:before` / `:after` (and `sft_step:...`, `dpo_step:...`, `reward_step:...`): on trainer
+  rank <rank>, around the n-th optimizer step of the phase (once per run: a rank that replaces it does not stop there again), to lose a rank mid-step;
   `send_weights:<rank>:<n>`: as that rank's part of the weight sync after its n-th step begins.
 - `wait_saved:<rank>:<checkpoint>`: on trainer rank <rank>, as the checkpoint's finish waits for its shards (once per
   run), to lose a rank under a save (the last one included);

@@ -51,15 +51,15 @@ _OWNED: dict[str, int] = {}  # the run directories this process owns -> the desc
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 
 # The commands that take --resume, and the checkpoint phases each continues (another command's run is refused).
-RESUMED_PHASES = {"train": ("sft", "grpo"), "sft": ("sft",), "dpo": ("sft", "dpo")}
+RESUMED_PHASES = {"train": ("sft", "grpo"), "sft": ("sft",), "dpo": ("sft", "dpo"), "rm": ("sft", "rm")}
 # Config fields a resume may change (fnmatch patterns on dotted keys); what the run trains on, and how, stays.
 RESUMABLE = (
     "out_dir",  # the run directory moved (copied elsewhere, mounted at another path)
-    "sft.steps", "grpo.steps", "dpo.steps",  # extend (or end) a phase; the LR schedule follows the new length
+    "sft.steps", "grpo.steps", "dpo.steps", "rm.steps",  # extend (or end) a phase; the LR schedule follows the new length
     "runtime.*",  # rescale: backend, ranks, engines, env workers, timeouts, cluster
     "k8s.*",  # where it runs on Kubernetes (the pods' sizes, image, queue)
     "checkpoint.*", "checkpoint_every",
-    "sft.eval_every", "grpo.eval_every", "dpo.eval_every", "eval.batch_size",  # when eval runs, not what it measures
+    "sft.eval_every", "grpo.eval_every", "dpo.eval_every", "rm.eval_every", "eval.batch_size",  # when eval runs, not what it measures
     "threads", "deterministic", "progress", "tensorboard", "metrics.*",  # where the metrics go, not what they are
 )  # fmt: skip
 

@@ -4,6 +4,7 @@ Layout of RUN_DIR/checkpoints/<phase>-<step>/:
   dcp/          model, optimizer and LR schedule: torch.distributed.checkpoint, one shard file per trainer rank
   reference/    (RL with kl_coef > 0) the frozen reference policy, sharded like dcp/; it never changes within
                 a phase, so after the first save of a process the files are hard links to the previous one's
+  reward/       (`loopline rm`) the reward model's weights, optimizer and LR schedule, sharded like dcp/
   loop.pt       (RL) the loop's own state: KL controller, critic (weights, optimizer, LR schedule), the engines'
                 sampling generators
   model/        config and tokenizer of the policy, and (checkpoint.hf_model) its weights as model.safetensors:
@@ -73,7 +74,7 @@ class LoopState:
     """The RL loop's own state beyond the policy (loop.pt): what a resumed phase restores to continue exactly.
 
     On disk it is the plain dict to_dict() makes (the keys "kl", "engine_rng", with a critic "critic", with
-    batches generated ahead "buffer", for DPO "dpo"), as
+    batches generated ahead "buffer", for DPO "dpo", for the reward model "rm"), as
     every loopline has written it; from_dict() reads any of them (a key the writer lacked reads as absent).
     """
 
@@ -86,6 +87,8 @@ class LoopState:
     buffer: list[Any] = field(default_factory=list)
     # DPO: the pairs it trains and scores on and their reference log-probs (loops.preference.train_dpo)
     dpo: dict[str, Any] | None = None
+    # the reward model: the pairs it trains and scores on (loops.preference.train_rm)
+    rm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The loop.pt form."""
@@ -96,6 +99,8 @@ class LoopState:
             out["buffer"] = self.buffer
         if self.dpo is not None:
             out["dpo"] = self.dpo
+        if self.rm is not None:
+            out["rm"] = self.rm
         return out
 
     @classmethod
@@ -106,6 +111,7 @@ class LoopState:
             critic=saved.get("critic"),
             buffer=saved.get("buffer", []),
             dpo=saved.get("dpo"),
+            rm=saved.get("rm"),
         )
 
 
@@ -118,6 +124,9 @@ class CheckpointParts:
     )
     reference: str | None = None  # the frozen reference's shards, where the run has one
     loop: str | None = None  # loop.pt (LoopState), where the phase wrote one
+    reward: str | None = (
+        None  # the reward model's shards (weights, optimizer, LR schedule), in an rm checkpoint
+    )
 
     @property
     def checkpoint(self) -> str:
@@ -139,6 +148,7 @@ class CheckpointActor(Protocol):
 
 LOOP_FILE = "loop.pt"
 REFERENCE_DIR = "reference"
+REWARD_DIR = "reward"  # `loopline rm`: the reward model's DCP shards, beside dcp/ (the policy's, unchanged)
 
 
 def rng_state() -> dict[str, Any]:
@@ -495,11 +505,12 @@ def load_weights(path: str | Path, model: PreTrainedModel) -> None:
 
 def _parts(path: Path) -> CheckpointParts:
     """The parts of checkpoint `path` a resumed phase reads: the reference and loop.pt where it has them."""
-    reference, loop = path / REFERENCE_DIR, path / LOOP_FILE
+    reference, loop, reward = path / REFERENCE_DIR, path / LOOP_FILE, path / REWARD_DIR
     return CheckpointParts(
         dcp=str(path / "dcp"),
         reference=str(reference) if reference.is_dir() else None,
         loop=str(loop) if loop.is_file() else None,
+        reward=str(reward) if reward.is_dir() else None,
     )
 
 

@@ -16,8 +16,9 @@ pairs it trains on and their reference log-probs (or, dpo.reference=online, the 
 `loopline dpo --resume` continues exactly; the reward model is a model of its own on the actor's ranks, fetched
 whole at the end.
 
-Simplified: the reward model writes no checkpoint, only its final directory (a checkpoint holds a policy; a
-ScalarModel would need a layout of its own), so `loopline rm` does not resume.
+The reward model checkpoints like DPO (phase 'rm'): the policy as the warm start left it, the reward model's own
+shards (weights, optimizer, LR schedule) in the checkpoint's reward/ directory and the pairs in loop.pt, so that
+`loopline rm --resume` (and a restart after a lost trainer rank) continues exactly.
 """
 
 from __future__ import annotations
@@ -223,27 +224,57 @@ def rm_eval(ctx: RunContext, pairs: list[PreferencePair]) -> dict[str, float]:
 
 
 def train_rm(
-    ctx: RunContext, train_pairs: list[PreferencePair], eval_pairs: list[PreferencePair]
+    ctx: RunContext,
+    train_pairs: list[PreferencePair],
+    eval_pairs: list[PreferencePair],
+    state: RunState | None = None,
+    resume: CheckpointParts | None = None,
 ) -> ScalarModel:
-    """Fit a reward model (the policy's body, copied, + a scalar head) for cfg.rm.steps; returns it."""
+    """Fit a reward model (the policy's body, copied, + a scalar head) for cfg.rm.steps, from the start or (from
+    `state`, read from the checkpoint at `resume`) where a checkpoint of the phase left it; returns it. Checkpoints
+    as DPO does (phase 'rm'): the policy as it is, the reward model's shards, the pairs."""
     cfg = ctx.cfg.rm
-    train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
-    ctx.actor.start_reward(cfg, cfg.steps)
+    state = state or RunState(phase="rm")
+    if resume is None:
+        train_pairs, eval_pairs = _pairs(ctx, train_pairs, eval_pairs)
+        ctx.actor.start_reward(cfg, cfg.steps)
+    else:  # what the phase trained and scored on as it started (policy pairs were sampled from that policy)
+        saved = load_loop_state(resume).rm
+        if saved is None or resume.reward is None:
+            raise UserError(
+                f"cannot resume rm at step {state.step}: its checkpoint {resume.checkpoint} holds no reward model "
+                "or pairs (written by an older loopline)"
+            )
+        train_pairs, eval_pairs = saved["train_pairs"], saved["eval_pairs"]
+        ctx.actor.start_reward(cfg, cfg.steps, resume.reward)
+    loop_state = LoopState(rm={"train_pairs": train_pairs, "eval_pairs": eval_pairs})
     sampler = Sampler(len(train_pairs), seed=ctx.cfg.seed + 3)
-    ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, eval_pairs)})
+    if state.sampler:
+        sampler.load_state_dict(state.sampler)
+    if state.step == 0:
+        ctx.logger.log({"phase": "rm", "step": 0, **rm_eval(ctx, eval_pairs)})
 
-    bar = tqdm(total=cfg.steps, desc="rm", disable=not ctx.cfg.progress, leave=False)
-    for step in range(1, cfg.steps + 1):
+    bar = tqdm(total=cfg.steps, initial=state.step, desc="rm", disable=not ctx.cfg.progress, leave=False)
+    for step in range(state.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         batch = encode_pairs(ctx, [train_pairs[ref.index] for ref in sampler.next_batch(cfg.batch_size)])
         with ctx.watchdog.stage("train"):
             stats = ctx.actor.reward_step(batch)
+        state.step, state.sampler = step, sampler.state_dict()
         row = {"phase": "rm", "step": step, "loss": stats.loss, **stats.extra, "grad_norm": stats.grad_norm}
         row.update(lr=stats.lr, time_train=time.perf_counter() - t0)
         if step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0):
             row.update(rm_eval(ctx, eval_pairs))
         ctx.logger.log(row)
+        FAULTS.pause_point(f"step:rm:{step}")  # test hook: a kill between a step's row and its checkpoint
+        stop = ctx.stop.requested  # SIGINT/SIGTERM came: checkpoint this step, then leave (loops.stop)
+        if step == cfg.steps or stop or (ctx.cfg.checkpoint_every and step % ctx.cfg.checkpoint_every == 0):
+            with ctx.watchdog.stage("checkpoint"):
+                ctx.checkpoints.save(state, loop_state)
         bar.update(1)
         bar.set_postfix(loss=f"{stats.loss:.3f}", acc=row.get("eval_pair_accuracy", "-"))
+        if stop:
+            bar.close()
+            ctx.stop.check(state)
     bar.close()
     return ctx.actor.reward_model()

@@ -259,9 +259,11 @@ class ActorRole:
     def dpo_step(self, pairs: PairBatch, cfg: DPOConfig) -> DPOStepStats:
         return self._run("dpo_step", pairs, cfg)
 
-    def start_reward(self, cfg: RewardModelConfig, total_steps: int) -> None:
+    def start_reward(self, cfg: RewardModelConfig, total_steps: int, restore: str | None = None) -> None:
         weights = _reward_model(self.policy()).state_dict()  # one copy for all ranks
-        self._run("start_reward", self.group.put(weights), cfg, total_steps)
+        self._run("start_reward", self.group.put(weights), cfg, total_steps, restore)
+        # a replica's state holds the policy, not the reward model: a lost rank restarts from the checkpoint
+        self._phase = None
 
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         return self._run("reward_step", pairs)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
@@ -32,7 +33,7 @@ from loopline.checkpoint.dcp import (
     state_digest,
 )
 from loopline.checkpoint.faults import FAULTS
-from loopline.checkpoint.state import CheckpointParts
+from loopline.checkpoint.state import REWARD_DIR, CheckpointParts
 from loopline.config import DPOConfig, OptimConfig, RewardModelConfig, RunConfig
 from loopline.data.batches import RolloutBatch, TokenBatch
 from loopline.data.preference import PairBatch
@@ -98,6 +99,7 @@ class ActorWorker:
         self.reward: RewardTrainer | None = (
             None  # `loopline rm`'s reward model on the policy's body, once started
         )
+        self.reward_writer = ShardWriter()  # its shards in each checkpoint of the rm phase (REWARD_DIR)
 
     @staticmethod
     def warm_up() -> None:
@@ -268,9 +270,11 @@ class ActorWorker:
         return stats
 
     @contextmanager
-    def _fault_points(self, method: str) -> Iterator[None]:
-        """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it."""
-        point = f"{method}:{self.rank}:{_started(self.trainer).updates + 1}"
+    def _fault_points(self, method: str, done: int | None = None) -> Iterator[None]:
+        """Test hooks around this rank's next optimizer step (checkpoint.faults): a rank lost before or after it.
+        done: the steps of the phase made so far (default: the policy trainer's)."""
+        done = _started(self.trainer).updates if done is None else done
+        point = f"{method}:{self.rank}:{done + 1}"
         FAULTS.pause_point(f"{point}:before", once=True)
         yield
         FAULTS.pause_point(f"{point}:after", once=True)
@@ -334,37 +338,45 @@ class ActorWorker:
         """One DPO step on this rank's pairs (they carry their reference log-probs)."""
         _not_pipelined(self.stages, "DPO")
         trainer = cast(PolicyTrainer, _started(self.trainer))
-        stats = trainer.dpo_step(pairs.to(self.device), cfg)
+        with self._fault_points("dpo_step"):
+            stats = trainer.dpo_step(pairs.to(self.device), cfg)
         self.last_stats = (trainer.updates, stats)
         return stats
 
     def start_reward(
-        self, weights: Mapping[str, torch.Tensor], cfg: RewardModelConfig, total_steps: int
+        self,
+        weights: Mapping[str, torch.Tensor],
+        cfg: RewardModelConfig,
+        total_steps: int,
+        restore: str | None = None,
     ) -> None:
         """A reward model with the whole `weights` (ScalarModel.from_policy of the current policy) and its optimizer.
         The local rank copies its own policy's body (as the weights say); sharded ranks build one from the model
-        config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards)."""
+        config and shard it over the dp ranks (the TP ranks of a dp rank each hold the same shards). restore: a
+        checkpoint's reward-model shards (weights, optimizer, LR schedule; DCP reshards) to resume from."""
         _not_pipelined(self.stages, "a reward model")
-        if self.mesh is None:
-            model = ScalarModel.from_policy(
-                self.model, self.cfg.model.packing, self.cfg.training.activation_checkpointing
-            )  # where the policy is
+        checkpointing = self.cfg.training.activation_checkpointing
+        if self.mesh is None:  # where the policy is
+            model = ScalarModel.from_policy(self.model, self.cfg.model.packing, checkpointing)
             model.load_state_dict(weights)
             self.reward = RewardTrainer(model, cfg, total_steps)
-            return
-        from loopline.runtime.critic import shard_critic
+        else:
+            from loopline.runtime.critic import shard_critic
 
-        shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
-        checkpointing = self.cfg.training.activation_checkpointing
-        model = ScalarModel.from_policy(shapes, self.cfg.model.packing, checkpointing).to(self.device)
-        model.load_state_dict(weights)
-        model = shard_critic(model, self.dp_mesh)
-        self.reward = RewardTrainer(model, cfg, total_steps, group=self.dp_mesh.get_group())
+            shapes = seeded_model(self.cfg, rng_offset=0)[0]  # the shapes; the weights come next
+            model = ScalarModel.from_policy(shapes, self.cfg.model.packing, checkpointing).to(self.device)
+            model.load_state_dict(weights)
+            model = shard_critic(model, self.dp_mesh)
+            self.reward = RewardTrainer(model, cfg, total_steps, group=self.dp_mesh.get_group())
+        if restore is not None:
+            load_shards(restore, self.reward.model, self.reward, group=self.checkpoint_group)  # type: ignore[arg-type]
 
     @dispatch(split="rows", gather="first")  # the reward model's: no policy step
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:
         """One Bradley-Terry step of the reward model on this rank's pairs."""
-        return _reward(self.reward).step(pairs.to(self.device))
+        reward = _reward(self.reward)
+        with self._fault_points("reward_step", reward.scheduler.last_epoch):  # its steps so far (resumed too)
+            return reward.step(pairs.to(self.device))
 
     @dispatch(split="any_rows", gather="concat")
     def reward_scores(self, batch: TokenBatch) -> torch.Tensor:
@@ -442,11 +454,16 @@ class ActorWorker:
             weights = MergedWeights(self.model) if has_lora(self.model) else state["model"]
         hf = (self.model, weights, hf_dir) if hf_dir and self.rank == 0 else None
         self.writer.save(path, state, group=self.checkpoint_group, hf=hf, blocking=blocking)
+        if self.reward is not None:  # the rm phase: the reward model's shards beside the policy's
+            reward = shard_state(self.reward.model, self.reward)  # type: ignore[arg-type]
+            reward_dir = str(Path(path).parent / REWARD_DIR)
+            self.reward_writer.save(reward_dir, reward, group=self.checkpoint_group, blocking=blocking)
 
     def wait_saved(self, timeout_s: float) -> None:
         # test hook: a rank lost under a save
         FAULTS.pause_point(f"wait_saved:{self.rank}:{self.writer.checkpoint}", once=True)
         self.writer.wait(timeout_s)
+        self.reward_writer.wait(timeout_s)
 
     def load_state(self, path: str) -> None:
         """Read this rank's shards of the weights (and optimizer, once a phase started): DCP reshards."""

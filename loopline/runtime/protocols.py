@@ -83,9 +83,10 @@ class Actor(Protocol):
         """One optimizer step of dpo.loss; the pairs carry their reference log-probs."""
         ...
 
-    def start_reward(self, cfg: RewardModelConfig, total_steps: int) -> None:
+    def start_reward(self, cfg: RewardModelConfig, total_steps: int, restore: str | None = None) -> None:
         """A reward model on the ranks: the policy's body as it is now (copied) and a zero scalar head, and its
-        optimizer and LR schedule (the policy's own optimizer is left alone)."""
+        optimizer and LR schedule (the policy's own optimizer is left alone); restore: a checkpoint's reward/
+        shards to continue from (a resumed rm phase)."""
         ...
 
     def reward_step(self, pairs: PairBatch) -> RewardStepStats:

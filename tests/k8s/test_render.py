@@ -247,10 +247,11 @@ def test_render_cli_writes_one_file_per_object(tmp_path, capsys):
     assert "is a file, not a directory" in capsys.readouterr().err
 
 
-def test_a_job_runs_train_sft_or_dpo_each_resumed_when_retried(capsys):
-    """`--command sft|dpo` renders the same objects with that command as the entrypoint (each resumes, so a retried
-    job continues); others are refused, and what `loopline dpo` refuses at once is refused before the job exists."""
-    for command in ("sft", "dpo"):
+def test_a_job_runs_train_sft_dpo_or_rm_each_resumed_when_retried(capsys):
+    """`--command sft|dpo|rm` renders the same objects with that command as the entrypoint (each resumes, so a
+    retried job continues); others are refused, and what `loopline dpo` refuses at once is refused before the job
+    exists."""
+    for command in ("sft", "dpo", "rm"):
         assert main(["k8s", "render", "--command", command]) == 0
         job = list(yaml.safe_load_all(capsys.readouterr().out))[-1]
         assert (
@@ -259,8 +260,8 @@ def test_a_job_runs_train_sft_or_dpo_each_resumed_when_retried(capsys):
         )
         assert job["spec"]["rayClusterSpec"] == render(load_config())[-1]["spec"]["rayClusterSpec"]
     with pytest.raises(SystemExit):
-        main(["k8s", "render", "--command", "rm"])  # writes no checkpoint: a retry would start it over
-    assert "invalid choice: 'rm'" in capsys.readouterr().err
+        main(["k8s", "render", "--command", "eval"])  # writes no checkpoint: nothing for a retry to resume
+    assert "invalid choice: 'eval'" in capsys.readouterr().err
     with pytest.raises(UserError, match="not 'eval'"):
         render(load_config(), "eval")
     pipelined = ["runtime.backend=ray", "runtime.trainer_ranks=2", "runtime.trainer_pp=2"]

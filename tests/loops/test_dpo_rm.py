@@ -203,3 +203,26 @@ def test_dpo_resume_refuses_another_commands_run(tmp_path, capsys):
     assert main(["dpo", "--resume", f"out_dir={run}"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "is of phase 'grpo'" in err, err
+
+
+def test_rm_killed_in_its_warm_start_and_in_rm_resumes_to_the_uninterrupted_end(tmp_path):
+    """`loopline rm` SIGKILLed in its SFT warm start, resumed, SIGKILLed again between an RM step's row and its
+    checkpoint, resumed to the end: the same reward model (bytes) and metrics rows as a run never interrupted. The
+    pairs are the policy's own samples (preference.rejected=policy): a resumed phase reads them from loop.pt, and
+    the reward model's weights, AdamW state and LR schedule from the checkpoint's reward/ shards."""
+    args = [
+        *TINY, "rm.steps=4", "rm.batch_size=8", "rm.micro_batch_size=4", "rm.eval_every=2",
+        "preference.rejected=policy", "preference.num_train=16", "checkpoint_every=1", "deterministic=true",
+    ]  # fmt: skip
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert main(["rm", *args, f"out_dir={whole}"]) == 0
+    assert (whole / "checkpoints" / "rm-000004" / "reward" / ".metadata").is_file()
+    cmd = [sys.executable, "-m", "loopline.cli", "rm", *args, f"out_dir={killed}"]
+    for i, point in enumerate(["step:sft:2", "step:rm:2"]):  # after the step's row, before its checkpoint
+        kill_at([*cmd[:4], *(["--resume"] if i else []), *cmd[4:]], point, tmp_path / "markers", 180)
+    assert (killed / "checkpoints" / "latest").read_text().strip() == "rm-000001"
+    assert main(["rm", "--resume", f"out_dir={killed}"]) == 0
+    assert steady(read_metrics(killed)) == steady(read_metrics(whole))
+    assert (killed / "reward_model" / "model.safetensors").read_bytes() == (
+        whole / "reward_model" / "model.safetensors"
+    ).read_bytes()
