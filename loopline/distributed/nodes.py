@@ -1,7 +1,9 @@
 """Which Ray nodes are alive: a node is a failure domain (its raylet and every process on it lost at once).
 
-`NodeWatcher` polls Ray's node table every second in a thread of its own, so that the worker groups learn of a
-node's death when Ray declares it, not from a call timing out. Asked about one node (`gone`), it also knocks on
+`NodeWatcher` reads Ray's node table at most once a second, whenever a worker group waits on its ranks (a group's
+wait is cut into slices of a second to ask) or is about to replace one: so the groups learn of a node's death as Ray
+declares it, not from a call timing out. It has no thread of its own: Ray's state API is called only from the
+threads that already call Ray, never beside them from a poller. Asked about one node (`gone`), it also knocks on
 that node's raylet (a TCP connect): a node killed or preempted a moment ago refuses at once, seconds before the
 GCS's health checks declare it dead, and until then Ray would accept an actor into a bundle there (and cancel it
 later). `wait_placed` holds a replacement back until the bundles it goes into sit on live nodes: Ray re-places a
@@ -40,8 +42,8 @@ def _answers(address: str, port: int) -> bool:
 
 
 class NodeWatcher:
-    """The nodes of the connected Ray cluster, polled every `period_s` in a daemon thread: which are alive, which
-    died and when; with the rules for waiting on a lost node's bundles (`wait_placed`)."""
+    """The nodes of the connected Ray cluster, read at most every `period_s` when asked: which are alive, which died
+    and when; with the rules for waiting on a lost node's bundles (`wait_placed`)."""
 
     def __init__(
         self,
@@ -52,48 +54,22 @@ class NodeWatcher:
     ) -> None:
         """capacity_wait_s: longest wait for a lost node's bundles to be placed again (runtime.capacity_wait_s);
         resume_hint: how to go on after it (the command, with its out_dir); say: where the waiting lines go."""
-        self.capacity_wait_s, self.resume_hint, self.period_s, self._say = (
-            capacity_wait_s,
-            resume_hint,
-            period_s,
-            say,
-        )
-        self._lock = threading.Lock()
+        self.capacity_wait_s, self.resume_hint = capacity_wait_s, resume_hint
+        self.period_s, self._say = period_s, say
+        self._lock = threading.Lock()  # a checkpoint finishing in the background asks too
         self._alive: dict[str, tuple[str, int]] = {}  # node id -> its raylet's (address, port)
         self._dead: dict[str, float] = {}  # node id -> when this watcher first saw it dead (time.monotonic)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._read_at = -float("inf")  # when the node table was last read (time.monotonic)
 
-    def start(self) -> NodeWatcher:
-        """Read the node table now, then poll it in the background; returns self."""
-        self.refresh()
-        self._thread = threading.Thread(target=self._poll, name="loopline-node-watcher", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop polling (safe twice)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-
-    def _poll(self) -> None:
+    def refresh(self, max_age_s: float = 0.0) -> None:
+        """Read Ray's node table, unless it was read less than `max_age_s` ago."""
         import ray
 
-        while not self._stop.wait(self.period_s):
-            try:
-                self.refresh()
-            except Exception:  # the GCS unreachable for a moment: the next poll asks again; Ray gone: stop
-                if not ray.is_initialized():
-                    return
-
-    def refresh(self) -> None:
-        """Read Ray's node table once."""
-        import ray
-
-        nodes = ray.nodes()
-        now = time.monotonic()
         with self._lock:
+            if time.monotonic() - self._read_at < max_age_s:
+                return
+            nodes = ray.nodes()
+            now = self._read_at = time.monotonic()
             for node in nodes:
                 nid = node["NodeID"]
                 if node["Alive"]:
@@ -104,12 +80,14 @@ class NodeWatcher:
                     self._dead.setdefault(nid, now)
 
     def dead(self, node: str) -> bool:
-        """Whether Ray has declared `node` dead (as of the last poll)."""
+        """Whether Ray has declared `node` dead (the node table read at most `period_s` ago)."""
+        self.refresh(self.period_s)
         with self._lock:
             return node in self._dead
 
     def gone(self, node: str) -> bool:
         """Whether `node` is lost: declared dead by Ray, or its raylet does not answer (killed a moment ago)."""
+        self.refresh(self.period_s)
         with self._lock:
             where, dead = self._alive.get(node), node in self._dead
         if dead:

@@ -172,7 +172,7 @@ class _RayRun:
         self.placement = self.rt.pools()
         self.started = start_ray(_local_cluster(self.rt.cluster, self.placement))
         # a node's death learned as Ray declares it; a lost node's ranks replaced once their bundles are placed again
-        self.nodes = NodeWatcher(self.rt.capacity_wait_s, recovery.resume_hint).start()
+        self.nodes = NodeWatcher(self.rt.capacity_wait_s, recovery.resume_hint)
         self.groups: list[WorkerGroup] = []
         self.pools: dict[str, Pool] = {}
         self.scorer: ScorerRole | None = None
@@ -275,7 +275,6 @@ class _RayRun:
         self.stop_groups()
         if self.pools:
             remove_pools(self.pools)
-        self.nodes.stop()
         if self.started:
             ray.shutdown()
 

@@ -89,7 +89,7 @@ def test_a_lost_node_fails_the_call_at_once_and_its_rank_waits_for_capacity_then
     places the bundle there and the replacement runs on it."""
     cluster = nodes(2)
     lines: list[str] = []
-    watcher = NodeWatcher(capacity_wait_s=6.0, resume_hint="resume it", say=lines.append).start()
+    watcher = NodeWatcher(capacity_wait_s=6.0, resume_hint="resume it", say=lines.append)
     pools = _pool("STRICT_SPREAD")
     try:
         group = RayGroup(Sleeper, 2, role="actor", pool=pools["actor"], timeout_s=LIMIT_S, nodes=watcher)
@@ -104,7 +104,7 @@ def test_a_lost_node_fails_the_call_at_once_and_its_rank_waits_for_capacity_then
         with pytest.raises(WorkerDiedError, match="role 'actor' rank 1 sleep") as died:
             group.wait(busy)
         assert time.monotonic() - t0 < 20.0, died.value  # not at the 60 s timeout
-        while not watcher.dead(at[1]):  # Ray's verdict, seen by the watcher's poll
+        while not watcher.dead(at[1]):  # Ray's verdict, as the watcher reads it (at most once a second)
             assert time.monotonic() - t0 < 30.0, "Ray did not declare the node dead"
             time.sleep(0.2)
 
@@ -129,7 +129,6 @@ def test_a_lost_node_fails_the_call_at_once_and_its_rank_waits_for_capacity_then
         group.shutdown()
     finally:
         remove_pools(pools)
-        watcher.stop()
 
 
 def test_a_lost_node_with_room_left_elsewhere_is_replaced_at_once_on_the_node_that_remains(
@@ -140,7 +139,7 @@ def test_a_lost_node_with_room_left_elsewhere_is_replaced_at_once_on_the_node_th
     the lost node (its raylet refuses, so the restart waits for Ray to place the bundle again)."""
     cluster = nodes(2, per_node=2.0)
     lines: list[str] = []
-    watcher = NodeWatcher(capacity_wait_s=30.0, say=lines.append).start()
+    watcher = NodeWatcher(capacity_wait_s=30.0, say=lines.append)
     pools = _pool("SPREAD")
     try:
         group = RayGroup(Sleeper, 2, role="actor", pool=pools["actor"], timeout_s=LIMIT_S, nodes=watcher)
@@ -155,4 +154,3 @@ def test_a_lost_node_with_room_left_elsewhere_is_replaced_at_once_on_the_node_th
         group.shutdown()
     finally:
         remove_pools(pools)
-        watcher.stop()
