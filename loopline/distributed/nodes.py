@@ -125,9 +125,12 @@ class NodeWatcher:
                 )
             if time.monotonic() - said >= SAY_EVERY_S:
                 said = time.monotonic()
+                # a bundle on a node that does not answer, which Ray still calls alive: placed again once it does not
+                verdict = any(n and not self.dead(n) for b, n in zip(bundles, nodes) if b in waiting)
+                why = "Ray has yet to declare the lost node dead" if verdict else "no live node has room"
                 self._say(
                     f"waiting for capacity: {who}; their replacements need {len(waiting)} x {need} (bundles "
-                    f"{waiting}) on a live node (waited {waited:.0f}s of runtime.capacity_wait_s="
+                    f"{waiting}) on a live node, and {why} (waited {waited:.0f}s of runtime.capacity_wait_s="
                     f"{self.capacity_wait_s:g}s)"
                 )
             time.sleep(min(self.period_s, 0.5))
