@@ -129,8 +129,8 @@ class NodeWatcher:
                 verdict = any(n and not self.dead(n) for b, n in zip(bundles, nodes) if b in waiting)
                 why = "Ray has yet to declare the lost node dead" if verdict else "no live node has room"
                 self._say(
-                    f"waiting for capacity: {who}; their replacements need {len(waiting)} x {need} (bundles "
-                    f"{waiting}) on a live node, and {why} (waited {waited:.0f}s of runtime.capacity_wait_s="
+                    f"waiting for capacity: {who}; its ranks need {len(waiting)} x {need} (bundles {waiting}) on "
+                    f"a live node, and {why} (waited {waited:.0f}s of runtime.capacity_wait_s="
                     f"{self.capacity_wait_s:g}s)"
                 )
             time.sleep(min(self.period_s, 0.5))
@@ -147,7 +147,14 @@ class NodeWatcher:
             else f"role '{role}' (ranks {[r for r, *_ in ranks]})"
         )
         for pool in {id(p): p for _, p, *_ in ranks}.values():
-            need = (
-                "{" + ", ".join(f"{k}: {v:g}" for k, v in pool.bundle.items()) + f"}} of pool '{pool.name}'"
-            )
-            self.wait_placed(pool.placement_group, [b for _, p, b, _ in ranks if p is pool], who, need)
+            self.wait_placed(pool.placement_group, [b for _, p, b, _ in ranks if p is pool], who, _need(pool))
+
+    def wait_pool(self, role: str, pool: Pool, ranks: int) -> None:
+        """wait_placed for the first `ranks` bundles of `pool`, before `role`'s ranks start there (a start again
+        after a node was lost while the roles started)."""
+        self.wait_placed(pool.placement_group, range(ranks), f"role '{role}' is starting", _need(pool))
+
+
+def _need(pool: Pool) -> str:
+    """One bundle of `pool`, as the waiting lines name it."""
+    return "{" + ", ".join(f"{k}: {v:g}" for k, v in pool.bundle.items()) + f"}} of pool '{pool.name}'"

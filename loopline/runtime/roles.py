@@ -227,6 +227,12 @@ class _RayRun:
         }
         # the trainer ranks' spares: warm processes (runtime.trainer_warm as resolved), or built ranks with standby
         warm = rt.warm_processes()
+        for role, (
+            _,
+            n,
+            _,
+        ) in self.workers.items():  # a node lost as they start: its bundles placed again first
+            self.nodes.wait_pool(role, self.where[role], n)
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         with ThreadPoolExecutor(len(self.workers)) as threads:
             starting = [
