@@ -326,7 +326,7 @@ class RayGroup(WorkerGroup):
         standby: a spare for every rank, started once the ranks are ready; a restart promotes it. Spares take no
         resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
         warm: (with standby) the spares are warm processes: imports paid, constructor run when promoted.
-        nodes: the run's NodeWatcher (distributed.nodes): a call waiting on a rank whose node is lost fails at once,
+        nodes: the run's NodeWatcher (distributed.nodes): a call waiting on a rank fails as Ray declares its node dead,
         and a rank is replaced only once its bundle sits on a live node (waiting for capacity, if need be).
         """
         super().__init__(cls, num_ranks, role, timeout_s, mesh)
