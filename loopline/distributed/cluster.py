@@ -67,6 +67,14 @@ class ClusterConfig(Section):
 # Ray starts a worker process per CPU when a driver first connects, for tasks loopline never sends (its roles are
 # actors, each in a process of its own): on few cores those idle imports of Ray delay the roles' own start.
 _NO_PRESTART = {"prestart_worker_first_driver": False}
+# A test cluster declares a lost node dead after 3 failed health checks a second apart (Ray's default: 5, 3 s apart,
+# after 5 s): a killed raylet refuses at once, so its node is dead ~3 s later. A slow raylet still has Ray's 10 s
+# per check, three times in a row, before it counts as lost.
+_TEST_HEALTH_CHECKS = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
 
 
 def start_ray(cfg: ClusterConfig | None = None) -> bool:
@@ -121,7 +129,8 @@ def local_multinode_cluster(
 
     `nodes` gives each worker node's resources, e.g. [{"CPU": 1, "trainer": 2}, {"CPU": 1, "gen": 1}].
     The cluster keeps its files (and the ray_current_cluster address file, which Cluster writes) in a
-    private temp directory, so it neither follows nor overwrites other clusters on a shared machine.
+    private temp directory, so it neither follows nor overwrites other clusters on a shared machine. A node
+    removed from it (`cluster.remove_node(node, allow_graceful=False)`) is declared dead within seconds.
     """
     import ray
     from ray.cluster_utils import Cluster
@@ -143,7 +152,7 @@ def local_multinode_cluster(
                 head_node_args={
                     "num_cpus": head_cpus,
                     "include_dashboard": False,
-                    "_system_config": _NO_PRESTART,
+                    "_system_config": {**_NO_PRESTART, **_TEST_HEALTH_CHECKS},
                     **common,
                 },
             )

@@ -297,11 +297,11 @@ class Pool:
         return {k: math.floor(v / len(self.roles) * 1e4) / 1e4 for k, v in self.bundle.items()}
 
     def bundle_nodes(self) -> list[str]:
-        """Node id of each bundle, in bundle order."""
+        """Node id of each bundle, in bundle order ("" for a bundle not placed: its node lost, not yet placed again)."""
         import ray.util
 
         table: dict[str, Any] = ray.util.placement_group_table(self.placement_group)
-        return [table["bundles_to_node_id"][i] for i in range(self.num_bundles)]
+        return [table["bundles_to_node_id"].get(i, "") for i in range(self.num_bundles)]
 
 
 def place_pools(cfg: PlacementConfig) -> dict[str, Pool]:

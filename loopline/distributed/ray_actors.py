@@ -1,7 +1,9 @@
-"""Ray actors started, waited on, told dead from raising, and killed: one copy for WorkerGroup and the env pool."""
+"""Ray actors started, waited on, told dead from raising, and killed: one copy for WorkerGroup and the env pool; a
+rank's torch.distributed environment."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -91,6 +93,34 @@ def kill(*actors: Any) -> None:
 
     for actor in actors:
         ray.kill(actor, no_restart=True)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def master_address() -> tuple[str, int]:
+    """Run on rank 0's node: that node's address and a port free there, for the torch.distributed rendezvous."""
+    import ray.util
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def rank_env(
+    rank: int, world: int, local_rank: int, local_world: int, addr: str, port: int
+) -> dict[str, str]:
+    """The torch.distributed variables of one rank's environment (env:// rendezvous)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "MASTER_ADDR": addr,
+        "MASTER_PORT": str(port),
+    }
 
 
 _WARM: dict[type, type] = {}

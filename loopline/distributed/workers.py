@@ -1,52 +1,49 @@
 """Worker groups: N ranks of one plain Python class, driven by a single controller.
 
-The controller calls a method by name on every rank and gets one result per rank. `WorkerGroup` is the
-interface; each backend is one implementation of it (runtime.roles picks which, once):
-- `LocalGroup`: one rank in this process; the object is called directly (the embedded default, no Ray).
-- `RayGroup`: one Ray actor per bundle of the role's pool (placement.place_pools), pinned to its bundle.
+The controller calls a method by name on every rank and gets one result per rank. `WorkerGroup` is the interface;
+each backend is one implementation of it (runtime.roles picks which, once): `LocalGroup`, one rank in this process
+called directly (the embedded default, no Ray); `RayGroup`, one Ray actor per bundle of the role's pool
+(placement.place_pools), pinned to its bundle. Every rank finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT in its environment (torch.distributed's env:// rendezvous). Failures name the role, the
+rank and the method: a method that raised (WorkerError), a call not finished in time (WorkerTimeoutError), a rank
+whose process or node is gone (WorkerDiedError).
 
-Every rank finds RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in its
-environment, so a worker can call torch.distributed.init_process_group("gloo") with the default env://
-rendezvous. Failures name the role, the rank and the method: a method that raised (WorkerError), a call
-that did not finish in time (WorkerTimeoutError), a rank whose process is gone (WorkerDiedError).
-
-A running RayGroup can change: `restart_rank` replaces one rank's actor in its bundle, `add_ranks`
-starts more ranks in bundles the caller found, `remove_ranks` stops the last ones; `settle` collects every
-outcome of a call, so a caller can recover from some failures (the roles decide which; engine.RolloutRole).
-With `standby`, every rank has a spare: a second actor of the same class, arguments and environment in the
-rank's bundle, built (its imports paid) but never called and taking none of the bundle's resources, which a
-restart promotes instead of starting a process (`start_spares` then starts new ones in the background). With
-`warm` too, a spare is a warm process instead: its imports paid, its constructor not run until it is promoted
-(no model copy held; the rank's constructor runs at the restart).
-
-Simplified on purpose: `max_restarts` is passed to Ray as is (a restarted actor runs its constructor again with the
-same arguments and environment); local calls run in the caller's thread, so the local backend cannot time a call
-out. WORLD_SIZE in a rank's environment is the group's size when it started.
+A running RayGroup can change: `restart_ranks` replaces ranks' actors in their bundles (once a lost node's bundles
+sit on live nodes again: distributed.nodes), `add_ranks` starts more in bundles the caller found, `remove_ranks`
+stops the last ones; `settle` collects every outcome of a call, so a caller can recover from some failures. With
+`standby`, every rank has a spare in its bundle: built (or, with `warm`, a process with its imports paid whose
+constructor runs when promoted), never called, taking none of the bundle's resources; a restart promotes it
+instead of starting a process (`start_spares` then starts new ones). Simplified on purpose: `max_restarts` is
+passed to Ray as is; local calls run in the caller's thread, so the local backend cannot time a call out; WORLD_SIZE
+in a rank's environment is the group's size when it started.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from loopline.distributed.dispatch import RankMesh, gather, rule_of, split_args
 from loopline.distributed.ray_actors import (
     ActorGone,
     ActorRaised,
     finished,
+    free_port,
     get,
     in_bundle,
     kill,
+    master_address,
+    rank_env,
     start_actor,
     warm_class,
 )
 
 if TYPE_CHECKING:
+    from loopline.distributed.nodes import NodeWatcher
     from loopline.distributed.placement import Pool
 
 
@@ -75,37 +72,11 @@ class RankFuture:
     ref: Any  # ray.ObjectRef on the ray backend; an already finished concurrent.futures.Future on local
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _master_address() -> tuple[str, int]:
-    """Run on rank 0's node: that node's address and a port free there, for the torch.distributed rendezvous."""
-    import ray.util
-
-    return ray.util.get_node_ip_address(), _free_port()
-
-
 def _check_role(role: str, pool: Pool) -> None:
     if role not in pool.roles:
         raise ValueError(
             f"role '{role}' is not placed on pool '{pool.name}' (roles there: {list(pool.roles)})"
         )
-
-
-def _rank_env(
-    rank: int, world: int, local_rank: int, local_world: int, addr: str, port: int
-) -> dict[str, str]:
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_RANK": str(local_rank),
-        "LOCAL_WORLD_SIZE": str(local_world),
-        "MASTER_ADDR": addr,
-        "MASTER_PORT": str(port),
-    }
 
 
 class WorkerGroup(ABC):
@@ -283,7 +254,7 @@ class LocalGroup(WorkerGroup):
         """Build the worker in this process. env_vars: extra environment (RANK, WORLD_SIZE, ... take precedence).
         timeout_s: kept for the interface; a call in the caller's thread cannot be timed out."""
         super().__init__(cls, 1, role, timeout_s, mesh)
-        env = {**(env_vars or {}), **_rank_env(0, 1, 0, 1, "127.0.0.1", _free_port())}
+        env = {**(env_vars or {}), **rank_env(0, 1, 0, 1, "127.0.0.1", free_port())}
         self._saved_env = {k: os.environ.get(k) for k in env}  # put back by shutdown()
         os.environ.update(env)
         try:
@@ -344,6 +315,7 @@ class RayGroup(WorkerGroup):
         standby: bool = False,
         warm: bool = False,
         mesh: RankMesh | None = None,
+        nodes: NodeWatcher | None = None,
     ) -> None:
         """Start the ranks and wait (at most timeout_s) until each has built its worker.
 
@@ -354,9 +326,13 @@ class RayGroup(WorkerGroup):
         standby: a spare for every rank, started once the ranks are ready; a restart promotes it. Spares take no
         resources (a GPU rank's spare could not see its GPU, so a pool with GPUs refuses them).
         warm: (with standby) the spares are warm processes: imports paid, constructor run when promoted.
+        nodes: the run's NodeWatcher (distributed.nodes): a call waiting on a rank fails as Ray declares its node dead,
+        and a rank is replaced only once its bundle sits on a live node (waiting for capacity, if need be).
         """
         super().__init__(cls, num_ranks, role, timeout_s, mesh)
         self._places: list[tuple[Pool, int]] = []  # (pool, bundle index) of each rank
+        self._watch, self._at = nodes, cast(list[str], [])  # the node each rank was started on, in rank order
+        self._spare_at: dict[int, str] = {}  # rank -> the node its spare was started on
         self._standby: dict[int, Any] | None = {} if standby else None  # rank -> its spare's actor
         self._warm = standby and warm  # the spares are warm processes (warm_class), built when promoted
         self._start_actors(pool, init_args, dict(init_kwargs or {}), dict(env_vars or {}), max_restarts)
@@ -391,16 +367,17 @@ class RayGroup(WorkerGroup):
         nodes = pool.bundle_nodes()[:n]
         # Rendezvous: rank 0's node, a port free there; a task (a process) asks there off this node or via Ray Client
         if nodes[0] == ray.get_runtime_context().get_node_id() and not ray.util.client.ray.is_connected():
-            self._master = _master_address()
+            self._master = master_address()
         else:
             where = in_bundle(pool.placement_group, 0)
-            probe = ray.remote(num_cpus=0, scheduling_strategy=where)(_master_address).remote()
+            probe = ray.remote(num_cpus=0, scheduling_strategy=where)(master_address).remote()
             self._master = self.wait([RankFuture(0, "<rendezvous probe>", probe)])[0]
         self._spawn = (init_args, init_kwargs, env_vars, max_restarts)
         self._places = [(pool, i) for i in range(n)]
         try:
             for i in range(n):
                 self._ranks.append(self._start_rank(i, nodes))
+            self._at = list(nodes)
             self._wait_ready(range(n))
             self.start_spares()
         except BaseException:
@@ -413,7 +390,7 @@ class RayGroup(WorkerGroup):
         pool, bundle = self._places[i]
         init_args, init_kwargs, env_vars, max_restarts = self._spawn
         addr, port = self._master
-        local = _rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
+        local = rank_env(i, self.world_size, nodes[:i].count(nodes[i]), nodes.count(nodes[i]), addr, port)
         if spare:  # the threads Ray gives the rank it replaces (a spare holds no CPUs)
             local["OMP_NUM_THREADS"] = str(max(1, int(pool.rank_resources().get("CPU", 1.0))))
         warm = spare and self._warm  # a warm process: the class's constructor runs when it is promoted
@@ -434,7 +411,7 @@ class RayGroup(WorkerGroup):
         nodes = self._nodes()
         for i in range(self.world_size):
             if i not in self._standby:
-                self._standby[i] = self._start_rank(i, nodes, spare=True)
+                self._standby[i], self._spare_at[i] = self._start_rank(i, nodes, spare=True), nodes[i]
 
     def _wait_ready(self, ranks: range | list[int], warm: list[int] | None = None) -> None:
         """Wait until the actors of `ranks` are built; those of `warm` (warm processes) build now."""
@@ -456,36 +433,42 @@ class RayGroup(WorkerGroup):
                 by_pool[id(pool)] = pool.bundle_nodes()
         return [by_pool[id(pool)][b] for pool, b in self._places]
 
-    def restart_rank(self, rank: int) -> None:
-        """Kill rank `rank`'s actor (if still alive) and start a new one in its bundle, with the same arguments
-        and environment; wait (at most timeout_s) until it is built. The other ranks are not touched."""
-        self.restart_ranks([rank])
-
     def restart_ranks(self, ranks: list[int]) -> None:
         """restart_rank for each of `ranks`, the new actors starting side by side; with standby, each rank's
-        spare takes its place (start_spares starts new ones: after the restart, so as not to slow it down)."""
+        spare takes its place (start_spares starts new ones: after the restart, so as not to slow it down). None
+        starts in a bundle on a lost node: the bundles wait to be placed on live nodes first (_placed)."""
         self._running("restart_rank")
         for rank in ranks:
             if not 0 <= rank < self.world_size:
                 raise ValueError(f"role '{self.role}': no rank {rank} among {self.world_size}")
+        nodes = self._placed(ranks)
         kill(*(self._ranks[r] for r in ranks))
-        nodes = self._nodes()
         spares = self._standby if self._standby is not None else {}
         warm: list[int] = []  # ranks promoted from warm processes: their constructors run now
         for rank in ranks:
             # the spare gets no resources back: the killed rank's share of the bundle stays free for the next spare
-            if rank in spares:
+            if rank in spares and self._spare_at.get(rank) == nodes[rank]:
                 self._ranks[rank] = spares.pop(rank)
                 warm += [rank] if self._warm else []
-            else:
+            else:  # no spare, or one lost with its node (the bundle is elsewhere now)
+                kill(*([spares.pop(rank)] if rank in spares else []))
                 self._ranks[rank] = self._start_rank(rank, nodes)
+            self._at[rank] = nodes[rank]
         try:
             self._wait_ready(ranks, warm)
-        except WorkerDiedError:  # a spare that died meanwhile: fresh actors instead
+        except WorkerDiedError:  # a spare that died meanwhile, or a node lost meanwhile: fresh actors instead
             kill(*(self._ranks[r] for r in ranks))
+            nodes = self._placed(ranks)
             for rank in ranks:
-                self._ranks[rank] = self._start_rank(rank, nodes)
+                self._ranks[rank], self._at[rank] = self._start_rank(rank, nodes), nodes[rank]
             self._wait_ready(ranks)
+
+    def _placed(self, ranks: list[int]) -> list[str]:
+        """The node of every rank's bundle, once those of `ranks` sit on live nodes: with a NodeWatcher, a lost
+        node's bundles are waited for until Ray places them again (on the nodes that remain, or one that joins)."""
+        if self._watch is not None:
+            self._watch.wait_ranks(self.role, [(r, *self._places[r], self._at[r]) for r in ranks])
+        return self._nodes()
 
     def add_ranks(self, places: list[tuple[Pool, int]]) -> None:
         """Start one more rank in each (pool, bundle index) of `places`, as ranks world_size, world_size + 1, ...;
@@ -500,11 +483,12 @@ class RayGroup(WorkerGroup):
             nodes = self._nodes()
             for i in range(first, self.world_size):
                 self._ranks.append(self._start_rank(i, nodes))
+                self._at.append(nodes[i])
             self._wait_ready(range(first, self.world_size))
             self.start_spares()
         except BaseException:
             kill(*self._ranks[first:], *self._drop_spares(first))
-            del self._ranks[first:], self._places[first:]
+            del self._ranks[first:], self._places[first:], self._at[first:]
             self.world_size = first
             raise
 
@@ -517,7 +501,7 @@ class RayGroup(WorkerGroup):
             )
         kill(*self._ranks[keep:], *self._drop_spares(keep))
         removed = self._places[keep:]
-        del self._ranks[keep:], self._places[keep:]
+        del self._ranks[keep:], self._places[keep:], self._at[keep:]
         self.world_size = keep
         return removed
 
@@ -550,9 +534,11 @@ class RayGroup(WorkerGroup):
         results: dict[int, Any] = {}
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready = finished(list(pending), left)
-            if not ready and deadline is not None and time.monotonic() < deadline:
-                continue  # Ray rounds the timeout to milliseconds and may return a little early
+            ready = finished(list(pending), self._slice(left))
+            if not ready:
+                self._check_nodes([futures[i] for i in pending.values()])
+            if not ready and (deadline is None or time.monotonic() < deadline):
+                continue  # a slice ended; or Ray rounded the timeout to milliseconds and returned a little early
             if not ready:
                 stuck = [futures[i] for i in sorted(pending.values())]
                 also = ", ".join(f"rank {f.rank} {f.method}()" for f in stuck[1:])
@@ -578,11 +564,25 @@ class RayGroup(WorkerGroup):
         pending = [f.ref for f in futures]
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done = finished(pending, left, fetch=False)
+            done = finished(pending, self._slice(left), fetch=False)
+            if not done:
+                self._check_nodes([f for f in futures if f.ref in pending])
             if not done and deadline is not None and time.monotonic() >= deadline:
                 f = futures[[x.ref for x in futures].index(pending[0])]
                 raise WorkerTimeoutError(self.role, f.rank, f.method, f"did not finish within {timeout_s:g}s")
             pending = [r for r in pending if r not in done]
+
+    def _slice(self, left: float | None) -> float | None:
+        """How long one wait for results may block: with a NodeWatcher, a second at most, so that a call on a rank
+        whose node Ray declares dead fails then (_check_nodes), not at its timeout."""
+        return left if self._watch is None else min(1.0, 1.0 if left is None else left)
+
+    def _check_nodes(self, futures: list[RankFuture]) -> None:
+        """Raise WorkerDiedError for the first of `futures` whose rank's node Ray has declared dead."""
+        for f in futures if self._watch is not None else ():
+            node = self._at[f.rank] if f.rank < len(self._at) else ""
+            if node and self._watch.dead(node):
+                raise WorkerDiedError(self.role, f.rank, f.method, f"the rank's node {node[:8]} was lost")
 
     def _result(self, f: RankFuture) -> Any:
         """The value of one finished call, or its failure as a WorkerError naming role, rank and method."""
@@ -597,4 +597,4 @@ class RayGroup(WorkerGroup):
     def shutdown(self) -> None:
         """Stop every rank (Ray actors are killed, without restart); safe to call twice."""
         kill(*self._ranks, *self._drop_spares(0))
-        self._ranks = []
+        self._ranks, self._at = [], []

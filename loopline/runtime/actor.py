@@ -10,6 +10,7 @@ ActorRole drives.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ class ActorRole:
             None  # start_phase's arguments, for healed ranks' fresh trainers
         )
         self.hooks = hooks
+        self._driver = threading.get_ident()  # the thread that drives the run: the one that heals
 
     def _run(self, method: str, *args: Any, failure: WorkerError | None = None) -> Any:
         """`method` on the trainer's ranks as its @dispatch declares (the group splits and gathers), through the
@@ -180,8 +182,12 @@ class ActorRole:
         return all(d == digests[r % per] for r, d in enumerate(digests))
 
     def _can_heal(self, failure: WorkerError) -> bool:
+        """Whether to heal now: a replica, an allowance, and the run's own thread. A loss met by a checkpoint that
+        finishes in the background is raised there (that save is dropped): the driver's next call meets the same
+        loss and heals, so that two threads never replace the ranks at once."""
         return (
-            self.restart is not None
+            threading.get_ident() == self._driver
+            and self.restart is not None
             and self.recovery is not None
             and self._phase is not None
             and self.recovery.may_heal(failure, self.group.role)

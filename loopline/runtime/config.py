@@ -99,6 +99,13 @@ class RuntimeConfig(Section):
         gt=0,
         description="Longest wait for a call on a worker group, and for the trainer's collectives.",
     )
+    capacity_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="A node lost (ray: its raylet and every rank on it gone): the longest wait for its ranks' "
+        "bundles to be placed again, on the nodes that remain or on one that joins (an autoscaler's or KubeRay's "
+        "replacement), before the run exits 75 (EX_TEMPFAIL) in one line; what it waits for is printed every 30 s.",
+    )
     stage_timeout_s: float = Field(
         0.0,
         ge=0,

@@ -166,10 +166,13 @@ class _RayRun:
 
     def __init__(self, cfg: RunConfig, recovery: Recovery) -> None:
         from loopline.distributed.cluster import start_ray
+        from loopline.distributed.nodes import NodeWatcher
 
         self.cfg, self.rt, self.recovery = cfg, cfg.runtime, recovery
         self.placement = self.rt.pools()
         self.started = start_ray(_local_cluster(self.rt.cluster, self.placement))
+        # a node's death learned as Ray declares it; a lost node's ranks replaced once their bundles are placed again
+        self.nodes = NodeWatcher(self.rt.capacity_wait_s, recovery.resume_hint)
         self.groups: list[WorkerGroup] = []
         self.pools: dict[str, Pool] = {}
         self.scorer: ScorerRole | None = None
@@ -217,9 +220,19 @@ class _RayRun:
 
         rt = self.rt
         # env_vars: the test hooks' variables (checkpoint.faults) reach the ranks, which get the raylet's environment
-        options: dict[str, Any] = {"timeout_s": rt.call_timeout_s, "env_vars": FAULTS.env()}
+        options: dict[str, Any] = {
+            "timeout_s": rt.call_timeout_s,
+            "env_vars": FAULTS.env(),
+            "nodes": self.nodes,
+        }
         # the trainer ranks' spares: warm processes (runtime.trainer_warm as resolved), or built ranks with standby
         warm = rt.warm_processes()
+        for role, (
+            _,
+            n,
+            _,
+        ) in self.workers.items():  # a node lost as they start: its bundles placed again first
+            self.nodes.wait_pool(role, self.where[role], n)
         # Start the groups at once: a rank spends most of its start-up importing torch and transformers.
         with ThreadPoolExecutor(len(self.workers)) as threads:
             starting = [
