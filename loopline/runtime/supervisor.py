@@ -53,14 +53,14 @@ C = TypeVar("C", bound=SupervisedRun)
 class Attempt:
     """One call of a command's body: how it starts, and (after a failure) what it recovers from."""
 
-    resume: bool  # from the newest whole checkpoint (a --resume, or any attempt after a failure)
-    changes: (
-        dict[str, tuple] | None
-    )  # what a --resume changed in the saved config; None: a restart, same config
-    failed_at: float | None = (
-        None  # time.perf_counter() when the failure this attempt recovers from was caught
-    )
-    failed_role: str = ""  # the role of that failure ("actor", "rollout", "env", "ref", "critic")
+    # from the newest whole checkpoint (a --resume, or any attempt after a failure)
+    resume: bool
+    # what a --resume changed in the saved config; None: a restart, same config
+    changes: dict[str, tuple] | None
+    # time.perf_counter() when the failure this attempt recovers from was caught
+    failed_at: float | None = None
+    # the role of that failure ("actor", "rollout", "env", "ref", "critic")
+    failed_role: str = ""
 
     def recovered(self, note: Callable[[dict[str, float]], None]) -> None:
         """Say (and `note` for the next metrics row) how long the recovery took, once the checkpoint is loaded."""
