@@ -1,12 +1,12 @@
 """A multi-turn tool env with demonstrations: convert units with a tool, then answer from its result.
 
-    prompt:  How many cm in 17 in?
+    prompt:  How many cm in 170 in?
     model:   <tool_call>{"name":"convert","arguments":{}}</tool_call>
-    env:     <tool_result>43</tool_result>
-    model:   <answer>43</answer>                          reward 1 when it is the row's answer
+    env:     <tool_result>432</tool_result>
+    model:   <answer>432</answer>                          reward 1 when it is the row's answer
 
 The tool converts the episode's own question (rounded to a whole number), so the model has to call it, read the
-result and copy it into its answer: nothing in the prompt gives the number away (17 x 2.54 is beyond a tiny model).
+result and copy it into its answer: nothing in the prompt gives the number away (170 x 2.54 is beyond a tiny model).
 
 `python examples/unit_env.py DIR` writes DIR/train.jsonl and DIR/eval.jsonl: one row per problem with its `answer`
 and its `messages`, a transcript of the episode above with the tool's real result (the env is run to make it).
@@ -17,6 +17,10 @@ Warm-start on the transcripts, then train with RL on the same env:
         data.eval_path=DIR/eval.jsonl
 
 SFT trains on the transcripts' assistant messages only, tokenized as the rollout builds an episode.
+SFT alone learns the copy, late and suddenly: on a 2-layer, 64-wide tiny model (lr 5e-3, 16 transcripts a step) the
+loss sits near 0.09 until step ~350-700, then falls to ~0; after 800 steps the 16 held-out problems were 69%, 100%
+and 94% right (seeds 0, 1, 2; tests/loops/test_sft_transcripts.py). The default tiny model (128 wide, 4 layers) had
+not learned it after 500 steps at lr 3e-3 (0%), nor had the 2-digit version of this env with 58 transcripts.
 """
 
 import asyncio
@@ -29,8 +33,9 @@ from loopline.data.rows import PromptRow
 from loopline.envs.tasks import answer_match, tool_call_text
 from loopline.envs.tools import Toolbox, ToolEnv
 
-# unit -> (the unit it converts to, the factor, the amounts asked about): every result has two digits
-UNITS = {"in": ("cm", 2.54, range(4, 40)), "yd": ("ft", 3, range(4, 34)), "ft": ("in", 12, range(1, 9))}
+# unit -> (the unit it converts to, the factor, the amounts asked about): every result has three digits, so the
+# answer's digits sit at a fixed distance after the result's, and 729 problems are too many to learn by heart
+UNITS = {"in": ("cm", 2.54, range(40, 394)), "yd": ("ft", 3, range(34, 334)), "ft": ("in", 12, range(9, 84))}
 QUESTION = re.compile(r"How many \w+ in (\d+) (\w+)\?")
 
 
@@ -84,7 +89,7 @@ def write_rows(out: Path, num_eval: int = 16) -> None:
     """train.jsonl and eval.jsonl in `out`: disjoint problems (a fixed shuffle), each with answer and transcript."""
     out.mkdir(parents=True, exist_ok=True)
     prompts = [f"How many {to} in {n} {unit}?\n" for unit, (to, _, ns) in UNITS.items() for n in ns]
-    prompts = [prompts[(i * 31) % len(prompts)] for i in range(len(prompts))]  # 31 is prime to 74
+    prompts = [prompts[(i * 31) % len(prompts)] for i in range(len(prompts))]  # 31 is prime to 729
     rows = []
     for prompt in prompts:
         messages = transcript(prompt)
