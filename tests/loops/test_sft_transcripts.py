@@ -1,6 +1,11 @@
 """Multi-turn SFT from transcripts, end to end: `loopline sft` on examples/unit_env.py's demonstrations (rows with
 `messages`: the call, the tool's real result, the answer) teaches the tiny model to call the tool, read its result
-and answer after it, on held-out problems run as real multi-turn episodes on the env workers.
+and copy it into its answer, on held-out problems run as real multi-turn episodes on the env workers.
+
+The copy is learnt late and suddenly: the loss sits near 0.09 (the call and the tags learnt, the three digits
+guessed) until step ~350 (seed 0) to ~700 (seeds 1, 2), then falls to ~0. After these 800 steps the held-out
+accuracy was 0.69, 1.0 and 0.94 for seeds 0, 1 and 2 (11, 16 and 15 of 16); the test asserts at least 0.5 on seed 0.
+Fewer steps or the default tiny model (128 wide, 4 layers: 0% after 500 steps at lr 3e-3) do not get there.
 """
 
 from __future__ import annotations
@@ -22,23 +27,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_sft_on_transcripts_teaches_a_tool_env_to_answer_after_the_observation(tmp_path: Path) -> None:
+def test_sft_on_transcripts_teaches_a_tool_env_to_answer_from_the_observation(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "examples/unit_env.py"), str(tmp_path / "data")], check=True)
     out = tmp_path / "run"
     args = [
         "sft", f"env.name=python:{ROOT / 'examples/unit_env.py'}:make_env", "env.max_turns=3",
         "env.stop=[</tool_call>,</answer>]", "data.source=jsonl", f"data.train_path={tmp_path / 'data/train.jsonl'}",
-        f"data.eval_path={tmp_path / 'data/eval.jsonl'}", "sft.steps=80", "sft.batch_size=16",
-        "sft.micro_batch_size=16", "sft.optim.lr=1e-2", "sft.optim.warmup_steps=0", "sft.optim.schedule=constant",
+        f"data.eval_path={tmp_path / 'data/eval.jsonl'}", "sft.steps=800", "sft.batch_size=16",
+        "sft.micro_batch_size=16", "sft.optim.lr=5e-3", "sft.optim.warmup_steps=0", "sft.optim.schedule=constant",
         "sft.eval_every=0", "sft.stop_at_accuracy=null", "eval.num_prompts=16", "eval.sampling.max_new_tokens=64",
-        "runtime.env_workers=1", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64",
-        "model.tiny.num_layers=2", "progress=false", "tensorboard=false", f"out_dir={out}",
+        "runtime.env_workers=1", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=128",
+        "model.tiny.num_layers=2", "seed=0", "progress=false", "tensorboard=false", f"out_dir={out}",
     ]  # fmt: skip
     assert main(args) == 0
     rows = read_metrics(out)
     losses = [r["loss"] for r in rows if "loss" in r]
-    assert len(losses) == 80 and losses[-1] < losses[0] / 10
+    assert len(losses) == 800 and losses[-1] < losses[0] / 100
     final = [r for r in rows if "eval_accuracy" in r][-1]
     # every held-out episode: a well-formed call that ran, its result read, then an answer that ended the episode
     assert final["eval_tool_calls_ok"] == 1.0 and final["eval_turns_mean"] == 2.0, final
     assert final["eval_answered"] == 1.0 and final["eval_finish_done"] == 1.0, final
+    # and the answer is the tool's result: the prompt alone does not give it (0 of 16 before the copy is learnt)
+    assert final["eval_accuracy"] >= 0.5, final
