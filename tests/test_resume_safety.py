@@ -462,3 +462,19 @@ def test_a_run_resumes_from_another_working_directory(tmp_path, monkeypatch, cap
     assert "data.train_path='rows.jsonl'" in err and "resume from that directory" in err
     monkeypatch.chdir(here)  # from where it began: found
     assert main(["sft", "--resume", "sft.steps=4", f"out_dir={run}"]) == 0
+
+
+def test_a_resume_given_auto_keeps_what_auto_chose_at_the_start(tmp_path):
+    """The saved config holds auto's choice (training.mixed_precision=none or bf16); a resume with the run's own
+    config file, which says `auto` (a Kubernetes job's retry), is no change, and an explicit other value is one."""
+    from loopline.config import save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config(None, [f"out_dir={run}", "training.mixed_precision=none"]), run / "config.yaml")
+    given = tmp_path / "job.yaml"
+    given.write_text(f"out_dir: {run}\ntraining:\n  mixed_precision: auto\n")
+    cfg, changes = resume_config(str(given), [], allow_change=False)
+    assert cfg.training.mixed_precision == "none" and changes == {}
+    with pytest.raises(Exception, match="training.mixed_precision: saved 'none', given 'bf16'"):
+        resume_config(str(given), ["training.mixed_precision=bf16"], allow_change=False)

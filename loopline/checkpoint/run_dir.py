@@ -234,7 +234,7 @@ def resume_config(
     if not saved_path.is_file():
         return given, {}
     saved = _saved_paths_absolute(load_config(saved_path), saved_path)
-    resumed = absolute_paths(load_config(path, overrides, base=saved), Path.cwd())
+    resumed = _auto_as_saved(saved, absolute_paths(load_config(path, overrides, base=saved), Path.cwd()))
     changes = config_changes(saved, resumed)
     refused = {k: v for k, v in changes.items() if not resumable(k)}
     if refused and not allow_change:
@@ -244,6 +244,14 @@ def resume_config(
             f"A resume may change only {', '.join(RESUMABLE)}: drop the others, or pass --allow-config-change"
         )
     return resumed, changes
+
+
+def _auto_as_saved(saved: RunConfig, resumed: RunConfig) -> RunConfig:
+    """`resumed` with a field given as `auto` holding what auto chose at the run's start (the saved config holds the
+    choice): a resume with the run's own config file (a Kubernetes job's retry) changes nothing."""
+    if resumed.training.mixed_precision == "auto" and saved.training.mixed_precision != "auto":
+        resumed.training.mixed_precision = saved.training.mixed_precision
+    return resumed
 
 
 def record_config(
