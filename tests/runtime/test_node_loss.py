@@ -100,12 +100,17 @@ def trainer_nodes(ray_cluster):
         ray_cluster.remove_node(node)
 
 
+# The placement groups that existed before the run under test started: an earlier run's group may still be listed
+# as CREATED for a while after its driver exited, and removing its node would lose nothing of this run.
+_EARLIER: set[str] = set()
+
+
 def _trainer_bundles() -> list[str]:
     """The node of each bundle of the running run's trainer pool (its placement group asks for trainer_node)."""
     import ray.util
 
-    for group in ray.util.placement_group_table().values():
-        if group["state"] == "CREATED" and "trainer_node" in group["bundles"][0]:
+    for pid, group in ray.util.placement_group_table().items():
+        if pid not in _EARLIER and group["state"] == "CREATED" and "trainer_node" in group["bundles"][0]:
             return [group["bundles_to_node_id"][i] for i in range(len(group["bundles"]))]
     return []
 
@@ -122,12 +127,14 @@ def _train(
 ) -> tuple[int, str, str]:
     """The tests' job on the session's Ray with the trainer pool spread by `strategy`; `act` is called once GRPO
     step 1 is logged; then it is waited for: (exit status, stdout, stderr)."""
-    import ray
+    import ray.util
 
     run.parent.mkdir(parents=True, exist_ok=True)
     config = run.parent / f"{run.name}.yaml"
     config.write_text(yaml.safe_dump(_placement(strategy)))
     address = ray.get_runtime_context().gcs_address
+    _EARLIER.clear()
+    _EARLIER.update(ray.util.placement_group_table())
     proc = subprocess.Popen(
         [sys.executable, "-m", "loopline.cli", "train", str(config), *ARGS, f"runtime.cluster.address={address}",
          *extra, f"out_dir={run}"],
@@ -200,6 +207,7 @@ def test_a_trainer_node_lost_with_room_on_the_other_heals_there_and_ends_bitwise
 ) -> None:
     """(a) SPREAD: the other trainer node has room for both bundles; Ray places the lost one there, and the trainer
     heals from its live replica without waiting for capacity (beyond Ray declaring the node dead)."""
+    trainer_nodes.add(2 - len(trainer_nodes.nodes))  # (d) may have run first (pytest-randomly) and lost one
     seen: dict = {}
     run = tmp_path / "healed"
     status, out, err = _train(run, "SPREAD", [], _lose_bundle_1(trainer_nodes, seen))
