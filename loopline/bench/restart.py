@@ -232,6 +232,17 @@ class _Lines:
         return "\n".join(line for _, line in self.lines[-40:])
 
 
+def _replaced(ranks: list[int], within_s: float = 5.0) -> list[int]:
+    """The trainer processes after a recovery; a replaced rank's old process may take a moment to exit on a busy
+    machine, so it is waited for (at most `within_s`) before the ranks are compared."""
+    deadline = time.monotonic() + within_s
+    while True:
+        now = _ray_processes("ray::ActorWorker")
+        if not set(ranks) & set(now) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
 def _recovered_row(run: Path) -> dict[str, Any] | None:
     """The metrics row of the first step trained after the restart (it carries recover_actor_s), or of the step
     a heal let go on (heal_actor_s), once written."""
@@ -301,7 +312,7 @@ def _kill_a_trainer_rank(
         killed = time.monotonic()
         row = wait_for("trained after the restart", lambda: _recovered_row(run))
         stepped = time.monotonic()
-        new_ranks, new_engines = _ray_processes("ray::ActorWorker"), _ray_processes("ray::EngineWorker")
+        new_ranks, new_engines = _replaced(ranks), _ray_processes("ray::EngineWorker")
     finally:
         proc.kill()  # done with it: Ray stops its actors and placement groups (its job ended)
         proc.wait(30)
