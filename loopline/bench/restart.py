@@ -232,7 +232,7 @@ class _Lines:
         return "\n".join(line for _, line in self.lines[-40:])
 
 
-def _replaced(ranks: list[int], within_s: float = 5.0) -> list[int]:
+def _replaced(ranks: list[int], within_s: float = 30.0) -> list[int]:
     """The trainer processes after a recovery; a replaced rank's old process may take a moment to exit on a busy
     machine, so it is waited for (at most `within_s`) before the ranks are compared."""
     deadline = time.monotonic() + within_s
