@@ -146,6 +146,16 @@ def env_factory(env: EnvConfig | str) -> EnvFactory:
     return _factory(env.model_dump_json())
 
 
+def import_env_module(module: str, name: str) -> types.ModuleType:
+    """load_module for env.name=`name`, any failure but an EnvError turned into one line naming the module."""
+    try:
+        return load_module(module, name)
+    except EnvError:
+        raise
+    except Exception as e:
+        raise EnvError(f"env.name={name}: cannot import {module}: {type(e).__name__}: {e}") from e
+
+
 @functools.cache
 def _factory(env_json: str) -> EnvFactory:
     env = EnvConfig.model_validate_json(env_json)
@@ -155,12 +165,7 @@ def _factory(env_json: str) -> EnvFactory:
     match = USER_ENV.match(name)
     if match is None:
         raise EnvError(f"unknown env {name!r}")
-    try:
-        module = load_module(match["module"], name)
-    except EnvError:
-        raise
-    except Exception as e:
-        raise EnvError(f"env.name={name}: cannot import {match['module']}: {type(e).__name__}: {e}") from e
+    module = import_env_module(match["module"], name)
     factory = getattr(module, match["factory"], None)
     if not callable(factory):
         raise EnvError(f"env.name={name}: {match['module']} has no callable {match['factory']!r}")

@@ -9,7 +9,7 @@ import types
 from typing import Any
 
 from loopline.envs.config import LIBRARY_ENV
-from loopline.envs.episodes import EnvError, load_module
+from loopline.envs.episodes import EnvError, import_env_module
 
 EXTRA = "pip install 'loopline[envs]'"  # the extra that installs every library an adapter runs
 
@@ -32,12 +32,7 @@ def named(name: str, default: str | None) -> tuple[str, Any]:
     match = LIBRARY_ENV.match(name)
     if match is None:
         raise EnvError(f"unknown env {name!r}: expected LIBRARY:MODULE[:NAME]")
-    try:
-        module = load_module(match["module"], name)
-    except EnvError:
-        raise
-    except Exception as e:
-        raise EnvError(f"env.name={name}: cannot import {match['module']}: {type(e).__name__}: {e}") from e
+    module = import_env_module(match["module"], name)
     attr = match["name"] or default
     if attr is None:
         return "", module
